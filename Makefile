@@ -1,0 +1,50 @@
+# fedge: two entry points. `make demo` runs the main job, `make test` the checks.
+# Both create .venv when missing and install torch's CPU wheel before anything else.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.fedge-installed
+TORCH  := torch==2.13.0
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+export TOKENIZERS_PARALLELISM := false
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: install demo test lint typecheck unit proto clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fedge demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+proto: $(STAMP)
+	$(BIN)/python -m edge.proto.codegen
+
+clean:
+	rm -rf $(VENV) .fedge-cache .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Edge: ONNX draft export, draft runtime, speculative decoding, offload routing, verifier service."""

@@ -1,0 +1,31 @@
+"""The `fedge` command line: one root Typer app that each part registers its commands on."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="fedge",
+    help="Federated LoRA fine-tuning on Flower and edge-cloud speculative decoding.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _register_subcommands() -> None:
+    """Attach each part's command group; imports stay here so `fedge --help` stays one place."""
+    from fedge.zoo.cli import app as models_app
+
+    app.add_typer(models_app, name="models")
+
+
+_register_subcommands()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Flower ServerApp: round loop, evaluation, checkpoints, secure-aggregation and privacy server side."""

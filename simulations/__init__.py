@@ -1,0 +1,1 @@
+"""Scenario files, device populations, network profiles and the simulation runner."""
