@@ -1,0 +1,194 @@
+"""Aggregators: how one round's train messages go out and their contributions come back summed.
+
+The round loop (:mod:`server.loop`) hands an aggregator the sampled node ids and the
+train message content; the aggregator returns the element-wise SUM of the valid
+contributions (see :mod:`strategies.base`). :class:`PlainAggregator` sends one train
+message per node and sums in the clear. Privacy variants plug in by name through the
+``aggregator`` config key, as ``"plain"`` or a dotted ``"package.module:factory"``
+whose factory takes the resolved :class:`server.config.RunConfig` and returns an
+object with the :class:`Aggregator` protocol, e.g. a SecAgg+ aggregator that runs
+its own message stages and returns only the unmasked sum, or a central-DP wrapper
+that clips each contribution and noises the sum of an inner aggregator.
+
+Every aggregator must reject, not crash on, a malformed reply: use
+:func:`validate_contribution` and report the node id with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from strategies import keys
+from strategies.base import Arrays, sum_contributions
+
+if TYPE_CHECKING:
+    from server.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+ContributionSpec = dict[str, tuple[int, ...]]
+
+
+@dataclass
+class AggregateResult:
+    """The outcome of one round's aggregation.
+
+    ``summed`` is None when fewer valid contributions than needed came back;
+    ``rejected`` maps node id to the reason its reply was refused; ``metrics`` holds
+    each accepted node's MetricRecord as plain floats.
+    """
+
+    summed: Arrays | None
+    accepted: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+class Aggregator(Protocol):
+    """Sends one round's train messages and returns the sum of the valid contributions."""
+
+    def aggregate(
+        self,
+        grid: Grid,
+        server_round: int,
+        node_ids: Sequence[int],
+        content: RecordDict,
+        spec: ContributionSpec,
+        timeout: float | None,
+    ) -> AggregateResult:
+        """Run the round's training on ``node_ids`` and sum what they contribute.
+
+        ``content`` is the train message every node receives (global adapter,
+        strategy record, config); ``spec`` lists the keys and shapes of a valid
+        contribution; ``timeout`` bounds the wait for replies in seconds.
+        """
+        ...
+
+
+def validate_contribution(record: ArrayRecord | None, spec: ContributionSpec) -> str | None:
+    """Return why a contribution record is unacceptable (None when it is fine).
+
+    Checks, in order: presence, the exact key set, float32 dtype, shape, finiteness.
+    """
+    if record is None:
+        return f"reply has no '{keys.REC_CONTRIB}' ArrayRecord"
+    got = set(record.keys())
+    missing, extra = sorted(set(spec) - got), sorted(got - set(spec))
+    if missing or extra:
+        return f"contribution keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+    for name, shape in spec.items():
+        arr = record[name]
+        if arr.dtype != "float32":
+            return f"'{name}' has dtype {arr.dtype}, expected float32"
+        if tuple(arr.shape) != tuple(shape):
+            return f"'{name}' has shape {tuple(arr.shape)}, expected {tuple(shape)}"
+        if not np.isfinite(arr.numpy()).all():
+            return f"'{name}' contains NaN or Inf"
+    return None
+
+
+def reply_metrics(msg: Message) -> dict[str, float]:
+    """Return the reply's MetricRecord as plain floats (empty when absent)."""
+    if keys.REC_METRICS not in msg.content.metric_records:
+        return {}
+    rec: MetricRecord = msg.content.metric_records[keys.REC_METRICS]
+    return {k: float(v) for k, v in rec.items() if isinstance(v, int | float)}
+
+
+def record_dict_bytes(content: RecordDict) -> int:
+    """Return the payload size of a RecordDict's arrays in bytes (what dominates the wire)."""
+    return sum(rec.count_bytes() for rec in content.array_records.values())
+
+
+class PlainAggregator:
+    """Sum contributions in the clear: the server sees each client's contribution."""
+
+    def aggregate(
+        self,
+        grid: Grid,
+        server_round: int,
+        node_ids: Sequence[int],
+        content: RecordDict,
+        spec: ContributionSpec,
+        timeout: float | None,
+    ) -> AggregateResult:
+        """Send one train message per node, validate every reply, sum the valid ones."""
+        messages = [
+            Message(
+                content, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round)
+            )
+            for nid in node_ids
+        ]
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        result = AggregateResult(summed=None, bytes_down=record_dict_bytes(content) * len(messages))
+        valid: list[tuple[float, int, Arrays]] = []
+        for msg in replies:
+            nid = msg.metadata.src_node_id
+            reason = _reply_problem(msg, spec)
+            if reason is not None:
+                result.rejected[nid] = reason
+                log.warning("round %d: rejected reply from node %d: %s", server_round, nid, reason)
+                continue
+            rec = msg.content.array_records[keys.REC_CONTRIB]
+            result.bytes_up += rec.count_bytes()
+            result.metrics[nid] = reply_metrics(msg)
+            order = result.metrics[nid].get(keys.MET_PARTITION, float(nid))
+            valid.append((order, nid, {k: rec[k].numpy() for k in spec}))
+        for nid in set(node_ids) - {m.metadata.src_node_id for m in replies}:
+            result.rejected[nid] = "no reply before the round timeout"
+            log.warning("round %d: node %d did not reply in time", server_round, nid)
+        # Sum in partition order so a resumed run adds floats in the same order.
+        valid.sort(key=lambda t: (t[0], t[1]))
+        result.accepted = [nid for _, nid, _ in valid]
+        if valid:
+            result.summed = sum_contributions([c for _, _, c in valid])
+        return result
+
+
+def _reply_problem(msg: Message, spec: ContributionSpec) -> str | None:
+    """Return why a reply message is unusable: an error reply, or a bad contribution."""
+    if msg.has_error():
+        return f"client error {msg.error.code}: {msg.error.reason}"
+    record = msg.content.array_records.get(keys.REC_CONTRIB)
+    return validate_contribution(record, spec)
+
+
+AggregatorFactory = Callable[["RunConfig"], Aggregator]
+
+
+def build_aggregator(name: str, config: RunConfig) -> Aggregator:
+    """Return the aggregator named by the ``aggregator`` config key.
+
+    ``"plain"`` is built in; anything else must be ``"package.module:factory"``.
+    """
+    if name == "plain":
+        return PlainAggregator()
+    factory = load_dotted(name, what="aggregator")
+    return factory(config)  # type: ignore[return-value]
+
+
+def load_dotted(path: str, what: str) -> Callable[..., object]:
+    """Import ``"package.module:attr"`` and return the attribute, naming the config key on failure."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {path!r} is neither a built-in name nor 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {path!r}: cannot import {module_name!r} ({exc})") from exc
+    if not hasattr(module, attr):
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
+    obj = getattr(module, attr)
+    if not callable(obj):
+        raise ValueError(f"{what} {path!r} is not callable")
+    return obj  # type: ignore[no-any-return]

@@ -1,0 +1,96 @@
+"""Every wire key and run-config key of the federation, in one place.
+
+Three kinds of names live here:
+
+* **Records** of a Flower ``RecordDict`` (what travels in a message).
+* **Contribution keys**: the flat, summable ``ArrayRecord`` a client sends back.
+  Every value is a float32 array; the server (or a secure aggregator) only ever
+  needs the element-wise SUM over clients. Keys are namespaced by prefix:
+
+  - ``delta/<adapter tensor>``: ``weight * (local - global)`` of one adapter tensor.
+  - ``ctrl/<adapter tensor>``: SCAFFOLD's control-variate delta ``c_i+ - c_i`` (unweighted).
+  - ``meta/weight``: the client's aggregation weight, shape ``(1,)``.
+  - ``meta/count``: 1.0 for a contributing client, 0.0 for one whose work the strategy drops.
+
+  ``delta/`` and ``ctrl/`` keys are SENSITIVE (a DP mechanism clips their joint L2
+  norm per client and noises their sum); ``meta/`` keys are PUBLIC (they reveal
+  participation and, with example weighting, dataset size; DP runs use uniform
+  weighting so ``meta/weight`` equals ``meta/count``).
+* **Config keys**: the hyphenated names of ``[tool.flwr.app.config]``, of the
+  scenario TOML files and of the ``ConfigRecord`` sent with each train message.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# ---------------------------------------------------------------- records in a RecordDict
+REC_GLOBAL: Final = "global"  # ArrayRecord, server -> client: global adapter tensors
+REC_STRATEGY: Final = "strategy"  # ArrayRecord, server -> client: strategy state (SCAFFOLD's c)
+REC_CONFIG: Final = "config"  # ConfigRecord, server -> client: the client-side configuration
+REC_CONTRIB: Final = "contribution"  # ArrayRecord, client -> server: the summable contribution
+REC_METRICS: Final = "metrics"  # MetricRecord, client -> server: loss, examples, timings
+
+# ---------------------------------------------------------------- contribution keys
+PREFIX_DELTA: Final = "delta/"
+PREFIX_CONTROL: Final = "ctrl/"
+PREFIX_META: Final = "meta/"
+KEY_WEIGHT: Final = "meta/weight"
+KEY_COUNT: Final = "meta/count"
+SENSITIVE_PREFIXES: Final = (PREFIX_DELTA, PREFIX_CONTROL)
+
+# ---------------------------------------------------------------- metric keys (client replies)
+MET_TRAIN_LOSS: Final = "train-loss"
+MET_EVAL_LOSS: Final = "eval-loss"
+MET_NUM_EXAMPLES: Final = "num-examples"
+MET_LOCAL_STEPS: Final = "local-steps"
+MET_COMPLETED: Final = "completed-fraction"
+MET_TRAIN_SECONDS: Final = "train-seconds"
+MET_PARTITION: Final = "partition-id"
+MET_MODEL_LOADS: Final = "model-loads"  # base-model loads in this worker so far (cache check)
+MET_CALLS: Final = "worker-calls"  # ClientApp calls served by this worker so far
+
+# ---------------------------------------------------------------- node config (flower-supernode --node-config)
+NODE_PARTITION_ID: Final = "partition-id"
+NODE_NUM_PARTITIONS: Final = "num-partitions"
+
+# ---------------------------------------------------------------- run / client config keys
+CFG_ROUNDS: Final = "num-server-rounds"
+CFG_STRATEGY: Final = "strategy"  # fedavg | fedprox | scaffold
+CFG_SERVER_LR: Final = "server-lr"
+CFG_PROXIMAL_MU: Final = "proximal-mu"
+CFG_WEIGHTING: Final = "weighting"  # examples | uniform
+CFG_ACCEPT_PARTIAL: Final = "accept-partial-work"
+CFG_FRACTION_TRAIN: Final = "fraction-train"
+CFG_MIN_TRAIN_NODES: Final = "min-train-nodes"
+CFG_MIN_AVAILABLE_NODES: Final = "min-available-nodes"
+CFG_ROUND_TIMEOUT: Final = "round-timeout"
+CFG_SEED: Final = "seed"
+CFG_SERVER_ROUND: Final = "server-round"
+
+CFG_MODEL: Final = "model"  # a model dir or hub id, or "zoo:<preset>"
+CFG_PARTITION_SCHEME: Final = "partition-scheme"  # natural | iid | dirichlet
+CFG_NUM_PARTITIONS: Final = "num-partitions"
+CFG_DIRICHLET_ALPHA: Final = "dirichlet-alpha"
+CFG_MAX_CHARS_PER_CLIENT: Final = "max-chars-per-client"
+
+CFG_LORA_R: Final = "lora-r"
+CFG_LORA_ALPHA: Final = "lora-alpha"
+CFG_LORA_DROPOUT: Final = "lora-dropout"
+CFG_LORA_TARGETS: Final = "lora-target-modules"  # comma separated
+CFG_LOCAL_STEPS: Final = "local-steps"
+CFG_BATCH_SIZE: Final = "batch-size"
+CFG_SEQ_LEN: Final = "seq-len"
+CFG_LR: Final = "lr"
+CFG_MAX_GRAD_NORM: Final = "max-grad-norm"
+CFG_EVAL_BATCHES: Final = "eval-batches"
+CFG_STRAGGLER_FRACTION: Final = "straggler-fraction"
+CFG_STRAGGLER_WORK: Final = "straggler-work"  # fraction of local steps a straggler completes
+CFG_CLIENT_STATE_DIR: Final = "client-state-dir"  # "" keeps client state in Context.state
+CFG_CLIENT_MODS: Final = "client-mods"  # comma separated "package.module:mod" (clients.mods)
+CFG_OPTIMIZER: Final = "optimizer"  # "adamw" or "package.module:factory" (clients.trainer)
+
+CFG_RUN_DIR: Final = "run-dir"
+CFG_MAX_EPSILON: Final = "max-epsilon"  # 0 disables the privacy-budget stop
+CFG_AGGREGATOR: Final = "aggregator"  # "plain" or "package.module:factory" (server.aggregation)
+CFG_PRIVACY_BUDGET: Final = "privacy-budget"  # "" or "package.module:factory" (server.budget)
