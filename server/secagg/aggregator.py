@@ -1,0 +1,119 @@
+"""SecAgg+ as a round-loop aggregator: the protocol stages as Flower Message-API exchanges."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from flwr.app import Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes, reply_metrics
+from server.secagg import wire
+from server.secagg.config import SecAggConfig
+from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
+from server.secagg.protocol import run_secagg
+from strategies import keys
+
+log = logging.getLogger(__name__)
+
+# ArrayRecord in which the client mod returns its masked contribution.
+MASKED_RECORD = "fedge.secagg.masked"
+# The client mod every SecAgg+ run must list in `client-mods`.
+CLIENT_MOD = "clients.secagg.mod:secaggplus_mod"
+
+
+class SecAggPlusAggregator:
+    """Sum the round's contributions under SecAgg+ so the server sees only the sum.
+
+    Stage messages are ordinary train messages carrying a ``fedge.secagg`` ConfigRecord and the
+    round's ``config`` record (so the client's ``dispatch_mods`` finds ``CLIENT_MOD``); the
+    collect stage message is the strategy's train content plus that record. Each stage waits at
+    most ``cfg.stage_timeout_s`` (the collect stage, which trains, at most the loop's timeout
+    when that is longer). When too few clients answer, the round fails: ``summed`` is None.
+    """
+
+    def __init__(self, cfg: SecAggConfig | None = None) -> None:
+        self.cfg = cfg if cfg is not None else SecAggConfig()
+        self.last_failure: str | None = None
+        self.min_contributors: int | None = None  # per-round override, set by distributed DP
+
+    def aggregate(
+        self,
+        grid: Grid,
+        server_round: int,
+        node_ids: Sequence[int],
+        content: RecordDict,
+        spec: ContributionSpec,
+        timeout: float | None,
+    ) -> AggregateResult:
+        """Run the four SecAgg+ stages over ``node_ids`` and return the unmasked sum."""
+        result = AggregateResult(summed=None)
+        self.last_failure = None
+        replied: dict[str, set[int]] = {}
+
+        def exchange(stage: str, requests: Mapping[int, RecordDict]) -> dict[int, RecordDict]:
+            messages = [
+                Message(
+                    _stage_content(stage, content, req),
+                    dst_node_id=nid,
+                    message_type=MessageType.TRAIN,
+                    group_id=f"{server_round}",
+                )
+                for nid, req in requests.items()
+            ]
+            wait = self.cfg.stage_timeout_s
+            if stage == wire.STAGE_COLLECT and timeout is not None:
+                wait = max(wait, timeout)
+            out: dict[int, RecordDict] = {}
+            for msg in grid.send_and_receive(messages, timeout=wait):
+                nid = msg.metadata.src_node_id
+                if msg.has_error():
+                    result.rejected[nid] = (
+                        f"{stage}: client error {msg.error.code}: {msg.error.reason}"
+                    )
+                    log.warning("round %d: node %d %s", server_round, nid, result.rejected[nid])
+                    continue
+                out[nid] = msg.content
+                result.bytes_up += record_dict_bytes(msg.content)
+            result.bytes_down += sum(record_dict_bytes(m.content) for m in messages)
+            replied[stage] = set(out)
+            return out
+
+        try:
+            engine = SecAggServerEngine(
+                self.cfg,
+                node_ids,
+                MASKED_RECORD,
+                expected=spec,
+                min_contributors=self.min_contributors,
+            )
+            summed = run_secagg(engine, exchange)
+        except SecAggRoundFailed as exc:
+            self.last_failure = f"round {server_round}: {exc}"
+            log.error("%s", self.last_failure)
+            for nid in node_ids:
+                result.rejected.setdefault(nid, str(exc))
+            return result
+        result.accepted = engine.contributors
+        for nid, extra in engine.extras.items():
+            result.metrics[nid] = reply_metrics(
+                Message(extra, dst_node_id=nid, message_type=MessageType.TRAIN)
+            )
+        for nid in set(node_ids) - set(engine.contributors):
+            result.rejected.setdefault(nid, "dropped out of the SecAgg+ round")
+        result.summed = {k: v.astype("float32") for k, v in summed.items()}
+        return result
+
+
+def _stage_content(stage: str, content: RecordDict, request: RecordDict) -> RecordDict:
+    """Build one stage message: the protocol record, the run config, and at collect the train content."""
+    body = RecordDict()
+    if stage == wire.STAGE_COLLECT:
+        for name, record in content.items():
+            body[name] = record
+    elif keys.REC_CONFIG in content.config_records:
+        body[keys.REC_CONFIG] = content.config_records[keys.REC_CONFIG]
+    for name, record in request.items():
+        body[name] = record
+    return body

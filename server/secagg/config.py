@@ -1,0 +1,91 @@
+"""SecAgg+ protocol settings, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """Settings of one SecAgg+ aggregation (Bell et al. 2020, https://eprint.iacr.org/2020/704).
+
+    Each client secret-shares its two secrets with its `num_shares - 1` graph neighbours
+    (and keeps one share itself); `reconstruction_threshold` of those shares rebuild a
+    secret. A round therefore tolerates up to `num_shares - reconstruction_threshold`
+    drop-outs per neighbourhood after the key-sharing stage.
+    """
+
+    num_shares: int | float | None = (
+        None  # None: 2*ceil(log2 n)+1 neighbours-plus-self, capped at n
+    )
+    reconstruction_threshold: int | float = (
+        2 / 3
+    )  # float: fraction of num_shares; > 1/2 keeps b and sk apart
+    clipping_range: float = (
+        8.0  # values are clipped to [-R, R] (after per-key scaling) before quantizing
+    )
+    quantization_range: int = (
+        2**22
+    )  # levels of the quantizer; error per value and client < 2R / this
+    modulus_range: int = 2**32  # masks and sums live in Z_modulus; must be a power of two <= 2**32
+    stage_timeout_s: float = 60.0  # every stage waits at most this long for replies
+    min_contributors: int = 2  # fewer surviving masked inputs than this fail the round
+    key_scales: tuple[tuple[str, float], ...] = ()  # (record key, divisor) applied before clipping
+
+    def __post_init__(self) -> None:
+        """Reject settings the protocol cannot run with, naming the field."""
+        if isinstance(self.num_shares, float) and not 0 < self.num_shares <= 1:
+            raise ValueError(f"num_shares={self.num_shares}: a float must be in (0, 1]")
+        if isinstance(self.num_shares, int) and self.num_shares < 2:
+            raise ValueError(f"num_shares={self.num_shares}: need at least 2")
+        t = self.reconstruction_threshold
+        if isinstance(t, float) and not 0 < t <= 1:
+            raise ValueError(f"reconstruction_threshold={t}: a float must be in (0, 1]")
+        if isinstance(t, int) and t < 1:
+            raise ValueError(f"reconstruction_threshold={t}: need at least 1")
+        if not (self.clipping_range > 0 and math.isfinite(self.clipping_range)):
+            raise ValueError(f"clipping_range={self.clipping_range}: must be positive and finite")
+        m = self.modulus_range
+        if m <= 1 or m > 2**32 or m & (m - 1):
+            raise ValueError(f"modulus_range={m}: must be a power of two in [2, 2**32]")
+        if not 1 <= self.quantization_range < m:
+            raise ValueError(
+                f"quantization_range={self.quantization_range}: must be in [1, modulus_range)"
+            )
+        if self.stage_timeout_s <= 0:
+            raise ValueError(f"stage_timeout_s={self.stage_timeout_s}: must be positive")
+        if self.min_contributors < 1:
+            raise ValueError(f"min_contributors={self.min_contributors}: need at least 1")
+        for name, scale in self.key_scales:
+            if not (scale > 0 and math.isfinite(scale)):
+                raise ValueError(f"key_scales[{name!r}]={scale}: must be positive and finite")
+
+    def shares_for(self, num_clients: int) -> int:
+        """Return the neighbourhood size (self included) for `num_clients` sampled clients."""
+        if self.num_shares is None:
+            k = 2 * math.ceil(math.log2(max(num_clients, 2))) + 1
+        elif isinstance(self.num_shares, float):
+            k = math.ceil(self.num_shares * num_clients)
+        else:
+            k = self.num_shares
+        return max(2, min(k, num_clients))
+
+    def threshold_for(self, num_shares: int) -> int:
+        """Return the number of shares that rebuild a secret in a neighbourhood of `num_shares`."""
+        t = self.reconstruction_threshold
+        k = math.ceil(t * num_shares) if isinstance(t, float) else t
+        return max(1, min(k, num_shares))
+
+    def check_capacity(self, num_clients: int) -> None:
+        """Fail before a round whose quantized sum could wrap around the modulus."""
+        if num_clients * self.quantization_range >= self.modulus_range:
+            raise ValueError(
+                f"{num_clients} clients x quantization_range={self.quantization_range} "
+                f">= modulus_range={self.modulus_range}: the sum would overflow; lower "
+                "quantization_range or sample fewer clients per round"
+            )
+
+    def scale_of(self, key: str) -> float:
+        """Return the divisor applied to record `key` before clipping (1.0 when unset)."""
+        return dict(self.key_scales).get(key, 1.0)

@@ -1,0 +1,25 @@
+"""Drive the four SecAgg+ stages over any transport that maps requests to replies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from flwr.app import RecordDict
+
+from server.secagg import wire
+from server.secagg.engine import SecAggServerEngine
+
+# (stage, {node: request content}) -> {node: reply content} for the nodes that answered in time
+Exchange = Callable[[str, Mapping[int, RecordDict]], Mapping[int, RecordDict]]
+
+
+def run_secagg(engine: SecAggServerEngine, exchange: Exchange) -> dict[str, np.ndarray]:
+    """Run setup, share-keys, collect-masked-input and unmask; return the unmasked float sum.
+
+    Raises `SecAggRoundFailed` when too few clients answer any stage; then nothing is returned.
+    """
+    engine.receive_public_keys(exchange(wire.STAGE_SETUP, engine.setup_requests()))
+    engine.receive_encrypted_shares(exchange(wire.STAGE_SHARE_KEYS, engine.share_keys_requests()))
+    engine.receive_masked_inputs(exchange(wire.STAGE_COLLECT, engine.collect_requests()))
+    return engine.receive_unmask_shares(exchange(wire.STAGE_UNMASK, engine.unmask_requests()))

@@ -1,0 +1,108 @@
+"""Wire names of the SecAgg+ protocol, shared by the server engine and the client mod."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+# Name of the ConfigRecord that carries the protocol fields in every stage message.
+SECAGG_RECORD = "fedge.secagg"
+# Name of the ConfigRecord in the client's context state that holds its protocol state.
+SECAGG_STATE_RECORD = "fedge.secagg.state"
+
+# Stage names, in protocol order.
+STAGE_SETUP = "setup"
+STAGE_SHARE_KEYS = "share-keys"
+STAGE_COLLECT = "collect-masked-input"
+STAGE_UNMASK = "unmask"
+STAGES = (STAGE_SETUP, STAGE_SHARE_KEYS, STAGE_COLLECT, STAGE_UNMASK)
+
+# Fields inside SECAGG_RECORD.
+KEY_STAGE = "stage"
+KEY_ROUND = "round-id"
+KEY_THRESHOLD = "threshold"
+KEY_NEIGHBOURS = "neighbours"  # packed uint64 node ids
+KEY_CLIPPING_RANGE = "clipping-range"
+KEY_QUANTIZATION_RANGE = "quantization-range"
+KEY_MODULUS_RANGE = "modulus-range"
+KEY_SCALE_NAMES = "scale-names"
+KEY_SCALE_VALUES = "scale-values"
+KEY_MASKED_RECORD = "masked-record"
+KEY_PK1 = "pk1"  # public key for pairwise mask agreement
+KEY_PK2 = "pk2"  # public key for share encryption
+KEY_PEERS = "peers"  # packed uint64 node ids, parallel to KEY_PEER_PK1/KEY_PEER_PK2
+KEY_PEER_PK1 = "peer-pk1"
+KEY_PEER_PK2 = "peer-pk2"
+KEY_DESTINATIONS = "destinations"  # packed uint64 node ids, parallel to KEY_CIPHERTEXTS
+KEY_SOURCES = "sources"  # packed uint64 node ids, parallel to KEY_CIPHERTEXTS
+KEY_CIPHERTEXTS = "ciphertexts"
+KEY_MASK_PEERS = "mask-peers"  # packed uint64 node ids this client must mask against
+KEY_ACTIVE = "active"  # packed uint64 node ids whose self-mask shares are asked for
+KEY_DROPPED = "dropped"  # packed uint64 node ids whose key shares are asked for
+KEY_SHARE_OWNERS = "share-owners"  # packed uint64 node ids, parallel to KEY_SHARES
+KEY_SHARES = "shares"
+KEY_NUM_CONTRIBUTORS = "num-contributors"
+
+
+def pack_ids(node_ids: Sequence[int]) -> bytes:
+    """Pack node ids as little-endian uint64 bytes: Flower node ids may exceed int64."""
+    return np.asarray(list(node_ids), dtype=np.uint64).astype("<u8").tobytes()
+
+
+def unpack_ids(blob: bytes) -> list[int]:
+    """Unpack node ids written by `pack_ids`."""
+    if len(blob) % 8:
+        raise ValueError(f"packed node id field has {len(blob)} bytes, not a multiple of 8")
+    return [int(x) for x in np.frombuffer(blob, dtype="<u8")]
+
+
+class WireError(ValueError):
+    """A SecAgg+ record field is missing or has the wrong type."""
+
+
+def get_bytes(rec: Mapping[str, object], key: str) -> bytes:
+    """Return field `key` of a protocol record as bytes, or raise naming the field."""
+    value = rec.get(key)
+    if not isinstance(value, bytes):
+        raise WireError(f"SecAgg+ field {key!r} is missing or not bytes")
+    return value
+
+
+def get_bytes_list(rec: Mapping[str, object], key: str) -> list[bytes]:
+    """Return field `key` as a list of bytes (empty when absent), or raise naming the field."""
+    value = rec.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(x, bytes) for x in value):
+        raise WireError(f"SecAgg+ field {key!r} is not a list of bytes")
+    return list(value)
+
+
+def get_str_list(rec: Mapping[str, object], key: str) -> list[str]:
+    """Return field `key` as a list of str (empty when absent), or raise naming the field."""
+    value = rec.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise WireError(f"SecAgg+ field {key!r} is not a list of str")
+    return list(value)
+
+
+def get_float_list(rec: Mapping[str, object], key: str) -> list[float]:
+    """Return field `key` as a list of float (empty when absent), or raise naming the field."""
+    value = rec.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(x, int | float) for x in value):
+        raise WireError(f"SecAgg+ field {key!r} is not a list of numbers")
+    return [float(x) for x in value]
+
+
+def get_number(rec: Mapping[str, object], key: str) -> float:
+    """Return numeric field `key`, or raise naming the field."""
+    value = rec.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise WireError(f"SecAgg+ field {key!r} is missing or not a number")
+    return float(value)
+
+
+def get_scales(rec: Mapping[str, object]) -> dict[str, float]:
+    """Return the per-key divisors announced in the setup stage."""
+    return dict(
+        zip(get_str_list(rec, KEY_SCALE_NAMES), get_float_list(rec, KEY_SCALE_VALUES), strict=True)
+    )

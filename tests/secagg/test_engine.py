@@ -1,0 +1,213 @@
+"""SecAgg+ protocol engines in process: exact sums, drop-out recovery, refusals, server view."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, RecordDict
+
+from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
+from server.secagg import wire
+from server.secagg.config import SecAggConfig
+from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine, ring_neighbours
+from server.secagg.protocol import run_secagg
+
+MASKED = "masked"
+
+
+def plain_sum(fed, nodes) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    """Float64 sum of the given nodes' contributions."""
+    keys = next(iter(fed.contributions.values())).keys()
+    return {k: sum(fed.contributions[u][k].astype(np.float64) for u in nodes) for k in keys}
+
+
+def quantization_bound(cfg: SecAggConfig, n: int) -> float:
+    """Worst-case error of a sum of n stochastically rounded values: one level per client."""
+    return n * 2 * cfg.clipping_range / cfg.quantization_range
+
+
+def test_sum_matches_plain_sum_within_quantization_error(make_federation: Callable) -> None:
+    # Prepare
+    fed = make_federation(5, seed=1)
+    cfg = SecAggConfig()
+    engine = SecAggServerEngine(cfg, list(fed.contributions), MASKED, seed=3)
+    # Execute
+    got = run_secagg(engine, fed.exchange)
+    # Assert
+    want = plain_sum(fed, fed.contributions)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].shape == want[k].shape
+        assert np.max(np.abs(got[k] - want[k])) <= quantization_bound(cfg, 5)
+    assert got["meta/count"][0] == pytest.approx(5.0, abs=quantization_bound(cfg, 5))
+
+
+def test_key_scales_carry_large_weights(make_federation: Callable) -> None:
+    # Prepare: example-weighted contributions, far outside the clipping range unscaled
+    fed = make_federation(3, seed=2)
+    for c in fed.contributions.values():
+        c["meta/weight"] = np.array([700.0], dtype=np.float32)
+        c["delta/layer.lora_B"] = c["delta/layer.lora_B"] * 700.0
+    cfg = SecAggConfig(key_scales=(("meta/weight", 1000.0), ("delta/layer.lora_B", 1000.0)))
+    # Execute
+    got = run_secagg(SecAggServerEngine(cfg, list(fed.contributions), MASKED), fed.exchange)
+    # Assert: the error scales with the divisor, nothing else changes
+    want = plain_sum(fed, fed.contributions)
+    assert got["meta/weight"][0] == pytest.approx(2100.0, abs=1000 * quantization_bound(cfg, 3))
+    err = np.max(np.abs(got["delta/layer.lora_B"] - want["delta/layer.lora_B"]))
+    assert err <= 1000 * quantization_bound(cfg, 3)
+
+
+def test_dropouts_at_threshold_are_recovered_exactly(make_federation: Callable) -> None:
+    # Prepare: 6 clients, everyone a neighbour of everyone, 4 of 6 shares rebuild a secret,
+    # so 2 clients may vanish after sharing their keys
+    fed = make_federation(6, seed=4)
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=4)
+    nodes = sorted(fed.contributions)
+    fed.silent[wire.STAGE_COLLECT] = {nodes[1], nodes[4]}
+    engine = SecAggServerEngine(cfg, nodes, MASKED, seed=5)
+    # Execute
+    got = run_secagg(engine, fed.exchange)
+    # Assert: the sum of the 4 survivors, masks of the 2 drop-outs removed
+    survivors = [u for u in nodes if u not in fed.silent[wire.STAGE_COLLECT]]
+    assert engine.contributors == survivors
+    want = plain_sum(fed, survivors)
+    for k in want:
+        assert np.max(np.abs(got[k] - want[k])) <= quantization_bound(cfg, 4)
+
+
+def test_dropout_during_unmask_is_tolerated(make_federation: Callable) -> None:
+    # Prepare: one client sends its masked input, then goes silent in the unmask stage
+    fed = make_federation(5, seed=6)
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=3)
+    nodes = sorted(fed.contributions)
+    fed.silent[wire.STAGE_UNMASK] = {nodes[2]}
+    # Execute
+    got = run_secagg(SecAggServerEngine(cfg, nodes, MASKED), fed.exchange)
+    # Assert: its input is still in the sum (its self mask is rebuilt from shares)
+    want = plain_sum(fed, nodes)
+    assert np.max(
+        np.abs(got["ctrl/layer.lora_B"] - want["ctrl/layer.lora_B"])
+    ) <= quantization_bound(cfg, 5)
+
+
+def test_below_threshold_the_round_fails_without_a_sum(make_federation: Callable) -> None:
+    # Prepare: 3 of 6 vanish after key sharing, one more than threshold 4 tolerates
+    fed = make_federation(6, seed=7)
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=4)
+    nodes = sorted(fed.contributions)
+    fed.silent[wire.STAGE_COLLECT] = set(nodes[:3])
+    engine = SecAggServerEngine(cfg, nodes, MASKED)
+    # Execute / Assert
+    with pytest.raises(SecAggRoundFailed, match="too few shares.*no aggregate is applied"):
+        run_secagg(engine, fed.exchange)
+
+
+def test_too_few_clients_in_an_early_stage_fail_the_round(make_federation: Callable) -> None:
+    # Prepare: only one client answers the setup stage
+    fed = make_federation(3, seed=8)
+    nodes = sorted(fed.contributions)
+    fed.silent[wire.STAGE_SETUP] = set(nodes[1:])
+    # Execute / Assert
+    with pytest.raises(SecAggRoundFailed, match="only 1 client.*advertised their keys"):
+        run_secagg(SecAggServerEngine(SecAggConfig(), nodes, MASKED), fed.exchange)
+
+
+def test_server_receives_nothing_that_reveals_an_individual_input(
+    make_federation: Callable,
+) -> None:
+    # Prepare
+    fed = make_federation(4, seed=9, size=2000)
+    nodes = sorted(fed.contributions)
+    fed.silent[wire.STAGE_COLLECT] = {nodes[3]}  # a drop-out makes the server rebuild its masks
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=3)
+    # Execute
+    run_secagg(SecAggServerEngine(cfg, nodes, MASKED), fed.exchange)
+    # Assert: no received array correlates with any client's input; no raw float bytes appear
+    for stage, node, reply in fed.received:
+        for record in reply.array_records.values():
+            for name, arr in record.items():
+                seen = arr.numpy().astype(np.float64).reshape(-1)
+                for u, contrib in fed.contributions.items():
+                    truth = contrib[name].astype(np.float64).reshape(-1)
+                    if truth.size < 100:
+                        continue
+                    corr = np.corrcoef(seen, truth)[0, 1]
+                    assert abs(corr) < 0.15, (stage, node, u, name, corr)
+        for record in reply.config_records.values():
+            blobs = [v for v in record.values() if isinstance(v, bytes)]
+            blobs += [
+                x for v in record.values() if isinstance(v, list) for x in v if isinstance(x, bytes)
+            ]
+            for blob in blobs:
+                for contrib in fed.contributions.values():
+                    assert contrib["delta/layer.lora_B"].tobytes()[:64] not in blob
+
+
+def test_client_refuses_stages_out_of_order() -> None:
+    # Prepare: a fresh client gets a collect-stage message without setup
+    engine = SecAggClientEngine(7, ConfigRecord())
+    content = RecordDict(
+        {
+            wire.SECAGG_RECORD: ConfigRecord(
+                {wire.KEY_STAGE: wire.STAGE_COLLECT, wire.KEY_ROUND: "r"}
+            )
+        }
+    )
+    # Execute / Assert
+    with pytest.raises(SecAggProtocolError, match="must run setup, share-keys"):
+        engine.handle(content, dict)
+
+
+def test_client_refuses_to_reveal_both_secrets_of_a_node(make_federation: Callable) -> None:
+    # Prepare: run to the unmask stage, then ask client A for B's seed AND key shares
+    fed = make_federation(3, seed=10)
+    nodes = sorted(fed.contributions)
+    engine = SecAggServerEngine(SecAggConfig(num_shares=1.0), nodes, MASKED)
+    engine.receive_public_keys(fed.exchange(wire.STAGE_SETUP, engine.setup_requests()))
+    engine.receive_encrypted_shares(
+        fed.exchange(wire.STAGE_SHARE_KEYS, engine.share_keys_requests())
+    )
+    engine.receive_masked_inputs(fed.exchange(wire.STAGE_COLLECT, engine.collect_requests()))
+    a, b = nodes[0], nodes[1]
+    rec = ConfigRecord(
+        {
+            wire.KEY_STAGE: wire.STAGE_UNMASK,
+            wire.KEY_ROUND: engine.round_id,
+            wire.KEY_ACTIVE: wire.pack_ids([a, b]),
+            wire.KEY_DROPPED: wire.pack_ids([b]),
+        }
+    )
+    # Execute / Assert
+    with pytest.raises(SecAggProtocolError, match="both live and dropped"):
+        SecAggClientEngine(a, fed.states[a]).handle(RecordDict({wire.SECAGG_RECORD: rec}), dict)
+
+
+def test_ring_neighbours_is_a_regular_graph() -> None:
+    # Prepare / Execute: 50 nodes, neighbourhoods of 13 (self included)
+    graph = ring_neighbours(list(range(100, 150)), num_shares=13, seed=0)
+    # Assert: 12 neighbours each, symmetric
+    assert {len(v) for v in graph.values()} == {12}
+    assert all(u in graph[v] for u, nb in graph.items() for v in nb)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_shares": 1.5}, "num_shares=1.5"),
+        ({"reconstruction_threshold": 0}, "reconstruction_threshold=0"),
+        ({"modulus_range": 1000}, "modulus_range=1000"),
+        ({"quantization_range": 2**32}, "quantization_range"),
+        ({"key_scales": (("meta/weight", 0.0),)}, "key_scales"),
+    ],
+)
+def test_config_rejects_bad_settings(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SecAggConfig(**kwargs)
+
+
+def test_capacity_check_names_the_overflow() -> None:
+    with pytest.raises(ValueError, match="would overflow"):
+        SecAggConfig(quantization_range=2**30).check_capacity(8)
