@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes, reply_metrics
+from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes
 from server.secagg import wire
 from server.secagg.config import SecAggConfig
 from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
@@ -50,6 +50,7 @@ class SecAggPlusAggregator:
         """Run the four SecAgg+ stages over ``node_ids`` and return the unmasked sum."""
         result = AggregateResult(summed=None)
         self.last_failure = None
+        content = with_secagg_mod(content)
         replied: dict[str, set[int]] = {}
 
         def exchange(stage: str, requests: Mapping[int, RecordDict]) -> dict[int, RecordDict]:
@@ -97,9 +98,11 @@ class SecAggPlusAggregator:
             return result
         result.accepted = engine.contributors
         for nid, extra in engine.extras.items():
-            result.metrics[nid] = reply_metrics(
-                Message(extra, dst_node_id=nid, message_type=MessageType.TRAIN)
-            )
+            metrics = extra.metric_records.get(keys.REC_METRICS)
+            if metrics is not None:
+                result.metrics[nid] = {
+                    k: float(v) for k, v in metrics.items() if isinstance(v, int | float)
+                }
         for nid in set(node_ids) - set(engine.contributors):
             result.rejected.setdefault(nid, "dropped out of the SecAgg+ round")
         result.summed = {k: v.astype("float32") for k, v in summed.items()}
@@ -117,3 +120,15 @@ def _stage_content(stage: str, content: RecordDict, request: RecordDict) -> Reco
     for name, record in request.items():
         body[name] = record
     return body
+
+
+def with_secagg_mod(content: RecordDict) -> RecordDict:
+    """Copy ``content`` with the SecAgg+ client mod first (outermost) in ``client-mods``."""
+    out = RecordDict()
+    for name, record in content.items():
+        out[name] = record
+    config = ConfigRecord(dict(content.config_records.get(keys.REC_CONFIG, ConfigRecord())))
+    mods = [m.strip() for m in str(config.get(keys.CFG_CLIENT_MODS, "")).split(",") if m.strip()]
+    config[keys.CFG_CLIENT_MODS] = ",".join([CLIENT_MOD, *(m for m in mods if m != CLIENT_MOD)])
+    out[keys.REC_CONFIG] = config
+    return out

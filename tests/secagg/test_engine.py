@@ -101,7 +101,7 @@ def test_below_threshold_the_round_fails_without_a_sum(make_federation: Callable
     fed.silent[wire.STAGE_COLLECT] = set(nodes[:3])
     engine = SecAggServerEngine(cfg, nodes, MASKED)
     # Execute / Assert
-    with pytest.raises(SecAggRoundFailed, match="too few shares.*no aggregate is applied"):
+    with pytest.raises(SecAggRoundFailed, match=r"too few shares.*no aggregate is applied"):
         run_secagg(engine, fed.exchange)
 
 
@@ -111,7 +111,7 @@ def test_too_few_clients_in_an_early_stage_fail_the_round(make_federation: Calla
     nodes = sorted(fed.contributions)
     fed.silent[wire.STAGE_SETUP] = set(nodes[1:])
     # Execute / Assert
-    with pytest.raises(SecAggRoundFailed, match="only 1 client.*advertised their keys"):
+    with pytest.raises(SecAggRoundFailed, match=r"only 1 client.*advertised their keys"):
         run_secagg(SecAggServerEngine(SecAggConfig(), nodes, MASKED), fed.exchange)
 
 

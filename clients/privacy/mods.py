@@ -1,0 +1,45 @@
+"""Distributed DP on the client: clip the contribution and add this client's share of the noise."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType
+from flwr.clientapp.typing import ClientAppCallable
+
+from server.privacy.mechanism import add_gaussian_noise, clip_contribution
+from server.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD
+from strategies import keys
+
+# Error code of a refused distributed-DP message (Flower reserves the small codes).
+ERROR_DP = 641
+
+
+def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Clip the train reply's sensitive contribution to C and add N(0, std^2) before it leaves.
+
+    C and std come from the ``config`` record (``dp-clip-norm``, ``dp-noise-std``) that
+    ``server.privacy.aggregators.DistributedDPAggregator`` adds. Listed after the SecAgg+ mod
+    in ``client-mods``, it runs before masking, so the server never sees an un-noised update.
+    The noise is drawn from OS entropy, never from a seed the server could know.
+    """
+    if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
+        return call_next(msg, context)
+    config = msg.content.config_records.get(keys.REC_CONFIG) if msg.has_content() else None
+    if config is None or KEY_DP_CLIP not in config or KEY_DP_NOISE_STD not in config:
+        return Message(
+            Error(
+                code=ERROR_DP,
+                reason=f"distributed_dp_mod: the train config lacks '{KEY_DP_CLIP}' and "
+                f"'{KEY_DP_NOISE_STD}'; run the server with DistributedDPAggregator",
+            ),
+            reply_to=msg,
+        )
+    clip, std = float(config[KEY_DP_CLIP]), float(config[KEY_DP_NOISE_STD])  # type: ignore[arg-type]
+    reply = call_next(msg, context)
+    if reply.has_error() or keys.REC_CONTRIB not in reply.content.array_records:
+        return reply
+    record = reply.content.array_records[keys.REC_CONTRIB]
+    clipped, _ = clip_contribution({k: a.numpy() for k, a in record.items()}, clip)
+    noised = add_gaussian_noise(clipped, std, np.random.default_rng())
+    reply.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in noised.items()})
+    return reply

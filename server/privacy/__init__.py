@@ -1,0 +1,1 @@
+"""Server half of differential privacy: clipping, noise, DP aggregators and the budget."""

@@ -1,0 +1,56 @@
+"""The Gaussian mechanism on contributions: clip the sensitive part, noise the sensitive sum."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from strategies import keys
+from strategies.base import Arrays
+
+
+def is_sensitive(name: str) -> bool:
+    """Whether a contribution key carries private signal (``delta/`` and ``ctrl/``)."""
+    return name.startswith(keys.SENSITIVE_PREFIXES)
+
+
+def sensitive_norm(contribution: Arrays) -> float:
+    """Joint L2 norm of all sensitive arrays of one contribution."""
+    total = sum(
+        float(np.sum(np.square(v, dtype=np.float64)))
+        for k, v in contribution.items()
+        if is_sensitive(k)
+    )
+    return math.sqrt(total)
+
+
+def clip_contribution(contribution: Arrays, clip_norm: float) -> tuple[Arrays, float]:
+    """Scale the sensitive arrays so their joint L2 norm is at most ``clip_norm``.
+
+    Returns the clipped contribution (float32, same keys) and the norm before clipping.
+    Public ``meta/`` keys are left as they are.
+    """
+    if clip_norm <= 0:
+        raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+    norm = sensitive_norm(contribution)
+    factor = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+    out = {
+        k: (np.asarray(v, dtype=np.float64) * factor).astype(np.float32) if is_sensitive(k) else v
+        for k, v in contribution.items()
+    }
+    return out, norm
+
+
+def add_gaussian_noise(summed: Arrays, std: float, rng: np.random.Generator) -> Arrays:
+    """Add i.i.d. N(0, std^2) noise to every sensitive array of a sum (float32 out)."""
+    if std < 0:
+        raise ValueError(f"noise std must be >= 0, got {std}")
+    return {
+        k: (np.asarray(v, dtype=np.float64) + rng.normal(0.0, std, size=np.shape(v))).astype(
+            np.float32
+        )
+        if is_sensitive(k)
+        else v
+        for k, v in summed.items()
+    }

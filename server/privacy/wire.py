@@ -1,0 +1,11 @@
+"""Config keys the DP aggregators add to the train message for the client-side DP mod."""
+
+from __future__ import annotations
+
+from typing import Final
+
+KEY_DP_CLIP: Final = "dp-clip-norm"  # float: L2 bound of one client's sensitive contribution
+KEY_DP_NOISE_STD: Final = (
+    "dp-noise-std"  # float: std of the noise each client adds (distributed DP)
+)
+DDP_CLIENT_MOD: Final = "clients.privacy.mods:distributed_dp_mod"
