@@ -14,9 +14,12 @@ app = typer.Typer(
 
 def _register_subcommands() -> None:
     """Attach each part's command group; imports stay here so `fedge --help` stays one place."""
+    from edge.cli import edge_app, verifier_app
     from fedge.zoo.cli import app as models_app
 
     app.add_typer(models_app, name="models")
+    app.add_typer(edge_app, name="edge")
+    app.add_typer(verifier_app, name="verifier")
 
 
 _register_subcommands()

@@ -1,0 +1,75 @@
+"""Thin bridge to transformers' KV cache: explicit (key, value) tensors in, logits and tensors out.
+
+transformers renamed `past_key_values` to `cache` (5.x) and moved cache tensors
+from `key_cache`/`value_cache` lists to `layers[i].keys/values`; everything in
+`edge` goes through these helpers so only this file knows.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+KV = list[
+    tuple[torch.Tensor, torch.Tensor]
+]  # per layer: key, value each [B, kv_heads, L, head_dim]
+
+
+@functools.cache
+def _cache_kwarg(model_cls: Any) -> str:
+    """Name of the forward() argument that takes the KV cache for this model class."""
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def kv_to_cache(kv: KV) -> DynamicCache:
+    """Wrap explicit per-layer (key, value) tensors in a DynamicCache."""
+    cache = DynamicCache()
+    for layer, (key, value) in enumerate(kv):
+        cache.update(key, value, layer)
+    return cache
+
+
+def cache_to_kv(cache: object) -> KV:
+    """Read per-layer (key, value) tensors out of a transformers cache object."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # type: ignore[attr-defined]
+
+
+def forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    kv: KV | None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, KV]:
+    """One forward pass continuing `kv`; returns logits [B, T, V] and the extended KV."""
+    cache = kv_to_cache(kv) if kv else DynamicCache()
+    model_cls: Any = type(model)
+    kwargs = {_cache_kwarg(model_cls): cache}
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        **kwargs,
+    )
+    new_cache = out["cache"] if "cache" in out else out["past_key_values"]
+    return out.logits, cache_to_kv(new_cache)
+
+
+def kv_bytes(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Memory held by KV tensors, in bytes."""
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
+def kv_length(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Sequence positions held by a KV cache (0 when empty)."""
+    return int(kv[0][0].shape[2]) if kv else 0

@@ -1,0 +1,198 @@
+"""`fedge edge ...` (export a draft, generate on the device) and `fedge verifier ...` (serve)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+edge_app = typer.Typer(
+    help="Device side: export the draft to ONNX, generate speculatively.", no_args_is_help=True
+)
+verifier_app = typer.Typer(help="Cloud side: the gRPC verifier service.", no_args_is_help=True)
+
+TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+_console = Console(stderr=True)
+
+
+@edge_app.command("export")
+def export_command(
+    model_dir: Annotated[
+        Path | None, typer.Argument(help="Hugging Face causal LM dir; default: the zoo's draft.")
+    ] = None,
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the ONNX files and manifest.")
+    ] = Path("edge-draft"),
+    preset: Annotated[
+        str, typer.Option(help="Zoo preset whose draft to export when MODEL_DIR is omitted.")
+    ] = "default",
+    int8: Annotated[
+        bool, typer.Option("--int8/--no-int8", help="Also write the int8 quantized model.")
+    ] = True,
+    prompts: Annotated[int, typer.Option(help="Held-out validation prompts.")] = 8,
+    prompt_len: Annotated[int, typer.Option(help="Tokens per validation prompt.")] = 32,
+) -> None:
+    """Export MODEL_DIR to ONNX with KV-cache tensors, quantize to int8, validate, write a manifest."""
+    from edge.export import ExportConfig, ExportValidationError, export_draft
+    from edge.prompts import heldout_prompts
+    from fedge.models import load_tokenizer
+
+    if model_dir is None:
+        from fedge.zoo import ensure_zoo
+
+        model_dir = ensure_zoo(preset).draft_dir
+    tokenizer = load_tokenizer(model_dir)
+    with _console.status(f"exporting {model_dir} to {out}"):
+        try:
+            manifest = export_draft(
+                model_dir,
+                out,
+                heldout_prompts(tokenizer, prompts, prompt_len),
+                ExportConfig(quantize=int8),
+            )
+        except ExportValidationError as err:
+            _console.print(f"[red]{err}[/red]")
+            raise typer.Exit(1) from err
+    for name, variant in manifest["variants"].items():
+        state = (
+            "[green]valid[/green]"
+            if variant["valid"]
+            else f"[red]INVALID {variant['failures']}[/red]"
+        )
+        _console.print(
+            f"{name}: {state} max|Δlogit| {variant['max_abs_logit_diff']:.3g} "
+            f"greedy agreement {variant['greedy_agreement']:.3f} "
+            f"decode {variant['decode_step_s'] * 1e3:.2f} ms/token, {variant['bytes']} bytes"
+        )
+    _console.print(f"manifest: {out / 'manifest.json'}")
+
+
+@edge_app.command("generate")
+def generate_command(
+    prompt: Annotated[str, typer.Option(help="Prompt text.")],
+    draft: Annotated[
+        Path, typer.Option(help="Export dir (`fedge edge export`) or HF model dir of the draft.")
+    ] = Path("edge-draft"),
+    verifier: Annotated[
+        str | None, typer.Option(help="Verifier HOST:PORT; omit to decode on the device only.")
+    ] = None,
+    route: Annotated[
+        str | None,
+        typer.Option(
+            help="Force speculative, cloud-only or edge-only; default: the router decides."
+        ),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    temperature: Annotated[
+        float, typer.Option(help="0 = greedy (identical to the target's greedy output).")
+    ] = 0.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    draft_len: Annotated[int, typer.Option(help="Initial draft length (adapts +2/-1).")] = 4,
+    backend: Annotated[
+        str, typer.Option(help="Draft runtime: auto, onnx-int8, onnx-fp32, torch.")
+    ] = "auto",
+    token: Annotated[
+        str | None, typer.Option(envvar=TOKEN_ENV, help=f"Bearer token (or ${TOKEN_ENV}).")
+    ] = None,
+    root_cert: Annotated[Path | None, typer.Option(help="PEM root certificate: use TLS.")] = None,
+    added_rtt_ms: Annotated[
+        float, typer.Option(help="Simulated network round trip per call, ms.")
+    ] = 0.0,
+) -> None:
+    """Stream a completion of PROMPT as tokens are accepted; print a JSON report to stderr."""
+    from edge.client import ClientConfig, EdgeClient, VerifierClient
+    from edge.decoder import DecodeConfig
+    from edge.export import TOKENIZER_DIR
+    from edge.runtime import load_draft_runtime
+    from fedge.models import load_tokenizer
+
+    runtime = load_draft_runtime(draft, backend)
+    tokenizer = load_tokenizer(draft / TOKENIZER_DIR if (draft / TOKENIZER_DIR).is_dir() else draft)
+    client = None
+    if verifier is not None:
+        client = VerifierClient(
+            ClientConfig(verifier, token=token, root_cert=root_cert, added_rtt_s=added_rtt_ms / 1e3)
+        )
+    decode = DecodeConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        draft_len=draft_len,
+        max_draft=max(12, draft_len),
+        stop_token_id=tokenizer.eos_token_id,
+    )
+    edge = EdgeClient(runtime, tokenizer, client, decode)
+    for piece in edge.stream_text(prompt, route):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if edge.last is not None:
+        _console.print_json(json.dumps({"draft_runtime": runtime.name, **vars(edge.last)}))
+    if client is not None:
+        client.close_channel()
+
+
+@verifier_app.command("serve")
+def serve_command(
+    model: Annotated[Path, typer.Option(help="Base model dir (Hugging Face format).")],
+    adapter: Annotated[
+        Path | None, typer.Option(help="peft LoRA adapter dir, merged at load.")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Listen port; 0 = any free port (printed).")] = 50061,
+    token: Annotated[
+        str | None,
+        typer.Option(envvar=TOKEN_ENV, help=f"Require this bearer token (or ${TOKEN_ENV})."),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate chain (with --tls-key).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM private key (with --tls-cert).")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus /metrics on this port.")
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Verifies per batched forward pass.")] = 32,
+    batch_window_ms: Annotated[
+        float, typer.Option(help="Wait this long for a batch to fill.")
+    ] = 2.0,
+    max_draft: Annotated[int, typer.Option(help="Longest accepted draft.")] = 16,
+    max_sessions: Annotated[int, typer.Option(help="Open sessions before LRU eviction.")] = 1024,
+    session_ttl_s: Annotated[float, typer.Option(help="Idle session lifetime, seconds.")] = 300.0,
+    kv_cap_mb: Annotated[int, typer.Option(help="KV cache memory cap, MiB.")] = 1024,
+    grace_s: Annotated[float, typer.Option(help="Drain time on SIGTERM, seconds.")] = 5.0,
+) -> None:
+    """Serve MODEL (plus ADAPTER) over gRPC until SIGINT/SIGTERM; health is NOT_SERVING while loading and draining."""
+    from edge.verifier.engine import EngineConfig
+    from edge.verifier.server import ServerConfig, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = ServerConfig(
+        model_dir=model,
+        adapter_dir=adapter,
+        host=host,
+        port=port,
+        token=token,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        metrics_port=metrics_port,
+        grace_s=grace_s,
+        engine=EngineConfig(
+            max_draft=max_draft,
+            max_sessions=max_sessions,
+            session_ttl_s=session_ttl_s,
+            kv_cap_bytes=kv_cap_mb << 20,
+            batch_window_s=batch_window_ms / 1e3,
+            max_batch=max_batch,
+        ),
+    )
+
+    def ready(bound: int) -> None:
+        sys.stdout.write(f"verifier listening on {host}:{bound}\n")
+        sys.stdout.flush()
+
+    serve(config, on_ready=ready)

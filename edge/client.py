@@ -1,0 +1,313 @@
+"""Edge-side client of the verifier: sessions, verifies and cloud-only streaming over gRPC.
+
+`VerifierClient` speaks the Verifier proto on a blocking channel and counts the
+protobuf payload bytes it sends and receives (HTTP/2 framing and headers
+excluded). For experiments it can add a round-trip time: it sleeps `added_rtt_s`
+before each unary call and once before a stream's first message, which is what
+a network of that round-trip time costs a call that waits for its reply.
+RESOURCE_EXHAUSTED replies are retried with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edge.proto import verifier_pb2 as pb
+from edge.proto import verifier_pb2_grpc as pb_grpc
+from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
+
+T = TypeVar("T", bound=Message)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How the edge reaches the verifier."""
+
+    target: str  # HOST:PORT
+    token: str | None = None  # bearer token, when the verifier requires one
+    root_cert: Path | None = None  # PEM root certificate; given = TLS
+    tls_server_name: str | None = None  # override the name checked against the certificate
+    timeout_s: float = 30.0  # per call
+    added_rtt_s: float = 0.0  # simulated network round trip added to every call
+    max_retries: int = 5  # on RESOURCE_EXHAUSTED
+    backoff_s: float = 0.01  # first retry delay; doubles each retry
+
+    def __post_init__(self) -> None:
+        host, _, port = self.target.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"ClientConfig.target must be HOST:PORT, got {self.target!r}")
+        for name in ("timeout_s", "added_rtt_s", "backoff_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ClientConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
+
+
+class VerifierClient:
+    """Blocking Verifier client; also the `VerifierLink` the speculative decoder drives."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.calls = 0
+        self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        if config.root_cert is not None:
+            credentials = grpc.ssl_channel_credentials(config.root_cert.read_bytes())
+            options = (
+                [("grpc.ssl_target_name_override", config.tls_server_name)]
+                if config.tls_server_name
+                else []
+            )
+            self._channel = grpc.secure_channel(config.target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(config.target)
+        self._stub = pb_grpc.VerifierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close_channel(self) -> None:
+        """Close the underlying channel."""
+        self._channel.close()
+
+    def __enter__(self) -> VerifierClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_channel()
+
+    def _unary(self, method: Any, request: Message, reply_type: type[T]) -> T:
+        """One unary call with the added RTT, byte counting and backoff on overload."""
+        delay = self.config.backoff_s
+        for attempt in range(self.config.max_retries + 1):
+            if self.config.added_rtt_s:
+                time.sleep(self.config.added_rtt_s)
+            self.calls += 1
+            self.bytes_up += request.ByteSize()
+            try:
+                reply = method(request, timeout=self.config.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as err:
+                if (
+                    err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+                    or attempt == self.config.max_retries
+                ):  # type: ignore[attr-defined]
+                    raise
+                time.sleep(delay)
+                delay *= 2
+                continue
+            self.bytes_down += reply.ByteSize()
+            return reply  # type: ignore[no-any-return]
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def open(self, prompt_ids: Sequence[int], sampling: Sampling | None = None) -> SessionInfo:
+        """Open a session (the verifier prefills the prompt)."""
+        sampling = sampling or Sampling()
+        reply = self._unary(
+            self._stub.OpenSession,
+            pb.OpenSessionRequest(
+                prompt_ids=list(prompt_ids),
+                sampling=pb.Sampling(temperature=sampling.temperature, seed=sampling.seed),
+            ),
+            pb.OpenSessionReply,
+        )
+        return SessionInfo(
+            reply.session_id,
+            reply.vocab_size,
+            reply.max_draft,
+            reply.max_context,
+            reply.session_ttl_s,
+        )
+
+    def verify(
+        self,
+        session_id: str,
+        draft_ids: Sequence[int],
+        draft_probs: Sequence[float] = (),
+        draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
+    ) -> VerifyResult:
+        """Send a draft; returns how many were accepted and the next token."""
+        request = pb.VerifyRequest(
+            session_id=session_id,
+            draft_ids=list(draft_ids),
+            draft_probs=list(draft_probs),
+            draft_dists=[
+                pb.DraftDistribution(token_ids=list(ids), probs=list(probs))
+                for ids, probs in draft_dists
+            ],
+        )
+        reply = self._unary(self._stub.Verify, request, pb.VerifyReply)
+        return VerifyResult(reply.accepted, reply.next_token, reply.session_length)
+
+    def close(self, session_id: str) -> int:
+        """Close a session; returns the tokens it held."""
+        reply = self._unary(
+            self._stub.CloseSession,
+            pb.CloseSessionRequest(session_id=session_id),
+            pb.CloseSessionReply,
+        )
+        return int(reply.session_length)
+
+    def ping(self) -> float:
+        """Seconds for one health check (a round trip that touches no model)."""
+        if self.config.added_rtt_s:
+            time.sleep(self.config.added_rtt_s)
+        started = time.perf_counter()
+        self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.config.timeout_s)
+        return time.perf_counter() - started + self.config.added_rtt_s
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop_token_id: int | None = None,
+    ) -> Iterator[int]:
+        """Cloud-only decoding: yields the target's tokens as the server streams them."""
+        sampling = sampling or Sampling()
+        request = pb.GenerateRequest(
+            prompt_ids=list(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            sampling=pb.Sampling(temperature=sampling.temperature, seed=sampling.seed),
+            stop_token_id=stop_token_id,
+        )
+        if self.config.added_rtt_s:
+            time.sleep(self.config.added_rtt_s)
+        self.calls += 1
+        self.bytes_up += request.ByteSize()
+        stream = self._stub.Generate(
+            request, timeout=self.config.timeout_s, metadata=self._metadata
+        )
+        for reply in stream:
+            self.bytes_down += reply.ByteSize()
+            yield int(reply.token_id)
+
+
+# ---------------------------------------------------------------------- edge client library
+@dataclass
+class RequestReport:
+    """How one request was served: route, why, and its decoding figures."""
+
+    route: str
+    reason: str
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    acceptance: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+class EdgeClient:
+    """The device side as a library: tokenizer, draft runtime, verifier link and offload router.
+
+    `stream_text(prompt)` yields text pieces as tokens are accepted; each request's
+    route comes from the router (or is forced), and its measurements feed the router.
+    """
+
+    def __init__(
+        self,
+        runtime: Any,
+        tokenizer: Any,
+        verifier: VerifierClient | None,
+        decode: Any,
+        router: Any | None = None,
+    ) -> None:
+        from edge.router import Router
+
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.verifier = verifier
+        self.decode = decode
+        self.router = router or Router()
+        self.last: RequestReport | None = None
+        if verifier is None:
+            self.router.verifier_down()
+
+    def stream_ids(
+        self, prompt_ids: Sequence[int], route: str | None = None
+    ) -> Iterator[list[int]]:
+        """Yield generated token chunks on the chosen (or forced) route."""
+        from edge.decoder import SpeculativeDecoder, edge_only
+        from edge.router import Route
+
+        rtt = self._measure_rtt()
+        decision = self.router.choose()
+        chosen = Route(route) if route else decision.route
+        reason = "forced by caller" if route else decision.reason
+        if chosen != Route.EDGE_ONLY and self.verifier is None:
+            raise ValueError(f"route {chosen.value} needs a verifier; pass --verifier HOST:PORT")
+        report = RequestReport(chosen.value, reason)
+        self.last = report
+        up0 = self.verifier.bytes_up if self.verifier else 0
+        down0 = self.verifier.bytes_down if self.verifier else 0
+        started = time.perf_counter()
+        if chosen == Route.SPECULATIVE:
+            assert self.verifier is not None
+            decoder = SpeculativeDecoder(self.runtime, self.verifier, self.decode)
+            yield from decoder.stream(prompt_ids)
+            s = decoder.stats
+            report.rounds, report.acceptance, report.tokens = s.rounds, s.acceptance, s.tokens
+            if s.rounds:
+                steps = max(1, s.drafted)
+                self.router.observe_speculative(
+                    s.draft_seconds / steps,
+                    max(0.0, s.verify_seconds / s.rounds - rtt),
+                    s.acceptance,
+                    s.draft_lengths[-1] if s.draft_lengths else 1,
+                )
+        elif chosen == Route.CLOUD_ONLY:
+            assert self.verifier is not None
+            sampling = Sampling(self.decode.temperature, self.decode.seed)
+            stream_started = time.perf_counter()
+            for token in self.verifier.generate(
+                prompt_ids, self.decode.max_new_tokens, sampling, self.decode.stop_token_id
+            ):
+                report.tokens += 1
+                yield [token]
+            report.rounds = report.tokens
+            if report.tokens:
+                spent = time.perf_counter() - stream_started - rtt
+                self.router.observe_cloud(max(0.0, spent) / report.tokens)
+        else:
+            for token in edge_only(self.runtime, prompt_ids, self.decode):
+                report.tokens += 1
+                yield [token]
+            if report.tokens:
+                self.router.observe_edge((time.perf_counter() - started) / report.tokens)
+        report.seconds = time.perf_counter() - started
+        if self.verifier is not None:
+            report.bytes_up = self.verifier.bytes_up - up0
+            report.bytes_down = self.verifier.bytes_down - down0
+
+    def stream_text(self, prompt: str, route: str | None = None) -> Iterator[str]:
+        """Yield decoded text pieces as tokens arrive."""
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt_ids:
+            raise ValueError("prompt encodes to no tokens; pass some text")
+        generated: list[int] = []
+        shown = ""
+        for chunk in self.stream_ids(prompt_ids, route):
+            generated.extend(chunk)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown) :]
+                shown = text
+
+    def _measure_rtt(self) -> float:
+        """Probe the round trip with a health check; marks the verifier down when unreachable."""
+        if self.verifier is None:
+            return 0.0
+        try:
+            rtt = self.verifier.ping()
+        except grpc.RpcError:
+            self.router.verifier_down()
+            return 0.0
+        self.router.observe_rtt(rtt)
+        return rtt

@@ -1,0 +1,257 @@
+"""Export a causal LM draft to ONNX with explicit KV-cache tensors, quantize it to int8, validate it.
+
+`export_draft` writes `draft.fp32.onnx` (torch.onnx dynamo export of a wrapper
+that takes the past keys/values as tensors and returns the presents), then
+`draft.int8.onnx` (`onnxruntime.quantization.quantize_dynamic`), checks each
+against the torch model on held-out prompts (prefill plus cached single-token
+steps: max logit difference and greedy agreement), and writes `manifest.json`
+with hashes and the figures. A variant that misses a threshold is recorded with
+`"valid": false` and its failures, and no runtime will load it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.export import Dim
+
+from edge import _hf
+from edge.runtime import MANIFEST_FORMAT, MANIFEST_NAME, OnnxDraftRuntime, sha256_file
+from fedge.errors import FedgeError
+
+FP32_FILE = "draft.fp32.onnx"
+INT8_FILE = "draft.int8.onnx"
+TOKENIZER_DIR = "tokenizer"
+
+
+class ExportValidationError(FedgeError):
+    """No exported variant met the validation thresholds."""
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """What to export and how strictly to validate it."""
+
+    quantize: bool = True
+    fp32_max_logit_diff: float = 1e-3  # same graph, same fp32 math: only kernel rounding differs
+    int8_max_logit_diff: float = 2.0  # int8 weights move logits; greedy agreement is the real bar
+    fp32_min_agreement: float = 0.99
+    int8_min_agreement: float = 0.90
+    steps: int = 16  # cached single-token steps after each prompt's prefill
+    timing_steps: int = 32  # decode steps timed per variant for the manifest
+
+    def __post_init__(self) -> None:
+        for name in ("fp32_max_logit_diff", "int8_max_logit_diff"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ExportConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("fp32_min_agreement", "int8_min_agreement"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(
+                    f"ExportConfig.{name} must lie in [0, 1], got {getattr(self, name)}"
+                )
+        if self.steps < 1 or self.timing_steps < 1:
+            raise ValueError(
+                f"ExportConfig.steps and timing_steps must be >= 1, got {self.steps}, {self.timing_steps}"
+            )
+
+
+class _KVWrapper(torch.nn.Module):
+    """Expose a transformers causal LM as (input_ids, *past) -> (logits, *present) for ONNX."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+        super().__init__()
+        self.model = model
+        self.num_layers = num_layers
+
+    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """past = (key_0, value_0, key_1, value_1, ...), each [B, kv_heads, P, head_dim]."""
+        kv = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
+        logits, present = _hf.forward(self.model, input_ids, kv)  # type: ignore[arg-type]
+        flat = [t for pair in present for t in pair]
+        return (logits, *flat)
+
+
+def _geometry(model: torch.nn.Module) -> dict[str, int]:
+    """Layers, KV heads, head size, vocabulary and context of a Llama-like config."""
+    cfg: Any = model.config
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return {
+        "num_layers": int(cfg.num_hidden_layers),
+        "kv_heads": heads,
+        "head_dim": head_dim,
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),  # type: ignore[operator]
+        "max_context": int(cfg.max_position_embeddings),
+    }
+
+
+def export_onnx(model: torch.nn.Module, path: Path) -> list[str]:
+    """Write the fp32 ONNX graph with dynamic batch, new-token and past lengths; returns past names."""
+    geo = _geometry(model)
+    layers = geo["num_layers"]
+    past_names = [f"past_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+    present_names = [n.replace("past_", "present_") for n in past_names]
+    example_ids = torch.zeros(1, 3, dtype=torch.long)
+    example_past = tuple(torch.zeros(1, geo["kv_heads"], 2, geo["head_dim"]) for _ in past_names)
+    batch, new, past = Dim("batch"), Dim("new_tokens"), Dim("past_length")
+    # dynamic_shapes mirrors forward's arguments: input_ids, then the *past tuple
+    shapes = ({0: batch, 1: new}, tuple({0: batch, 2: past} for _ in past_names))
+    program = torch.onnx.export(
+        _KVWrapper(model, layers).eval(),
+        (example_ids, *example_past),
+        dynamo=True,
+        dynamic_shapes=shapes,
+        input_names=["input_ids", *past_names],
+        output_names=["logits", *present_names],
+        verbose=False,
+    )
+    if program is None:
+        raise FedgeError(
+            "torch.onnx.export returned no program; check the torch/onnxscript install"
+        )
+    program.save(str(path), external_data=False)
+    return past_names
+
+
+def quantize_int8(fp32_path: Path, int8_path: Path) -> None:
+    """Dynamic int8 quantization of the weights (activations quantized at run time)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(fp32_path, int8_path, weight_type=QuantType.QInt8)
+
+
+@torch.no_grad()
+def _reference(
+    model: torch.nn.Module, prompt: Sequence[int], steps: int
+) -> tuple[list[int], np.ndarray]:
+    """The torch model's greedy continuation of `prompt` and its logits over prompt + continuation."""
+    ids = list(prompt)
+    for _ in range(steps):
+        logits = model(input_ids=torch.tensor([ids])).logits
+        ids.append(int(logits[0, -1].argmax()))
+    full = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    return ids[len(prompt) :], full
+
+
+def validate_variant(
+    runtime: OnnxDraftRuntime, references: list[tuple[list[int], list[int], np.ndarray]]
+) -> dict[str, float]:
+    """Prefill each prompt, then step through the torch continuation one cached token at a time."""
+    worst, agree, total = 0.0, 0, 0
+    for prompt, continuation, full in references:
+        runtime.reset()
+        rows = [runtime.extend(prompt)]
+        for token in continuation[:-1]:
+            rows.append(runtime.extend([token]))
+        onnx_rows = np.stack(rows)  # [steps, V]: scores of each continuation token
+        torch_rows = full[len(prompt) - 1 : len(prompt) - 1 + len(rows)]
+        worst = max(worst, float(np.abs(onnx_rows - torch_rows).max()))
+        agree += int((onnx_rows.argmax(-1) == torch_rows.argmax(-1)).sum())
+        total += len(rows)
+    return {"max_abs_logit_diff": worst, "greedy_agreement": agree / total, "positions": total}
+
+
+def time_decode(runtime: OnnxDraftRuntime, steps: int) -> float:
+    """Median seconds of one cached single-token decode step after a short prefill."""
+    runtime.reset()
+    runtime.extend([1, 2, 3, 4])
+    samples = []
+    for i in range(steps):
+        started = time.perf_counter()
+        runtime.extend([5 + i % 7])
+        samples.append(time.perf_counter() - started)
+    runtime.reset()
+    return float(np.median(samples))
+
+
+def export_draft(
+    model_dir: Path,
+    out_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    config: ExportConfig | None = None,
+) -> dict:
+    """Export, quantize, validate and describe a draft model; returns the manifest written.
+
+    Raises ExportValidationError (after writing the manifest) when no variant is valid.
+    """
+    from fedge.models import load_causal_lm, load_tokenizer
+
+    config = config or ExportConfig()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("export_draft needs at least one non-empty validation prompt")
+    model = load_causal_lm(model_dir).eval()
+    geo = _geometry(model)
+    too_long = [len(p) for p in prompts if len(p) + config.steps > geo["max_context"]]
+    if too_long:
+        raise ValueError(
+            f"a validation prompt of {too_long[0]} tokens plus {config.steps} steps passes the "
+            f"model's context of {geo['max_context']}; use shorter prompts"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    references = [(list(p), *_reference(model, p, config.steps)) for p in prompts]
+    with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
+        staged = Path(scratch)
+        past_names = export_onnx(model, staged / FP32_FILE)
+        variants = {"fp32": (FP32_FILE, config.fp32_max_logit_diff, config.fp32_min_agreement)}
+        if config.quantize:
+            quantize_int8(staged / FP32_FILE, staged / INT8_FILE)
+            variants["int8"] = (INT8_FILE, config.int8_max_logit_diff, config.int8_min_agreement)
+        manifest = _describe(model_dir, geo, past_names, config, len(prompts))
+        for variant, (filename, max_diff, min_agree) in variants.items():
+            runtime = OnnxDraftRuntime(staged / filename, manifest, name=f"onnx-{variant}")
+            figures = validate_variant(runtime, references)
+            failures = []
+            if figures["max_abs_logit_diff"] > max_diff:
+                failures.append(
+                    f"max_abs_logit_diff {figures['max_abs_logit_diff']:.4g} > {max_diff}"
+                )
+            if figures["greedy_agreement"] < min_agree:
+                failures.append(f"greedy_agreement {figures['greedy_agreement']:.3f} < {min_agree}")
+            shutil.move(staged / filename, out_dir / filename)
+            manifest["variants"][variant] = {
+                "file": filename,
+                "sha256": sha256_file(out_dir / filename),
+                "bytes": (out_dir / filename).stat().st_size,
+                "valid": not failures,
+                "failures": failures,
+                "decode_step_s": time_decode(runtime, config.timing_steps),
+                **figures,
+            }
+    load_tokenizer(model_dir).save_pretrained(out_dir / TOKENIZER_DIR)
+    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    if not any(v["valid"] for v in manifest["variants"].values()):
+        reasons = {k: v["failures"] for k, v in manifest["variants"].items()}
+        raise ExportValidationError(
+            f"no exported variant of {model_dir} passed validation: {reasons}; "
+            f"see {out_dir / MANIFEST_NAME}"
+        )
+    return manifest
+
+
+def _describe(
+    model_dir: Path, geo: dict[str, int], past_names: list[str], config: ExportConfig, prompts: int
+) -> dict:
+    """The manifest skeleton: source, geometry, tensor names, thresholds."""
+    weights = sorted(Path(model_dir).glob("*.safetensors"))
+    return {
+        "format": MANIFEST_FORMAT,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source_model": str(Path(model_dir).resolve()),
+        "source_sha256": {w.name: sha256_file(w) for w in weights},
+        "tokenizer": TOKENIZER_DIR,
+        **geo,
+        "input_names": ["input_ids", *past_names],
+        "past_names": past_names,
+        "validation": {"prompts": prompts, **asdict(config)},
+        "variants": {},
+    }

@@ -1,0 +1,1 @@
+"""Wire contract of the verifier service: `verifier.proto` and the stubs generated from it."""

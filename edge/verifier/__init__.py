@@ -1,0 +1,1 @@
+"""Cloud verifier: batching engine (plain torch), gRPC servicer, and server lifecycle."""

@@ -1,0 +1,543 @@
+"""Batching verification engine: concurrent sessions' drafts verified in one target forward pass.
+
+Plain Python and torch, no gRPC: a single worker thread owns the model. Verify
+requests queue up; the worker takes the first, waits up to `batch_window_s` for
+more (up to `max_batch`), left-pads the sessions' KV caches to a common length,
+right-pads their drafts, and runs one forward with a padding attention mask and
+per-session position ids. Each session then gets its own verdict
+(`edge.speculative`) and keeps the KV of its accepted tokens only.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from edge import _hf
+from edge.speculative import Verdict, greedy_verdict, sampling_verdict
+from edge.verifier.errors import InvalidRequest, NotReady, Overloaded, SessionBusy
+from edge.verifier.sessions import Session, SessionStore
+
+MAX_TEMPERATURE = 10.0
+PROB_SUM_TOLERANCE = 1e-3  # float32 softmax over a top-k support sums to 1 within ~1e-6
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits and batching knobs of the verifier engine."""
+
+    max_draft: int = 16  # acceptance decays geometrically; longer drafts rarely pay
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    max_sessions: int = 1024
+    session_ttl_s: float = 300.0  # idle sessions expire; the edge reopens with its prompt
+    kv_cap_bytes: int = 1 << 30
+    batch_window_s: float = 0.002  # wait this long for concurrent verifies to join a batch
+    max_batch: int = 32
+    max_queue: int = 512  # queued requests beyond this are refused (backpressure)
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_draft": self.max_draft,
+            "max_sessions": self.max_sessions,
+            "session_ttl_s": self.session_ttl_s,
+            "kv_cap_bytes": self.kv_cap_bytes,
+            "max_batch": self.max_batch,
+            "max_queue": self.max_queue,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0, got {value}")
+        if self.max_context < 0:
+            raise ValueError(f"EngineConfig.max_context must be >= 0, got {self.max_context}")
+        if self.batch_window_s < 0:
+            raise ValueError(f"EngineConfig.batch_window_s must be >= 0, got {self.batch_window_s}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Target decoding rule of a session: temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What a client learns when it opens a session."""
+
+    session_id: str
+    vocab_size: int
+    max_draft: int
+    max_context: int
+    session_ttl_s: float
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Accepted prefix length, the next token, and the session's length afterwards."""
+
+    accepted: int
+    next_token: int
+    session_length: int
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A validated draft: ids plus, when sampling, q(ids) and the dense q rows [k, V]."""
+
+    ids: list[int]
+    probs: torch.Tensor | None = None
+    dists: torch.Tensor | None = None
+
+
+class EngineObserver(Protocol):
+    """Hooks the server uses for metrics; the engine calls them from its worker thread."""
+
+    def on_batch(self, size: int, seconds: float) -> None: ...
+
+    def on_verify(self, drafted: int, accepted: int) -> None: ...
+
+    def on_sessions(self, count: int, kv_bytes: int) -> None: ...
+
+    def on_evict(self, reason: str) -> None: ...
+
+
+class _NullObserver:
+    """Observer that records nothing."""
+
+    def on_batch(self, size: int, seconds: float) -> None:
+        return None
+
+    def on_verify(self, drafted: int, accepted: int) -> None:
+        return None
+
+    def on_sessions(self, count: int, kv_bytes: int) -> None:
+        return None
+
+    def on_evict(self, reason: str) -> None:
+        return None
+
+
+@dataclass
+class _PrefillJob:
+    prompt: list[int]
+    sampling: Sampling
+    future: Future[SessionInfo]
+
+
+@dataclass
+class _VerifyJob:
+    session: Session
+    draft: Draft
+    future: Future[VerifyResult]
+
+
+class VerifierEngine:
+    """Owns the target model, the session store and the batching worker thread."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: EngineConfig | None = None,
+        observer: EngineObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        self.observer: EngineObserver = observer or _NullObserver()
+        model_cfg = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        limit = int(getattr(model_cfg, "max_position_embeddings", 0) or 0)
+        self.max_context = self.config.max_context or limit
+        if limit and self.max_context > limit:
+            raise ValueError(
+                f"EngineConfig.max_context={self.max_context} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        heads = int(getattr(model_cfg, "num_key_value_heads", model_cfg.num_attention_heads))
+        head_dim = int(
+            getattr(model_cfg, "head_dim", None)
+            or model_cfg.hidden_size // model_cfg.num_attention_heads
+        )
+        self._kv_shape = (model_cfg.num_hidden_layers, heads, head_dim)
+        dtype = next(model.parameters()).dtype
+        self.bytes_per_position = (
+            2 * model_cfg.num_hidden_layers * heads * head_dim * dtype.itemsize
+        )
+        self._dtype = dtype
+        self.sessions = SessionStore(
+            self.config.max_sessions,
+            self.config.session_ttl_s,
+            self.config.kv_cap_bytes,
+            clock=clock,
+            on_evict=lambda reason: self.observer.on_evict(reason),
+        )
+        self._clock = clock
+        self._queue: queue.Queue[_PrefillJob | _VerifyJob] = queue.Queue(self.config.max_queue)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> VerifierEngine:
+        """Start the worker thread; returns self."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="verifier-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the worker after the request in hand; queued requests fail with NotReady."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            job.future.set_exception(NotReady("verifier is shutting down; retry elsewhere"))
+
+    @property
+    def running(self) -> bool:
+        """True while the worker thread is accepting work."""
+        return self._thread is not None and not self._stop.is_set()
+
+    # ------------------------------------------------------------------ requests
+    def submit_open(self, prompt_ids: Sequence[int], sampling: Sampling) -> Future[SessionInfo]:
+        """Queue a session open (prompt prefill); the future yields its SessionInfo."""
+        prompt = self._check_ids("prompt_ids", prompt_ids)
+        if not 1 <= len(prompt) < self.max_context:
+            raise InvalidRequest(
+                "prompt_ids",
+                f"{len(prompt)} tokens; a prompt must hold 1 .. {self.max_context - 1} tokens "
+                f"(max_context {self.max_context}); shorten it",
+            )
+        _check_sampling(sampling)
+        future: Future[SessionInfo] = Future()
+        self._enqueue(_PrefillJob(prompt, sampling, future))
+        return future
+
+    def submit_verify(
+        self,
+        session_id: str,
+        draft_ids: Sequence[int],
+        draft_probs: Sequence[float] = (),
+        draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
+    ) -> Future[VerifyResult]:
+        """Queue a verify of `draft_ids`; the future yields the VerifyResult."""
+        session = self.sessions.get(session_id)
+        draft = self._check_draft(session, draft_ids, draft_probs, draft_dists)
+        self._claim(session)
+        future: Future[VerifyResult] = Future()
+        try:
+            self._enqueue(_VerifyJob(session, draft, future))
+        except Exception:
+            session.busy = False
+            raise
+        return future
+
+    def close(self, session_id: str) -> int:
+        """Close a session; returns the number of tokens it held."""
+        session = self.sessions.remove(session_id)
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+        return session.length
+
+    def open(self, prompt_ids: Sequence[int], sampling: Sampling | None = None) -> SessionInfo:
+        """Blocking `submit_open`."""
+        return self.submit_open(prompt_ids, sampling or Sampling()).result()
+
+    def verify(
+        self,
+        session_id: str,
+        draft_ids: Sequence[int],
+        draft_probs: Sequence[float] = (),
+        draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
+    ) -> VerifyResult:
+        """Blocking `submit_verify`."""
+        return self.submit_verify(session_id, draft_ids, draft_probs, draft_dists).result()
+
+    # ------------------------------------------------------------------ validation
+    def _check_ids(self, field: str, ids: Sequence[int]) -> list[int]:
+        """Token ids must lie in [0, vocab_size)."""
+        values = [int(i) for i in ids]
+        bad = [i for i in values if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                field, f"id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return values
+
+    def _check_draft(
+        self,
+        session: Session,
+        draft_ids: Sequence[int],
+        draft_probs: Sequence[float],
+        draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]],
+    ) -> Draft:
+        """Validate a draft against the session's limits and sampling mode."""
+        ids = self._check_ids("draft_ids", draft_ids)
+        if len(ids) > self.config.max_draft:
+            raise InvalidRequest(
+                "draft_ids", f"{len(ids)} tokens exceed max_draft {self.config.max_draft}"
+            )
+        if session.length + len(ids) + 1 > self.max_context:
+            raise InvalidRequest(
+                "draft_ids",
+                f"session holds {session.length} tokens; {len(ids)} more plus the next token "
+                f"pass max_context {self.max_context}; close it and open a new session",
+            )
+        if session.temperature == 0.0:
+            return Draft(ids)
+        if len(draft_probs) != len(ids) or len(draft_dists) != len(ids):
+            raise InvalidRequest(
+                "draft_probs",
+                f"sampling needs draft_probs and draft_dists for each of the {len(ids)} drafted "
+                f"tokens, got {len(draft_probs)} and {len(draft_dists)}",
+            )
+        dense = torch.zeros(len(ids), self.vocab_size, dtype=torch.float64)
+        for i, (support, probs) in enumerate(draft_dists):
+            dense[i] = self._dense_row(i, support, probs)
+        q = torch.tensor([float(p) for p in draft_probs], dtype=torch.float64)
+        for i, token in enumerate(ids):
+            if not 0.0 < float(q[i]) <= 1.0:
+                raise InvalidRequest("draft_probs", f"entry {i} is {float(q[i])}, not in (0, 1]")
+            if abs(float(dense[i, token]) - float(q[i])) > PROB_SUM_TOLERANCE:
+                raise InvalidRequest(
+                    "draft_probs",
+                    f"entry {i} ({float(q[i]):.6f}) differs from draft_dists[{i}] at the "
+                    f"drafted token ({float(dense[i, token]):.6f})",
+                )
+        return Draft(ids, q, dense)
+
+    def _dense_row(self, i: int, support: Sequence[int], probs: Sequence[float]) -> torch.Tensor:
+        """Turn one sparse draft distribution into a dense [V] row, validating it."""
+        field = f"draft_dists[{i}]"
+        ids = self._check_ids(f"{field}.token_ids", support)
+        if len(ids) != len(probs) or not ids:
+            raise InvalidRequest(
+                field,
+                f"needs equal, non-zero counts of token_ids and probs, got {len(ids)} and {len(probs)}",
+            )
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(f"{field}.token_ids", "ids must be distinct")
+        values = torch.tensor([float(p) for p in probs], dtype=torch.float64)
+        if bool((values < 0).any()) or abs(float(values.sum()) - 1.0) > PROB_SUM_TOLERANCE:
+            raise InvalidRequest(
+                f"{field}.probs",
+                f"must be non-negative and sum to 1 (±{PROB_SUM_TOLERANCE}), sum is {float(values.sum()):.6f}",
+            )
+        row = torch.zeros(self.vocab_size, dtype=torch.float64)
+        row[torch.tensor(ids)] = values / values.sum()
+        return row
+
+    def _claim(self, session: Session) -> None:
+        """Mark `session` busy, refusing a second verify in flight."""
+        with self.sessions.lock:
+            if session.busy:
+                raise SessionBusy(
+                    f"session {session.session_id!r} already has a verify in flight; "
+                    "wait for its reply"
+                )
+            session.busy = True
+
+    def _enqueue(self, job: _PrefillJob | _VerifyJob) -> None:
+        """Put a job on the queue; NotReady if stopped, Overloaded if the queue is full."""
+        if not self.running:
+            raise NotReady("verifier engine is not running (loading or draining); retry shortly")
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise Overloaded(
+                f"verify queue is full ({self.config.max_queue} requests); back off and retry"
+            ) from None
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        """Worker loop: take a job, gather a batch of verifies, run it, repeat."""
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if self.sessions.expire():
+                    self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+                continue
+            if isinstance(first, _PrefillJob):
+                self._guarded(first, self._prefill)
+                continue
+            batch, deferred = self._gather(first)
+            self._run_batch(batch)
+            for job in deferred:
+                self._guarded(job, self._prefill)
+
+    def _gather(self, first: _VerifyJob) -> tuple[list[_VerifyJob], list[_PrefillJob]]:
+        """Collect verifies arriving within the batching window; prefills wait for the next turn."""
+        batch, deferred = [first], []
+        deadline = time.monotonic() + self.config.batch_window_s
+        while len(batch) < self.config.max_batch:
+            remaining = deadline - time.monotonic()
+            try:
+                job = (
+                    self._queue.get(timeout=remaining)
+                    if remaining > 0
+                    else self._queue.get_nowait()
+                )
+            except queue.Empty:
+                break
+            if isinstance(job, _VerifyJob):
+                batch.append(job)
+            else:
+                deferred.append(job)
+        return batch, deferred
+
+    def _guarded(self, job: _PrefillJob, fn: Callable[[_PrefillJob], SessionInfo]) -> None:
+        """Run a prefill, routing any error to its future instead of the worker."""
+        try:
+            job.future.set_result(fn(job))
+        except Exception as exc:  # the future carries it to the caller
+            job.future.set_exception(exc)
+
+    @torch.no_grad()
+    def _prefill(self, job: _PrefillJob) -> SessionInfo:
+        """Fill the KV cache with all prompt tokens but the last, which stays pending."""
+        self.sessions.reserve(len(job.prompt) * self.bytes_per_position, keep=set())
+        head = job.prompt[:-1]
+        if head:
+            _, kv = _hf.forward(self.model, torch.tensor([head]), None)
+        else:
+            kv = self._empty_kv()
+        session_id = uuid.uuid4().hex
+        generator = torch.Generator().manual_seed(job.sampling.seed or int(session_id[:15], 16))
+        session = Session(
+            session_id=session_id,
+            kv=kv,
+            pending=job.prompt[-1],
+            temperature=job.sampling.temperature,
+            generator=generator,
+            last_used=self._clock(),
+        )
+        self.sessions.add(session)
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+        return SessionInfo(
+            session_id,
+            self.vocab_size,
+            self.config.max_draft,
+            self.max_context,
+            self.config.session_ttl_s,
+        )
+
+    def _empty_kv(self) -> _hf.KV:
+        """Zero-length KV tensors for a session whose cache is still empty."""
+        layers, heads, head_dim = self._kv_shape
+        empty = torch.zeros(1, heads, 0, head_dim, dtype=self._dtype)
+        return [(empty, empty) for _ in range(layers)]
+
+    def _run_batch(self, batch: list[_VerifyJob]) -> None:
+        """Verify a batch in one forward; every job's future gets a result or an error."""
+        started = time.monotonic()
+        try:
+            keep = {job.session.session_id for job in batch}
+            growth = sum(len(job.draft.ids) + 1 for job in batch) * self.bytes_per_position
+            self.sessions.reserve(growth, keep)
+            logits, new_kv = self._batched_forward(batch)
+        except Exception as exc:
+            for job in batch:
+                job.session.busy = False
+                job.future.set_exception(exc)
+            return
+        for row, job in enumerate(batch):
+            try:
+                result = self._commit(job, row, logits, new_kv)
+            except Exception as exc:
+                job.session.busy = False
+                job.future.set_exception(exc)
+            else:
+                job.session.busy = False  # before the reply: the caller may verify again at once
+                job.future.set_result(result)
+        self.observer.on_batch(len(batch), time.monotonic() - started)
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+
+    @torch.no_grad()
+    def _batched_forward(self, batch: list[_VerifyJob]) -> tuple[torch.Tensor, _hf.KV]:
+        """One target pass over [pending, *draft] of every session, padded to a rectangle.
+
+        KV caches are left-padded to the longest past P, inputs right-padded to the
+        longest T, so every session's new tokens start at column P; the attention
+        mask hides the padding and position ids continue each session's own length.
+        """
+        pasts = [_hf.kv_length(job.session.kv) for job in batch]
+        inputs = [[job.session.pending, *job.draft.ids] for job in batch]
+        size, longest_past, longest_new = len(batch), max(pasts), max(len(x) for x in inputs)
+        layers, heads, head_dim = self._kv_shape
+        input_ids = torch.zeros(size, longest_new, dtype=torch.long)
+        positions = torch.zeros(size, longest_new, dtype=torch.long)
+        mask = torch.zeros(size, longest_past + longest_new, dtype=torch.long)
+        kv: _hf.KV = []
+        for layer in range(layers):
+            keys = torch.zeros(size, heads, longest_past, head_dim, dtype=self._dtype)
+            values = torch.zeros_like(keys)
+            for b, job in enumerate(batch):
+                key, value = job.session.kv[layer]
+                keys[b, :, longest_past - pasts[b] :] = key[0]
+                values[b, :, longest_past - pasts[b] :] = value[0]
+            kv.append((keys, values))
+        for b, tokens in enumerate(inputs):
+            input_ids[b, : len(tokens)] = torch.tensor(tokens)
+            positions[b] = pasts[b] + torch.arange(longest_new)
+            mask[b, longest_past - pasts[b] : longest_past + len(tokens)] = 1
+        logits, new_kv = _hf.forward(self.model, input_ids, kv, mask, positions)
+        # new_kv[layer] is [B, heads, P + T, head_dim]; column P holds each session's pending token
+        return logits, [(k[:, :, longest_past:], v[:, :, longest_past:]) for k, v in new_kv]
+
+    def _commit(
+        self, job: _VerifyJob, row: int, logits: torch.Tensor, new_kv: _hf.KV
+    ) -> VerifyResult:
+        """Decide the verdict for one session and keep the KV of its accepted tokens."""
+        session, draft = job.session, job.draft
+        scores = logits[row, : len(draft.ids) + 1].float()
+        verdict = self._verdict(session, draft, scores)
+        keep = verdict.accepted + 1  # the pending token plus the accepted drafts
+        kv = [
+            (
+                torch.cat([k, nk[row : row + 1, :, :keep]], dim=2),
+                torch.cat([v, nv[row : row + 1, :, :keep]], dim=2),
+            )
+            for (k, v), (nk, nv) in zip(session.kv, new_kv, strict=True)
+        ]
+        self.sessions.set_kv(session, kv)
+        session.pending = verdict.next_token
+        session.last_used = self._clock()
+        self.observer.on_verify(len(draft.ids), verdict.accepted)
+        return VerifyResult(verdict.accepted, verdict.next_token, session.length)
+
+    @staticmethod
+    def _verdict(session: Session, draft: Draft, scores: torch.Tensor) -> Verdict:
+        """Greedy or sampling acceptance for one session's scores [k+1, V]."""
+        if session.temperature == 0.0:
+            return greedy_verdict(draft.ids, scores)
+        probs = torch.softmax(scores.double() / session.temperature, dim=-1)
+        k = len(draft.ids)
+        q = draft.probs if draft.probs is not None else torch.zeros(k, dtype=torch.float64)
+        dists = draft.dists if draft.dists is not None else torch.zeros(k, probs.shape[1])
+        return sampling_verdict(draft.ids, q, dists, probs, session.generator)
+
+
+def _check_sampling(sampling: Sampling) -> None:
+    """Temperature must lie in [0, MAX_TEMPERATURE]; seed must be non-negative."""
+    if not 0.0 <= sampling.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest(
+            "sampling.temperature",
+            f"{sampling.temperature} is outside [0, {MAX_TEMPERATURE}]; use 0 for greedy",
+        )
+    if sampling.seed < 0:
+        raise InvalidRequest("sampling.seed", f"{sampling.seed} must be >= 0")

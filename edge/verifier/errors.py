@@ -1,0 +1,33 @@
+"""Engine errors; the servicer maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+from fedge.errors import FedgeError
+
+
+class VerifierError(FedgeError):
+    """Base class of errors the verifier engine raises on a request."""
+
+
+class SessionNotFound(VerifierError):
+    """Unknown, closed, expired or evicted session (NOT_FOUND)."""
+
+
+class InvalidRequest(VerifierError):
+    """A request field is out of range (INVALID_ARGUMENT); the message names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class SessionBusy(VerifierError):
+    """A verify is already in flight on this session (FAILED_PRECONDITION)."""
+
+
+class Overloaded(VerifierError):
+    """Queue full or KV memory cap reached (RESOURCE_EXHAUSTED); retry with backoff."""
+
+
+class NotReady(VerifierError):
+    """The engine is not running: loading or draining (UNAVAILABLE)."""

@@ -1,0 +1,252 @@
+"""Verifier server lifecycle: build it, load the model, serve, drain on shutdown.
+
+`create_server(cfg)` binds a grpc.aio server with the Verifier service and the
+standard `grpc.health.v1` service (NOT_SERVING while the model loads and while
+draining), starts it, loads the base model and optional LoRA adapter, then flips
+health to SERVING. `serve(cfg)` runs one until SIGINT/SIGTERM. `BackgroundServer`
+runs one on its own event loop thread, for tests, the demo and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+from transformers import PreTrainedModel
+
+from edge.proto import verifier_pb2_grpc as pb_grpc
+from edge.verifier.engine import EngineConfig, VerifierEngine
+from edge.verifier.metrics import VerifierMetrics
+from edge.verifier.service import VerifierService
+
+LOG = logging.getLogger("fedge.verifier")
+SERVICE_NAME = "fedge.edge.v1.Verifier"
+AUTH_HEADER = "authorization"
+BEARER = "Bearer "
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the verifier listens, what it serves, and how it guards access."""
+
+    model_dir: Path
+    adapter_dir: Path | None = None  # peft LoRA adapter, merged into the base at load
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port; create_server returns the bound one
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    token: str | None = None  # bearer token every Verifier call must carry
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key enables TLS
+    tls_key: Path | None = None
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = any
+    grace_s: float = 5.0  # drain time on shutdown: in-flight calls finish, new ones are refused
+    torch_threads: int = 0  # 0 = torch's default
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                f"ServerConfig.tls_cert and tls_key must be given together, got "
+                f"tls_cert={self.tls_cert} tls_key={self.tls_key}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerConfig.port must lie in [0, 65535], got {self.port}")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("ServerConfig.token must not be blank; omit it to disable auth")
+        if self.grace_s < 0:
+            raise ValueError(f"ServerConfig.grace_s must be >= 0, got {self.grace_s}")
+
+
+def load_verifier_model(model_dir: Path, adapter_dir: Path | None = None) -> PreTrainedModel:
+    """Load the base causal LM and, when given, merge a peft LoRA adapter into its weights."""
+    from fedge.models import load_causal_lm
+
+    model = load_causal_lm(model_dir)
+    if adapter_dir is None:
+        return model
+    if not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"{adapter_dir} has no adapter_config.json; pass the directory a federated run saved "
+            "with save_pretrained (peft format)"
+        )
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return merged.eval()  # type: ignore[no-any-return,operator]
+
+
+class _BearerAuth(grpc.aio.ServerInterceptor):
+    """Reject Verifier calls whose `authorization` metadata is not `Bearer <token>`; health stays open."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = BEARER + token
+
+        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'",
+            )
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)  # type: ignore[arg-type]
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        if method.startswith(HEALTH_METHOD_PREFIX):
+            return await continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())  # type: ignore[attr-defined]
+        if metadata.get(AUTH_HEADER) == self._expected:
+            return await continuation(handler_call_details)
+        return self._deny_stream if method.endswith("/Generate") else self._deny_unary
+
+
+class VerifierServer:
+    """A bound, started grpc.aio server plus its engine, health servicer and metrics."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = VerifierMetrics()
+        self.engine: VerifierEngine | None = None
+        self.health = health.aio.HealthServicer()
+        interceptors = [_BearerAuth(config.token)] if config.token else []
+        self.grpc = grpc.aio.server(interceptors=interceptors)
+        pb_grpc.add_VerifierServicer_to_server(
+            VerifierService(lambda: self.engine, self.metrics), self.grpc
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._metrics_http: object | None = None
+
+    def _bind(self) -> int:
+        """Bind the configured address (TLS when configured); returns the port."""
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert is not None and self.config.tls_key is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())]
+            )
+            port = self.grpc.add_secure_port(address, credentials)
+        else:
+            port = self.grpc.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind the verifier to {address}; pick another port")
+        return port
+
+    async def _set_health(
+        self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
+    ) -> None:
+        """Report the same status for the Verifier service and the server as a whole."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self, model: PreTrainedModel | None = None) -> int:
+        """Listen (health NOT_SERVING), load the model, start the engine, then report SERVING."""
+        self.port = self._bind()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc.start()
+        if self.config.metrics_port is not None:
+            http, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
+            )
+            self._metrics_http = http
+            self.metrics_port = int(http.server_port)
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        if model is None:
+            model = await asyncio.to_thread(
+                load_verifier_model, self.config.model_dir, self.config.adapter_dir
+            )
+        self.engine = VerifierEngine(model, self.config.engine, observer=self.metrics).start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        LOG.info("verifier serving %s on %s:%d", self.config.model_dir, self.config.host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Report NOT_SERVING, let in-flight calls finish within the grace period, stop the engine."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc.stop(self.config.grace_s if grace_s is None else grace_s)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()  # type: ignore[attr-defined]
+            self._metrics_http = None
+
+
+async def create_server(
+    config: ServerConfig, model: PreTrainedModel | None = None
+) -> tuple[VerifierServer, int]:
+    """Build, bind and start a verifier; returns it and its port. `model` skips loading from disk."""
+    server = VerifierServer(config)
+    port = await server.start(model)
+    return server, port
+
+
+def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    """Run a verifier until SIGINT or SIGTERM, then drain for `config.grace_s` and exit."""
+
+    async def main() -> None:
+        server, port = await create_server(config)
+        if on_ready is not None:
+            on_ready(port)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        await stopping.wait()
+        LOG.info("draining for up to %.1f s", config.grace_s)
+        await server.stop()
+
+    asyncio.run(main())
+
+
+class BackgroundServer:
+    """A verifier on its own event-loop thread: `start()` returns the port, `stop()` drains it."""
+
+    def __init__(self, config: ServerConfig, model: PreTrainedModel | None = None) -> None:
+        self.config = config
+        self._model = model
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="verifier-loop", daemon=True
+        )
+        self.server: VerifierServer | None = None
+        self.port = 0
+
+    def start(self) -> int:
+        """Start the loop thread and the server on it; blocks until it serves."""
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(
+            create_server(self.config, self._model), self._loop
+        )
+        self.server, self.port = future.result()
+        return self.port
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        """Drain and stop the server, then the loop thread."""
+        if self.server is not None:
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result()
+            self.server = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        with contextlib.suppress(RuntimeError):
+            self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
