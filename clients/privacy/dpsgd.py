@@ -1,0 +1,233 @@
+"""Sample-level DP-SGD on a client's LoRA parameters with Opacus, accounted across rounds.
+
+One record is one disjoint window of ``seq_len + 1`` tokens of the client's training
+stream; Opacus' DPDataLoader draws every batch by Poisson sampling with rate
+``batch_size / records``, which is what its RDP accountant assumes, so the amplification
+it claims is real. The accountant's history lives in a ConfigRecord the caller keeps in
+the client's ``Context.state``, so epsilon accumulates over every round the client
+trains in (the PrivacyEngine object itself is rebuilt around it each round because the
+model object the engine hooks is rebuilt per round).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord
+from opacus import PrivacyEngine
+from opacus.accountants import RDPAccountant
+
+from strategies.base import ClientHook
+
+# ConfigRecord in Context.state holding the accountant history of this client.
+STATE_RECORD = "fedge.dpsgd.accountant"
+_NOISE, _RATE, _STEPS = "noise-multipliers", "sample-rates", "steps"
+# Reply metric with the client's cumulative epsilon.
+MET_DPSGD_EPSILON = "dp-sgd-epsilon"
+
+
+@dataclass(frozen=True)
+class DPSGDConfig:
+    """DP-SGD knobs (Abadi et al. 2016, arXiv:1607.00133) for one client."""
+
+    noise_multiplier: float = 1.0  # sigma of the per-step Gaussian, in units of max_grad_norm
+    max_grad_norm: float = 1.0  # per-sample L2 clip of the LoRA gradient
+    target_delta: float = 1e-5  # delta at which epsilon is reported
+    ffa_lora: bool = True  # freeze lora_A, train lora_B (Sun et al. 2024, FFA-LoRA)
+
+    def __post_init__(self) -> None:
+        """Reject settings Opacus or the accountant cannot use, naming the field."""
+        if not (self.noise_multiplier > 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"dp-sgd noise_multiplier={self.noise_multiplier}: must be > 0")
+        if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise ValueError(f"dp-sgd max_grad_norm={self.max_grad_norm}: must be > 0")
+        if not 0 < self.target_delta < 1:
+            raise ValueError(f"dp-sgd target_delta={self.target_delta}: must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class DPSGDOutcome:
+    """What one round of DP-SGD did: per-step losses and the client's cumulative epsilon."""
+
+    losses: list[float]
+    epsilon: float
+    sample_rate: float
+    records: int
+
+
+def freeze_lora_a(model: torch.nn.Module) -> int:
+    """FFA-LoRA: stop training every ``lora_A`` tensor; return how many were frozen."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if "lora_A" in name and param.requires_grad:
+            param.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def token_records(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
+    """Cut a token stream into disjoint (records, seq_len + 1) windows: the DP unit."""
+    n = len(tokens) // (seq_len + 1)
+    if n < 2:
+        raise ValueError(
+            f"a stream of {len(tokens)} tokens gives {n} DP-SGD records of seq-len + 1 = "
+            f"{seq_len + 1} tokens; lower seq-len or give the client more data"
+        )
+    rows = np.asarray(tokens[: n * (seq_len + 1)], dtype=np.int64).reshape(n, seq_len + 1)
+    return torch.from_numpy(rows)
+
+
+def load_accountant(state: ConfigRecord) -> RDPAccountant:
+    """Rebuild the client's RDP accountant from its persisted history."""
+    accountant = RDPAccountant()
+    columns = [state.get(key, []) for key in (_NOISE, _RATE, _STEPS)]
+    if not all(isinstance(c, list) for c in columns):
+        raise ValueError(f"context state record {STATE_RECORD!r} is corrupt; delete it to reset")
+    noises, rates, steps = (np.asarray(c, dtype=np.float64) for c in columns)
+    accountant.history = [
+        (float(z), float(q), int(s)) for z, q, s in zip(noises, rates, steps, strict=True)
+    ]
+    return accountant
+
+
+def save_accountant(accountant: RDPAccountant, state: ConfigRecord) -> None:
+    """Write the accountant history into ``state`` (three parallel lists)."""
+    state[_NOISE] = [float(z) for z, _, _ in accountant.history]
+    state[_RATE] = [float(q) for _, q, _ in accountant.history]
+    state[_STEPS] = [int(s) for _, _, s in accountant.history]
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Per-batch mean next-token loss; each row's gradient is one record's gradient."""
+    logits = model(input_ids=batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+    )
+
+
+def train_dpsgd(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    dp: DPSGDConfig,
+    state: ConfigRecord,
+    hook: ClientHook | None = None,
+    seed: int | None = None,
+) -> DPSGDOutcome:
+    """Run ``steps`` DP-SGD steps on the trainable (LoRA) parameters of ``model``.
+
+    The strategy hook's data-independent terms (FedProx's proximal gradient, SCAFFOLD's
+    control correction) are added after Opacus clips and noises the data gradient, so they
+    cost no privacy. ``state`` carries the accountant across rounds. The model is left
+    unwrapped (Opacus' hooks removed) when this returns.
+    """
+    if dp.ffa_lora:
+        freeze_lora_a(model)
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not named:
+        raise ValueError("the model has no trainable parameters; apply LoRA before DP-SGD")
+    records = token_records(tokens, seq_len)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(records),
+        batch_size=min(batch_size, len(records)),
+        generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+    )
+    optimizer = torch.optim.SGD(list(named.values()), lr=lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus warns that secure_mode (a CSPRNG) is off
+        engine = PrivacyEngine(accountant="rdp")
+        engine.accountant = load_accountant(state)
+        private, dp_optimizer, dp_loader = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=dp.noise_multiplier,
+            max_grad_norm=dp.max_grad_norm,
+            poisson_sampling=True,
+        )
+    _add_hook_after_noise(dp_optimizer, hook, named)
+    losses: list[float] = []
+    with warnings.catch_warnings():
+        # frozen embeddings: torch notes that the full backward hook fires on outputs only
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        _run_steps(private, dp_optimizer, dp_loader, named, steps, losses)
+    save_accountant(engine.accountant, state)
+    return DPSGDOutcome(
+        losses=losses,
+        epsilon=float(engine.accountant.get_epsilon(dp.target_delta)),
+        sample_rate=1.0 / len(dp_loader),
+        records=len(records),
+    )
+
+
+def _run_steps(
+    private: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: torch.utils.data.DataLoader,
+    named: dict[str, torch.nn.Parameter],
+    steps: int,
+    losses: list[float],
+) -> None:
+    """The DP-SGD loop: Poisson batch, per-sample grads, Opacus clip + noise + step."""
+    try:
+        private.train()
+        batches = iter(loader)
+        while len(losses) < steps:
+            try:
+                (batch,) = next(batches)
+            except StopIteration:
+                batches = iter(loader)
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            if batch.shape[0] == 0:
+                _empty_batch_grad_samples(named)
+                losses.append(float("nan"))
+            else:
+                loss = lm_loss(private, batch)
+                loss.backward()
+                losses.append(float(loss.detach()))
+            optimizer.step()
+    finally:
+        private._close()  # type: ignore[operator]  # remove Opacus' hooks; the model is reused
+
+
+def cumulative_epsilon(state: ConfigRecord, delta: float) -> float:
+    """Epsilon this client has spent over every round so far (0.0 before its first step)."""
+    accountant = load_accountant(state)
+    return float(accountant.get_epsilon(delta)) if accountant.history else 0.0
+
+
+def _empty_batch_grad_samples(named: dict[str, torch.nn.Parameter]) -> None:
+    """A Poisson batch can be empty: the step then releases noise only, and is still counted."""
+    for p in named.values():
+        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype)  # type: ignore[attr-defined]
+
+
+def _add_hook_after_noise(
+    optimizer: torch.optim.Optimizer, hook: ClientHook | None, named: dict[str, torch.nn.Parameter]
+) -> None:
+    """Chain the strategy's gradient terms after Opacus' noise (and its accountant hook)."""
+    if hook is None:
+        return
+    accountant_hook = optimizer.step_hook  # type: ignore[attr-defined]
+
+    def after_noise(opt: torch.optim.Optimizer) -> None:
+        if accountant_hook is not None:
+            accountant_hook(opt)
+        reg = hook.regularizer(named)
+        if reg is not None:
+            grads = torch.autograd.grad(reg, list(named.values()), allow_unused=True)
+            for p, g in zip(named.values(), grads, strict=True):
+                if g is not None and p.grad is not None:
+                    p.grad.add_(g)
+        hook.correct_gradients(named)
+
+    optimizer.step_hook = after_noise  # type: ignore[attr-defined]
