@@ -32,7 +32,7 @@ class TrainConfig:
     """Client-side knobs; each field's config key is its name with '-' for '_'."""
 
     lora_r: int = 8
-    lora_alpha: float = 16.0
+    lora_alpha: int = 16
     lora_dropout: float = 0.0  # dropout makes replayed rounds differ only via the seeded RNG
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # comma separated module names
     local_steps: int = 8
@@ -46,6 +46,7 @@ class TrainConfig:
     client_threads: int = 0  # torch threads per client; 0 = cores / concurrent clients
     straggler_fraction: float = 0.0  # chance per round that a client is a straggler
     straggler_work: float = 0.25  # fraction of local steps a straggler completes
+    device_population: str = ""  # "name:share:work,...": device classes, work = fraction of steps
 
     def __post_init__(self) -> None:
         """Validate ranges, naming the field and the value."""
@@ -65,6 +66,7 @@ class TrainConfig:
             raise ValueError(f"straggler-work must be in (0, 1], got {self.straggler_work}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
+        parse_population(self.device_population)
         if not self.target_modules:
             raise ValueError("lora-target-modules is empty: name at least one module, e.g. q_proj")
 
@@ -109,48 +111,92 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def is_straggler(cfg: TrainConfig, seed: int, server_round: int, partition: int) -> bool:
-    """Decide, reproducibly, whether this client straggles this round."""
-    if cfg.straggler_fraction <= 0:
-        return False
-    draw = np.random.default_rng(derive_seed(seed, "straggler", server_round, partition)).random()
-    return bool(draw < cfg.straggler_fraction)
+@dataclass(frozen=True)
+class DeviceClass:
+    """A class of devices: its share of the population and the fraction of local work it finishes."""
+
+    name: str
+    share: float
+    work: float
 
 
-def steps_to_run(cfg: TrainConfig, straggler: bool) -> int:
-    """Local steps this client completes: all of them, or the straggler's share (at least 1)."""
-    if not straggler:
-        return cfg.local_steps
-    return max(1, min(cfg.local_steps - 1, math.floor(cfg.local_steps * cfg.straggler_work)))
+def parse_population(spec: str) -> list[DeviceClass]:
+    """Parse "name:share:work,..." (shares need not sum to 1; they are normalised)."""
+    classes = []
+    for item in (p.strip() for p in spec.split(",") if p.strip()):
+        parts = item.split(":")
+        try:
+            name, share, work = parts[0], float(parts[1]), float(parts[2])
+        except (IndexError, ValueError) as exc:
+            raise ValueError(
+                f"device-population entry {item!r} must look like 'phone:0.5:0.25' "
+                "(name:share:work)"
+            ) from exc
+        if share <= 0 or not 0 < work <= 1:
+            raise ValueError(f"device-population entry {item!r}: need share > 0 and work in (0, 1]")
+        classes.append(DeviceClass(name, share, work))
+    return classes
+
+
+def device_class(cfg: TrainConfig, seed: int, partition: int) -> DeviceClass | None:
+    """Return this client's device class (fixed for the run), or None without a population."""
+    classes = parse_population(cfg.device_population)
+    if not classes:
+        return None
+    shares = np.array([c.share for c in classes])
+    draw = np.random.default_rng(derive_seed(seed, "device", partition)).random()
+    return classes[int(np.searchsorted(np.cumsum(shares / shares.sum()), draw, side="right"))]
+
+
+def local_work(cfg: TrainConfig, seed: int, server_round: int, partition: int) -> tuple[int, float]:
+    """Return (steps to run, completed fraction) for this client and round, reproducibly.
+
+    The device class caps the work for the whole run; on top, a client straggles in a
+    round with probability ``straggler-fraction`` and then does ``straggler-work`` of it.
+    """
+    work = 1.0
+    cls = device_class(cfg, seed, partition)
+    if cls is not None:
+        work = cls.work
+    if cfg.straggler_fraction > 0:
+        rng = np.random.default_rng(derive_seed(seed, "straggler", server_round, partition))
+        if rng.random() < cfg.straggler_fraction:
+            work = min(work, cfg.straggler_work)
+    if work >= 1.0:
+        return cfg.local_steps, 1.0
+    steps = max(1, min(cfg.local_steps - 1, math.floor(cfg.local_steps * work)))
+    return steps, steps / cfg.local_steps
+
+
+MIN_WINDOW = 8  # shortest usable window: below this a client has too little text to learn from
 
 
 def random_windows(
     tokens: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator
 ) -> torch.Tensor:
-    """Return a (batch_size, seq_len + 1) LongTensor of random windows of a token stream."""
-    if len(tokens) < seq_len + 2:
+    """Return a (batch_size, L + 1) LongTensor of random windows, L = seq_len or less for short data."""
+    length = min(seq_len, len(tokens) - 2)
+    if length < MIN_WINDOW:
         raise ValueError(
-            f"a token stream of {len(tokens)} tokens is shorter than seq-len + 2 = {seq_len + 2}; "
-            "lower seq-len or give the client more data"
+            f"a token stream of {len(tokens)} tokens is too short to train on "
+            f"(need at least {MIN_WINDOW + 2}); give the client more data"
         )
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
-    rows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts])
+    starts = rng.integers(0, len(tokens) - length - 1, size=batch_size)
+    rows = np.stack([np.asarray(tokens[s : s + length + 1]) for s in starts])
     return torch.from_numpy(rows.astype(np.int64))
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> Iterator[torch.Tensor]:
-    """Yield up to ``max_windows`` evenly spaced, non-overlapping (1, seq_len + 1) windows."""
-    n_full = (len(tokens) - 1) // seq_len
-    if n_full <= 0:
-        raise ValueError(
-            f"held-out stream of {len(tokens)} tokens is shorter than seq-len + 1 = {seq_len + 1}"
-        )
-    picks = np.linspace(0, n_full - 1, num=min(n_full, max_windows)).astype(int)
-    for i in np.unique(picks):
-        start = int(i) * seq_len
-        yield torch.from_numpy(np.asarray(tokens[start : start + seq_len + 1], dtype=np.int64))[
-            None
-        ]
+    """Yield up to ``max_windows`` evenly spaced, non-overlapping (1, L + 1) windows, L <= seq_len."""
+    length = min(seq_len, len(tokens) - 1)
+    if length < 1:
+        raise ValueError(f"a held-out stream of {len(tokens)} tokens has nothing to score")
+    n_full = (len(tokens) - 1) // length
+    picks = np.unique(np.linspace(0, n_full - 1, num=min(n_full, max_windows)).astype(int))
+    for i in picks:
+        start = int(i) * length
+        window = np.asarray(tokens[start : start + length + 1], dtype=np.int64)
+        yield torch.from_numpy(window)[None]
 
 
 # ---------------------------------------------------------------- optimizer (swappable)

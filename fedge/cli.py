@@ -16,10 +16,12 @@ def _register_subcommands() -> None:
     """Attach each part's command group; imports stay here so `fedge --help` stays one place."""
     from edge.cli import edge_app, verifier_app
     from fedge.zoo.cli import app as models_app
+    from simulations.cli import app as simulate_app
 
     app.add_typer(models_app, name="models")
     app.add_typer(edge_app, name="edge")
     app.add_typer(verifier_app, name="verifier")
+    app.add_typer(simulate_app, name="simulate")
 
 
 _register_subcommands()

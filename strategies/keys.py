@@ -69,10 +69,12 @@ CFG_SEED: Final = "seed"
 CFG_SERVER_ROUND: Final = "server-round"
 
 CFG_MODEL: Final = "model"  # a model dir or hub id, or "zoo:<preset>"
+CFG_MODEL_PATH: Final = "model-path"  # the server's resolved model dir; clients use it when it exists
 CFG_PARTITION_SCHEME: Final = "partition-scheme"  # natural | iid | dirichlet
 CFG_NUM_PARTITIONS: Final = "num-partitions"
 CFG_DIRICHLET_ALPHA: Final = "dirichlet-alpha"
 CFG_MAX_CHARS_PER_CLIENT: Final = "max-chars-per-client"
+CFG_DATA_SOURCE: Final = "data-source"  # "" = stdlib corpus, else a directory of text files
 
 CFG_LORA_R: Final = "lora-r"
 CFG_LORA_ALPHA: Final = "lora-alpha"
@@ -86,6 +88,8 @@ CFG_MAX_GRAD_NORM: Final = "max-grad-norm"
 CFG_EVAL_BATCHES: Final = "eval-batches"
 CFG_STRAGGLER_FRACTION: Final = "straggler-fraction"
 CFG_STRAGGLER_WORK: Final = "straggler-work"  # fraction of local steps a straggler completes
+CFG_DEVICE_POPULATION: Final = "device-population"  # "name:share:work,..." device classes
+CFG_CLIENT_THREADS: Final = "client-threads"
 CFG_CLIENT_STATE_DIR: Final = "client-state-dir"  # "" keeps client state in Context.state
 CFG_CLIENT_MODS: Final = "client-mods"  # comma separated "package.module:mod" (clients.mods)
 CFG_OPTIMIZER: Final = "optimizer"  # "adamw" or "package.module:factory" (clients.trainer)

@@ -1,0 +1,196 @@
+"""The fedge ClientApp: LoRA fine-tuning of the cached base model on this node's partition.
+
+Message handlers (Flower Message API):
+
+* ``query``: reports this node's ``partition-id`` so the server can sample by
+  partition (reproducible across restarts, where node ids change).
+* ``train``: loads the global adapter into the cached model, runs the strategy's
+  hooked local steps on the partition's train split, replies with the summable
+  ``contribution`` ArrayRecord and a ``metrics`` MetricRecord.
+* ``evaluate``: held-out loss of the global adapter on the partition's held-out split.
+
+All configuration arrives in the message's ``config`` ConfigRecord; the node config
+says which partition this node is (``partition-id``). Mods named by ``client-mods``
+are applied per call by :func:`clients.mods.dispatch_mods`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients import worker
+from clients.mods import dispatch_mods
+from clients.state import ContextStore, DiskStore
+from clients.trainer import (
+    TrainConfig,
+    autocast_context,
+    build_optimizer,
+    derive_seed,
+    evaluate_tokens,
+    lm_batch_loss,
+    local_work,
+    random_windows,
+    run_local_steps,
+)
+from strategies import keys
+from strategies.base import (
+    Arrays,
+    ClientResult,
+    ClientStateStore,
+    ConfigValue,
+    Weighting,
+    build_contribution,
+)
+from strategies.registry import build_strategy
+
+app = ClientApp(mods=[dispatch_mods])
+
+
+def message_config(msg: Message) -> dict[str, ConfigValue]:
+    """Return the message's ``config`` record as a plain dict, or raise naming the missing record."""
+    if keys.REC_CONFIG not in msg.content.config_records:
+        raise ValueError(
+            f"message has no '{keys.REC_CONFIG}' ConfigRecord; send it from fedge's ServerApp"
+        )
+    return dict(msg.content.config_records[keys.REC_CONFIG])  # type: ignore[arg-type]
+
+
+def partition_id(context: Context) -> int:
+    """Return this node's partition from its node config (``partition-id``), or say how to set it."""
+    value = context.node_config.get(keys.NODE_PARTITION_ID)
+    if value is None:
+        raise ValueError(
+            "node config has no 'partition-id'; start the SuperNode with "
+            "--node-config 'partition-id=0 num-partitions=2'"
+        )
+    return int(value)
+
+
+def record_arrays(msg: Message, name: str) -> Arrays:
+    """Return an ArrayRecord of the message as numpy arrays (empty when absent)."""
+    if name not in msg.content.array_records:
+        return {}
+    return {k: v.numpy() for k, v in msg.content.array_records[name].items()}
+
+
+def state_store(config: Mapping[str, ConfigValue], context: Context, pid: int) -> ClientStateStore:
+    """Disk under ``client-state-dir`` when configured (survives restarts), else the node Context."""
+    root = str(config.get(keys.CFG_CLIENT_STATE_DIR, ""))
+    if root:
+        return DiskStore(Path(root) / f"partition_{pid:04d}")
+    return ContextStore(context.state)
+
+
+def _cache_metrics() -> dict[str, float]:
+    return {
+        keys.MET_MODEL_LOADS: float(worker.STATS["model_loads"]),
+        keys.MET_CALLS: float(worker.STATS["calls"]),
+    }
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Report this node's partition id."""
+    metrics = MetricRecord({keys.MET_PARTITION: partition_id(context)})
+    return Message(RecordDict({keys.REC_METRICS: metrics}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Run local LoRA training on this node's partition and reply with the contribution."""
+    t0 = time.perf_counter()
+    worker.STATS["calls"] += 1
+    config = message_config(msg)
+    cfg = TrainConfig.from_config(config)
+    worker.configure_threads(cfg.client_threads)
+    pid = partition_id(context)
+    seed = int(config.get(keys.CFG_SEED, 0))
+    server_round = int(config.get(keys.CFG_SERVER_ROUND, 1))
+    lm = worker.get_lora_model(worker.client_model_ref(config), cfg)
+    global_adapter = record_arrays(msg, keys.REC_GLOBAL)
+    worker.set_adapter(lm, global_adapter)
+    tokens = worker.get_corpus(config).client(pid).train
+
+    # Strategy hook, then the local loop: everything random is seeded by (seed, round, partition).
+    strategy = build_strategy(config)
+    anchor = {k: p.detach().clone() for k, p in lm.params.items()}
+    hook = strategy.client_hook(
+        config, anchor, record_arrays(msg, keys.REC_STRATEGY), state_store(config, context, pid)
+    )
+    steps, completed = local_work(cfg, seed, server_round, pid)
+    rng = np.random.default_rng(derive_seed(seed, "batches", server_round, pid))
+    torch.manual_seed(derive_seed(seed, "torch", server_round, pid))
+    batches = [
+        random_windows(tokens, cfg.batch_size, cfg.seq_len, rng).to(lm.device) for _ in range(steps)
+    ]
+    model, optimizer = build_optimizer(lm.model, list(lm.params.values()), cfg)
+    model.train()
+    t_train = time.perf_counter()
+    losses = run_local_steps(
+        lm.params,
+        lambda step: lm_batch_loss(model, batches[step]),
+        steps,
+        optimizer,
+        hook,
+        cfg.max_grad_norm,
+        autocast_context(lm.device, cfg.precision),
+    )
+    train_seconds = time.perf_counter() - t_train
+
+    # Contribution: delta = local - global; the hook adds its extras and state.
+    local = worker.adapter_arrays(lm)
+    delta = {k: local[k] - global_adapter[k] for k in local}
+    extras, new_state = hook.finish(delta, steps, cfg.lr)
+    num_examples = steps * cfg.batch_size
+    weighting: Weighting = "uniform" if config.get(keys.CFG_WEIGHTING) == "uniform" else "examples"
+    contribution = build_contribution(
+        ClientResult(delta, num_examples, completed, extras),
+        weighting,
+        bool(config.get(keys.CFG_ACCEPT_PARTIAL, False)),
+    )
+    if new_state is not None and contribution[keys.KEY_COUNT][0] > 0:
+        state_store(config, context, pid).save(server_round, new_state)
+    metrics = MetricRecord(
+        {
+            keys.MET_TRAIN_LOSS: float(np.mean(losses)),
+            keys.MET_NUM_EXAMPLES: num_examples,
+            keys.MET_LOCAL_STEPS: steps,
+            keys.MET_COMPLETED: completed,
+            keys.MET_TRAIN_SECONDS: train_seconds,
+            keys.MET_PARTITION: pid,
+            "client-seconds": time.perf_counter() - t0,
+            **_cache_metrics(),
+        }
+    )
+    record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in contribution.items()})
+    return Message(RecordDict({keys.REC_CONTRIB: record, keys.REC_METRICS: metrics}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Held-out loss of the global adapter on this node's held-out split."""
+    worker.STATS["calls"] += 1
+    config = message_config(msg)
+    cfg = TrainConfig.from_config(config)
+    worker.configure_threads(cfg.client_threads)
+    pid = partition_id(context)
+    lm = worker.get_lora_model(worker.client_model_ref(config), cfg)
+    worker.set_adapter(lm, record_arrays(msg, keys.REC_GLOBAL))
+    heldout = worker.get_corpus(config).client(pid).heldout
+    loss, scored = evaluate_tokens(lm.model, np.asarray(heldout), cfg, lm.device)
+    metrics = MetricRecord(
+        {
+            keys.MET_EVAL_LOSS: loss,
+            keys.MET_NUM_EXAMPLES: scored,
+            keys.MET_PARTITION: pid,
+            **_cache_metrics(),
+        }
+    )
+    return Message(RecordDict({keys.REC_METRICS: metrics}), reply_to=msg)

@@ -1,0 +1,59 @@
+"""The fedge ServerApp: the round loop of :mod:`server.loop` behind Flower's ``@app.main()``.
+
+``app`` (what ``[tool.flwr.app.components]`` names) reads its configuration from the
+run config, i.e. ``[tool.flwr.app.config]`` plus ``flwr run --run-config``
+overrides. ``fedge simulate`` builds its own ServerApp with
+:func:`make_server_app`, passing the scenario's resolved config directly, because
+Flower's ``run_simulation`` gives the ServerApp an empty run config.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from server.config import RunConfig
+from server.loop import LoopOutcome, RowCallback, run_federation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OutcomeBox:
+    """Receives the run's outcome from the ServerApp thread (for in-process callers)."""
+
+    outcome: LoopOutcome | None = None
+    rows: list[dict[str, object]] = field(default_factory=list)
+
+
+def make_server_app(
+    cfg: RunConfig | None = None,
+    resume: bool = False,
+    on_row: RowCallback | None = None,
+    box: OutcomeBox | None = None,
+) -> ServerApp:
+    """Return a ServerApp running the federation with ``cfg`` (None: read the run config)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        config = cfg if cfg is not None else RunConfig.from_mapping(dict(context.run_config))
+        outcome = run_federation(grid, config, resume=resume, on_row=on_row)
+        if box is not None:
+            box.outcome = outcome
+        level = logging.INFO if outcome.status != "failed" else logging.ERROR
+        log.log(
+            level,
+            "fedge federation %s: %s (run dir %s)",
+            outcome.status,
+            outcome.message,
+            outcome.run_dir,
+        )
+
+    return server_app
+
+
+app = make_server_app()

@@ -1,0 +1,131 @@
+"""The federation's one configuration type: server knobs plus the client's :class:`TrainConfig`.
+
+Every source of configuration is a flat mapping of hyphenated keys (constants in
+:mod:`strategies.keys`): ``[tool.flwr.app.config]`` in ``pyproject.toml`` (``flwr
+run``), a scenario TOML under ``simulations/scenarios`` (``fedge simulate``), and
+``--set key=value`` overrides. :meth:`RunConfig.from_mapping` validates all of
+them the same way; the client half travels to clients inside every message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from clients.trainer import TrainConfig, _coerce
+from strategies import keys
+from strategies.base import ConfigValue
+from strategies.registry import STRATEGY_NAMES
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one federated run needs; a field's key is its name with '-' for '_'."""
+
+    num_server_rounds: int = 3
+    strategy: str = "fedavg"
+    server_lr: float = 1.0
+    proximal_mu: float = 0.01  # FedProx's mu; small, since LoRA deltas are small
+    weighting: str = "examples"
+    fraction_train: float = 1.0
+    min_train_nodes: int = 2
+    min_available_nodes: int = 2
+    round_timeout: float = 900.0  # seconds to wait for train replies
+    seed: int = 0
+    model: str = "zoo:micro"  # a model dir, a hub id, or "zoo:<preset>"
+    partition_scheme: str = "natural"
+    num_partitions: int = 0  # 0: the scheme's own count (natural) or the node count
+    dirichlet_alpha: float = 0.5
+    max_chars_per_client: int = 0  # 0: no cap
+    data_source: str = ""  # "" = the stdlib corpus; else a directory of your own text
+    server_eval_batches: int = 16  # held-out windows of seq-len for server perplexity
+    client_eval: bool = True  # ask the round's clients for held-out loss too
+    run_dir: str = ""  # "" under `flwr run`: runs/flwr-<utc time>
+    aggregator: str = "plain"
+    privacy_budget: str = ""
+    max_epsilon: float = 0.0  # 0: no budget stop
+    client_mods: str = ""
+    client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
+    save_merged: bool = True  # also write base+adapter merged for serving
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        """Validate ranges and names, naming the key and the value."""
+        if self.num_server_rounds <= 0:
+            raise ValueError(f"num-server-rounds must be > 0, got {self.num_server_rounds}")
+        if self.strategy not in STRATEGY_NAMES:
+            raise ValueError(
+                f"strategy must be one of {', '.join(STRATEGY_NAMES)}, got {self.strategy!r}"
+            )
+        if self.weighting not in ("examples", "uniform"):
+            raise ValueError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
+        if not 0 < self.fraction_train <= 1:
+            raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
+        if self.min_train_nodes <= 0 or self.min_available_nodes <= 0:
+            raise ValueError("min-train-nodes and min-available-nodes must be > 0")
+        if self.partition_scheme not in ("natural", "iid", "dirichlet"):
+            raise ValueError(
+                f"partition-scheme must be natural, iid or dirichlet, got {self.partition_scheme!r}"
+            )
+        if self.server_lr <= 0 or self.proximal_mu < 0 or self.round_timeout <= 0:
+            raise ValueError("server-lr and round-timeout must be > 0 and proximal-mu >= 0")
+        if self.max_epsilon < 0:
+            raise ValueError(f"max-epsilon must be >= 0, got {self.max_epsilon}")
+
+    # ------------------------------------------------------------ mappings
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> RunConfig:
+        """Build from flat hyphenated keys; an unknown key is an error that lists the known ones."""
+        server_fields = {_key(f.name): f for f in dataclasses.fields(cls) if f.name != "train"}
+        train_keys = set(TrainConfig().to_config())
+        unknown = sorted(k for k in mapping if k not in server_fields and k not in train_keys)
+        if unknown:
+            raise ValueError(
+                f"unknown config key(s) {unknown}; known keys: "
+                f"{', '.join(sorted([*server_fields, *train_keys]))}"
+            )
+        defaults = cls()
+        values: dict[str, Any] = {
+            f.name: _coerce(k, mapping[k], type(getattr(defaults, f.name)))
+            for k, f in server_fields.items()
+            if k in mapping
+        }
+        train = TrainConfig.from_config({k: v for k, v in mapping.items() if k in train_keys})
+        return cls(train=train, **values)
+
+    def to_mapping(self) -> dict[str, ConfigValue]:
+        """Return every key, flat (server keys, then the client's)."""
+        out: dict[str, ConfigValue] = {
+            _key(f.name): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "train"
+        }
+        out.update(self.train.to_config())
+        return out
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> RunConfig:
+        """Return a copy with some flat keys replaced (validated like the rest)."""
+        return RunConfig.from_mapping({**self.to_mapping(), **overrides})
+
+    def client_config(self) -> dict[str, ConfigValue]:
+        """The keys every client message carries: data, model, training, mods, seed."""
+        out: dict[str, ConfigValue] = dict(self.train.to_config())
+        for key in (
+            keys.CFG_MODEL,
+            keys.CFG_PARTITION_SCHEME,
+            keys.CFG_NUM_PARTITIONS,
+            keys.CFG_DIRICHLET_ALPHA,
+            keys.CFG_MAX_CHARS_PER_CLIENT,
+            keys.CFG_DATA_SOURCE,
+            keys.CFG_SEED,
+            keys.CFG_CLIENT_MODS,
+            keys.CFG_CLIENT_STATE_DIR,
+        ):
+            out[key] = self.to_mapping()[key]
+        return out
+
+
+def _key(field_name: str) -> str:
+    return field_name.replace("_", "-")

@@ -1,0 +1,419 @@
+"""The federated round loop, written once: sample, train, aggregate, finalize, evaluate, checkpoint.
+
+Per round (numbered as in the code):
+  1. ask the privacy budget whether this round may be released (else stop cleanly);
+  2. sample nodes by partition with the checkpointed RNG;
+  3. hand the train message to the aggregator, which returns the SUM of valid
+     contributions (malformed replies are rejected and logged with their node id);
+  4. ``strategy.finalize`` turns the sum into the next global adapter and state;
+  5. evaluate: server-side perplexity on the union of held-out splits, and the
+     sampled clients' own held-out loss;
+  6. write the metrics row and the checkpoint.
+A round with fewer valid replies than ``min-train-nodes`` fails: the run stops with
+``status.json`` saying why, its last checkpoint intact, resumable with ``--resume``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from clients import worker
+from clients.trainer import evaluate_tokens
+from server.aggregation import AggregateResult, build_aggregator, load_dotted, reply_metrics
+from server.budget import NoBudget, PrivacyBudget
+from server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
+from server.config import RunConfig
+from server.rundir import MetricsLog, plot_perplexity, write_config
+from strategies import keys
+from strategies.base import Arrays, ConfigValue, GlobalState, Strategy, replace_state
+from strategies.registry import build_strategy
+
+log = logging.getLogger(__name__)
+
+RowCallback = Callable[[Mapping[str, Any]], None]
+NODE_WAIT_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class LoopOutcome:
+    """How a run ended: ``completed``, ``budget`` (privacy budget spent) or ``failed``."""
+
+    status: str
+    message: str
+    run_dir: Path
+    state: GlobalState | None
+    adapter_dir: Path | None
+
+
+def default_run_dir() -> Path:
+    """``runs/flwr-<UTC time>`` under the working directory (used when ``run-dir`` is empty)."""
+    return Path("runs") / datetime.now(UTC).strftime("flwr-%Y%m%d-%H%M%S")
+
+
+def build_budget(cfg: RunConfig) -> PrivacyBudget:
+    """The accountant named by ``privacy-budget`` (a dotted factory taking the config), or none."""
+    if not cfg.privacy_budget:
+        return NoBudget()
+    return load_dotted(cfg.privacy_budget, what="config key 'privacy-budget'")(cfg)  # type: ignore[return-value]
+
+
+class ServerModel:
+    """The server's copy of base + LoRA: initial adapter, held-out perplexity, final export."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.model_path = worker.resolve_model(cfg.model)
+        self.client_config = client_config(cfg)
+        self.lm = worker.get_lora_model(self.model_path, cfg.train)
+        self._heldout: np.ndarray | None = None
+
+    def initial_adapter(self) -> Arrays:
+        """The seeded LoRA initialisation (B = 0, so the model starts as the base model)."""
+        return worker.adapter_arrays(self.lm)
+
+    def heldout(self) -> np.ndarray:
+        """The union of all clients' held-out token streams (built once)."""
+        if self._heldout is None:
+            self._heldout = np.asarray(worker.get_corpus(self.client_config).heldout_union())
+        return self._heldout
+
+    def evaluate(self, adapter: Arrays) -> float:
+        """Mean token loss of base + ``adapter`` on evenly spaced held-out windows."""
+        worker.set_adapter(self.lm, adapter)
+        cfg = self.cfg.train
+        eval_cfg = type(cfg).from_config(
+            {**cfg.to_config(), "eval-batches": self.cfg.server_eval_batches}
+        )
+        loss, _ = evaluate_tokens(self.lm.model, self.heldout(), eval_cfg, self.lm.device)
+        return loss
+
+    def export(self, adapter: Arrays, out: Path) -> Path:
+        """Save the adapter in peft format and, if configured, a merged model with its tokenizer."""
+        from peft import PeftModel
+
+        from fedge.models import load_causal_lm, load_tokenizer
+
+        worker.set_adapter(self.lm, adapter)
+        adapter_dir = out / "adapter"
+        self.lm.model.save_pretrained(str(adapter_dir))  # type: ignore[operator]
+        if self.cfg.save_merged:
+            path = self.model_path
+            merged = PeftModel.from_pretrained(
+                load_causal_lm(path), str(adapter_dir)
+            ).merge_and_unload()
+            merged.save_pretrained(str(out / "merged"))  # type: ignore[operator]
+            load_tokenizer(path).save_pretrained(str(out / "merged"))
+        return adapter_dir
+
+
+# ---------------------------------------------------------------- messages
+def client_config(cfg: RunConfig) -> dict[str, ConfigValue]:
+    """The run's client config plus the server's resolved model dir (saves clients a zoo check)."""
+    return {**cfg.client_config(), keys.CFG_MODEL_PATH: worker.resolve_model(cfg.model)}
+
+
+def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """numpy arrays -> ArrayRecord (contiguous float32 copies are what clients expect)."""
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def train_content(
+    state: GlobalState, strategy: Strategy, cfg: RunConfig, server_round: int
+) -> RecordDict:
+    """The train message: global adapter, strategy record, and the full client config."""
+    config: dict[str, ConfigValue] = {
+        **client_config(cfg),
+        **strategy.client_config(server_round),
+        keys.CFG_SERVER_ROUND: server_round,
+    }
+    return RecordDict(
+        {
+            keys.REC_GLOBAL: to_array_record(state.adapter),
+            keys.REC_STRATEGY: to_array_record(strategy.client_payload(state)),
+            keys.REC_CONFIG: ConfigRecord(config),  # type: ignore[arg-type]
+        }
+    )
+
+
+def wait_for_nodes(grid: Grid, minimum: int, timeout: float = NODE_WAIT_SECONDS) -> list[int]:
+    """Poll until at least ``minimum`` nodes are connected; raise naming the shortfall."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= minimum:
+            return nodes
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"only {len(nodes)} of min-available-nodes={minimum} nodes connected within "
+                f"{timeout:.0f} s; start more SuperNodes or lower min-available-nodes"
+            )
+        time.sleep(0.5)
+
+
+def query_partitions(grid: Grid, nodes: Sequence[int], cfg: RunConfig) -> dict[int, int]:
+    """Ask every node for its partition id; nodes that do not answer are left out."""
+    content = RecordDict({keys.REC_CONFIG: ConfigRecord(client_config(cfg))})  # type: ignore[arg-type]
+    messages = [
+        Message(content, dst_node_id=n, message_type=MessageType.QUERY, group_id="0") for n in nodes
+    ]
+    out: dict[int, int] = {}
+    for reply in grid.send_and_receive(messages, timeout=NODE_WAIT_SECONDS):
+        if reply.has_error():
+            log.warning(
+                "node %d failed the partition query: %s",
+                reply.metadata.src_node_id,
+                reply.error.reason,
+            )
+            continue
+        metrics = reply_metrics(reply)
+        if keys.MET_PARTITION in metrics:
+            out[reply.metadata.src_node_id] = int(metrics[keys.MET_PARTITION])
+    return out
+
+
+def sample_nodes(rng: np.random.Generator, ordered: Sequence[int], cfg: RunConfig) -> list[int]:
+    """Sample max(min-train-nodes, ceil(fraction-train * N)) nodes, in partition order."""
+    n = min(len(ordered), max(cfg.min_train_nodes, math.ceil(cfg.fraction_train * len(ordered))))
+    picks = sorted(int(i) for i in rng.choice(len(ordered), size=n, replace=False))
+    return [ordered[i] for i in picks]
+
+
+def client_evaluate(
+    grid: Grid, nodes: Sequence[int], state: GlobalState, cfg: RunConfig, server_round: int
+) -> float:
+    """Example-weighted mean of the clients' held-out losses (NaN when none answered)."""
+    content = RecordDict(
+        {
+            keys.REC_GLOBAL: to_array_record(state.adapter),
+            keys.REC_CONFIG: ConfigRecord(
+                {**client_config(cfg), keys.CFG_SERVER_ROUND: server_round}
+            ),  # type: ignore[arg-type]
+        }
+    )
+    messages = [
+        Message(
+            content, dst_node_id=n, message_type=MessageType.EVALUATE, group_id=str(server_round)
+        )
+        for n in nodes
+    ]
+    total, weight = 0.0, 0.0
+    for reply in grid.send_and_receive(messages, timeout=cfg.round_timeout):
+        if reply.has_error():
+            log.warning(
+                "round %d: node %d failed to evaluate: %s",
+                server_round,
+                reply.metadata.src_node_id,
+                reply.error.reason,
+            )
+            continue
+        m = reply_metrics(reply)
+        if math.isfinite(m.get(keys.MET_EVAL_LOSS, math.nan)):
+            total += m[keys.MET_EVAL_LOSS] * m.get(keys.MET_NUM_EXAMPLES, 1.0)
+            weight += m.get(keys.MET_NUM_EXAMPLES, 1.0)
+    return total / weight if weight else math.nan
+
+
+# ---------------------------------------------------------------- the loop
+def run_federation(
+    grid: Grid, cfg: RunConfig, resume: bool = False, on_row: RowCallback | None = None
+) -> LoopOutcome:
+    """Run (or resume) the configured federation on ``grid``; always leaves status.json behind."""
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir()
+    try:
+        return _run(grid, cfg, run_dir, resume, on_row or (lambda _row: None))
+    except Exception as exc:
+        _write_status(run_dir, "failed", f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _run(
+    grid: Grid, cfg: RunConfig, run_dir: Path, resume: bool, on_row: RowCallback
+) -> LoopOutcome:
+    strategy = build_strategy(cfg.to_mapping())
+    aggregator = build_aggregator(cfg.aggregator, cfg)
+    budget = build_budget(cfg)
+    server_model = ServerModel(cfg)
+    write_config(run_dir, cfg.to_mapping())
+    metrics = MetricsLog(run_dir)
+    _write_status(run_dir, "running", "")
+
+    # Connect: wait for nodes and learn their partitions (node ids change across restarts).
+    nodes = wait_for_nodes(grid, cfg.min_available_nodes)
+    partitions = query_partitions(grid, nodes, cfg)
+    ordered = sorted(partitions, key=lambda n: (partitions[n], n))
+    population = len(ordered)
+
+    # Start fresh or resume from the newest checkpoint.
+    last = latest_round(run_dir) if resume else None
+    rng = np.random.default_rng(cfg.seed)
+    if last is not None:
+        ckpt = load_checkpoint(run_dir, last)
+        state = ckpt.state
+        rng.bit_generator.state = ckpt.rng_state
+        budget.load_state(ckpt.budget_state)
+        metrics.truncate_after(last)
+        log.info("resuming %s from round %d", run_dir, last)
+    else:
+        adapter = server_model.initial_adapter()
+        state = GlobalState(adapter, strategy.init_extras(adapter), 0)
+        metrics.truncate_after(-1)
+        loss = server_model.evaluate(state.adapter)
+        row = _row(0, "ok", strategy, loss=loss, sampled=0, epsilon=budget.epsilon())
+        metrics.append(row)
+        on_row(row)
+        _checkpoint(run_dir, state, rng, budget, strategy)
+
+    status, message = "completed", f"{cfg.num_server_rounds} rounds done"
+    for server_round in range(state.server_round + 1, cfg.num_server_rounds + 1):
+        # 1. Privacy budget
+        if cfg.max_epsilon > 0 and not budget.allows(server_round):
+            status = "budget"
+            message = f"stopped before round {server_round}: it would exceed max-epsilon={cfg.max_epsilon} (spent {budget.epsilon():.3f})"
+            break
+        # 2. Sample nodes
+        t0 = time.perf_counter()
+        sampled = sample_nodes(rng, ordered, cfg)
+        # 3. Train and aggregate
+        content = train_content(state, strategy, cfg, server_round)
+        result = aggregator.aggregate(
+            grid,
+            server_round,
+            sampled,
+            content,
+            strategy.contribution_spec(state),
+            cfg.round_timeout,
+        )
+        if result.summed is None or len(result.accepted) < cfg.min_train_nodes:
+            message = (
+                f"round {server_round} failed: {len(result.accepted)} of {len(sampled)} sampled clients "
+                f"returned valid updates, min-train-nodes is {cfg.min_train_nodes}; rejected: "
+                f"{_describe(result.rejected)}. The run is checkpointed at round {state.server_round}: "
+                f"fix the cause and continue with `fedge simulate --resume {run_dir}`"
+            )
+            row = _row(
+                server_round,
+                "failed",
+                strategy,
+                sampled=len(sampled),
+                result=result,
+                seconds=time.perf_counter() - t0,
+            )
+            metrics.append(row)
+            on_row(row)
+            _write_status(run_dir, "failed", message)
+            return LoopOutcome("failed", message, run_dir, state, None)
+        # 4. Finalize (a round where every client's work was dropped leaves the adapter as is)
+        if float(result.summed[keys.KEY_WEIGHT][0]) > 0:
+            state = strategy.finalize(state, result.summed, population)
+            row_status = "ok"
+        else:
+            state = replace_state(state, server_round=server_round)
+            row_status = "empty"
+        budget.record(server_round, len(sampled), population)
+        # 5. Evaluate
+        loss = server_model.evaluate(state.adapter)
+        client_loss = (
+            client_evaluate(grid, sampled, state, cfg, server_round)
+            if cfg.client_eval
+            else math.nan
+        )
+        # 6. Metrics and checkpoint
+        row = _row(
+            server_round,
+            row_status,
+            strategy,
+            loss=loss,
+            client_loss=client_loss,
+            sampled=len(sampled),
+            result=result,
+            seconds=time.perf_counter() - t0,
+            epsilon=budget.epsilon(),
+        )
+        metrics.append(row)
+        _checkpoint(run_dir, state, rng, budget, strategy)
+        on_row(row)
+
+    plot_perplexity({strategy.name: metrics.rows()}, run_dir / "perplexity.png")
+    adapter_dir = server_model.export(state.adapter, run_dir / "final")
+    _write_status(run_dir, status, message)
+    return LoopOutcome(status, message, run_dir, state, adapter_dir)
+
+
+def _checkpoint(
+    run_dir: Path,
+    state: GlobalState,
+    rng: np.random.Generator,
+    budget: PrivacyBudget,
+    strategy: Strategy,
+) -> None:
+    save_checkpoint(
+        run_dir, Checkpoint(state, dict(rng.bit_generator.state), budget.state(), strategy.name)
+    )
+
+
+def _describe(rejected: Mapping[int, str]) -> str:
+    if not rejected:
+        return "none"
+    return "; ".join(f"node {n}: {why}" for n, why in sorted(rejected.items()))
+
+
+def _row(
+    server_round: int,
+    status: str,
+    strategy: Strategy,
+    loss: float = math.nan,
+    client_loss: float = math.nan,
+    sampled: int = 0,
+    result: AggregateResult | None = None,
+    seconds: float = 0.0,
+    epsilon: float = 0.0,
+) -> dict[str, Any]:
+    """One metrics row (NaN becomes null in JSON)."""
+    per_client = list(result.metrics.values()) if result else []
+    counted = float(result.summed[keys.KEY_COUNT][0]) if result and result.summed else 0.0
+    train_losses = [m[keys.MET_TRAIN_LOSS] for m in per_client if keys.MET_TRAIN_LOSS in m]
+    train_secs = [m.get(keys.MET_TRAIN_SECONDS, 0.0) for m in per_client]
+    return {
+        "round": server_round,
+        "status": status,
+        "strategy": strategy.name,
+        "train_loss": _num(float(np.mean(train_losses)) if train_losses else math.nan),
+        "eval_loss": _num(loss),
+        "perplexity": _num(math.exp(loss) if math.isfinite(loss) else math.nan),
+        "client_eval_loss": _num(client_loss),
+        "clients_sampled": sampled,
+        "clients_succeeded": len(result.accepted) if result else 0,
+        "clients_rejected": len(result.rejected) if result else 0,
+        "clients_dropped": (len(result.accepted) - round(counted))
+        if result and result.summed
+        else 0,
+        "bytes_up": result.bytes_up if result else 0,
+        "bytes_down": result.bytes_down if result else 0,
+        "round_seconds": round(seconds, 4),
+        "train_seconds_max": round(max(train_secs), 4) if train_secs else 0.0,
+        "train_seconds_sum": round(sum(train_secs), 4),
+        "epsilon": epsilon,
+        "model_loads_max": max((m.get(keys.MET_MODEL_LOADS, 0.0) for m in per_client), default=0.0),
+    }
+
+
+def _num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _write_status(run_dir: Path, status: str, message: str) -> None:
+    import json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"status": status, "message": message}) + "\n")

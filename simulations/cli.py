@@ -1,0 +1,164 @@
+"""``fedge simulate``: run a scenario's federation on Flower's simulation engine, with rich progress."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from server.rundir import MetricsLog, plot_perplexity
+from simulations.runner import Scenario, load_run_scenario, load_scenario, run_simulation
+
+app = typer.Typer(
+    help="Run the federation on Flower's simulation engine.",
+    no_args_is_help=False,
+    context_settings={"allow_interspersed_args": True},  # options may follow the SCENARIO argument
+)
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """Parse repeated ``--set key=value`` options (values are typed by the config fields)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _env() -> None:
+    """Offline, quiet defaults for Flower and Hugging Face (a user's own values win)."""
+    for key, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("FLWR_TELEMETRY_ENABLED", "0"),
+        ("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+    ):
+        os.environ.setdefault(key, value)
+
+
+@app.callback(invoke_without_command=True)
+def simulate(
+    scenario: Annotated[
+        str, typer.Argument(help="Scenario name in simulations/scenarios or a .toml path.")
+    ] = "quick",
+    strategy: Annotated[
+        str | None,
+        typer.Option(help="fedavg | fedprox | scaffold; comma-separated to compare strategies."),
+    ] = None,
+    rounds: Annotated[int | None, typer.Option(help="Number of server rounds.")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Run directory (default runs/<scenario>-<time>).")
+    ] = None,
+    resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory.")] = None,
+    num_supernodes: Annotated[int | None, typer.Option(help="Simulated clients.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config key: key=value.")
+    ] = None,
+) -> None:
+    """Run a federated LoRA fine-tuning scenario and write its run directory."""
+    _env()
+    console = Console()
+    overrides: dict[str, Any] = parse_sets(set_ or [])
+    if rounds is not None:
+        overrides["num-server-rounds"] = rounds
+    population = {"num-supernodes": num_supernodes} if num_supernodes else {}
+    try:
+        if resume is not None:
+            loaded = load_run_scenario(resume, overrides)
+            if population:
+                raise typer.BadParameter("--num-supernodes cannot change on --resume")
+            code = _run_one(loaded, resume, True, console)
+            raise typer.Exit(code)
+        strategies = [s.strip() for s in (strategy or "").split(",") if s.strip()]
+        base = out or Path("runs") / f"{scenario}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+        if len(strategies) <= 1:
+            if strategies:
+                overrides["strategy"] = strategies[0]
+            code = _run_one(load_scenario(scenario, overrides, population), base, False, console)
+            raise typer.Exit(code)
+        codes = [
+            _run_one(
+                load_scenario(scenario, {**overrides, "strategy": s}, population),
+                base / s,
+                False,
+                console,
+            )
+            for s in strategies
+        ]
+        plot = plot_perplexity(
+            {s: MetricsLog(base / s).rows() for s in strategies}, base / "perplexity_compare.png"
+        )
+        console.print(f"comparison plot: {plot}")
+        raise typer.Exit(max(codes))
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+def _run_one(scenario: Scenario, run_dir: Path, resume: bool, console: Console) -> int:
+    """Run one scenario with a progress bar; print the summary; return the exit code."""
+    cfg = scenario.config
+    console.print(
+        f"[bold]fedge simulate[/bold] {scenario.name}: {cfg.strategy}, {cfg.num_server_rounds} rounds, "
+        f"{scenario.num_supernodes} clients, model {cfg.model} -> {run_dir}"
+    )
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} rounds"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("starting Flower simulation", total=cfg.num_server_rounds)
+
+        def on_row(row: Mapping[str, Any]) -> None:
+            ppl = row.get("perplexity")
+            ppl_text = f"{ppl:.2f}" if isinstance(ppl, float) else "-"
+            progress.update(
+                task,
+                completed=int(row["round"]),
+                description=f"round {row['round']} {row['status']}: perplexity {ppl_text}",
+            )
+
+        run_simulation(scenario, run_dir, resume=resume, on_row=on_row)
+    return _report(run_dir, console)
+
+
+def _report(run_dir: Path, console: Console) -> int:
+    """Print the per-round table and the final status from the run directory."""
+    status_file = run_dir / "status.json"
+    status = (
+        json.loads(status_file.read_text())
+        if status_file.is_file()
+        else {"status": "failed", "message": "the server did not start; see the log above"}
+    )
+    table = Table(
+        "round", "status", "train loss", "perplexity", "clients ok/sampled", "MB up", "seconds"
+    )
+    for row in MetricsLog(run_dir).rows():
+        ppl = row.get("perplexity")
+        loss = row.get("train_loss")
+        table.add_row(
+            str(row["round"]),
+            str(row["status"]),
+            f"{loss:.3f}" if isinstance(loss, float) else "-",
+            f"{ppl:.2f}" if isinstance(ppl, float) else "-",
+            f"{row['clients_succeeded']}/{row['clients_sampled']}",
+            f"{row['bytes_up'] / 1e6:.2f}",
+            f"{row['round_seconds']:.1f}",
+        )
+    console.print(table)
+    colour = "green" if status["status"] in ("completed", "budget") else "red"
+    console.print(f"[{colour}]{status['status']}[/{colour}]: {status['message']}")
+    console.print(f"run directory: {run_dir}")
+    return 0 if status["status"] in ("completed", "budget") else 1

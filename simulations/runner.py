@@ -1,0 +1,162 @@
+"""Run the fedge Flower apps on Flower's simulation engine from a scenario file.
+
+A scenario (``simulations/scenarios/<name>.toml``) has two tables: ``[scenario]``
+(the simulated population: ``num-supernodes``, Ray ``client-cpus`` and fractional
+``client-gpus`` per ClientApp) and ``[config]`` (run-config keys, exactly those of
+``[tool.flwr.app.config]``). CLI options override single keys. The resolved config
+is written to the run directory, which ``--resume`` reads back, so a run has one
+source of truth.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from server.config import RunConfig
+from server.rundir import read_config
+
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+_SCENARIO_FILE = "scenario.toml"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A simulated population plus the run config it trains with."""
+
+    name: str
+    description: str
+    num_supernodes: int
+    client_cpus: float
+    client_gpus: float
+    config: RunConfig
+
+    def __post_init__(self) -> None:
+        """Validate the population, naming the key."""
+        if self.num_supernodes <= 0:
+            raise ValueError(f"num-supernodes must be > 0, got {self.num_supernodes}")
+        if self.client_cpus <= 0 or self.client_gpus < 0:
+            raise ValueError("client-cpus must be > 0 and client-gpus >= 0")
+        if self.config.min_available_nodes > self.num_supernodes:
+            raise ValueError(
+                f"min-available-nodes={self.config.min_available_nodes} exceeds "
+                f"num-supernodes={self.num_supernodes}; lower it or add supernodes"
+            )
+
+    def scenario_table(self) -> dict[str, Any]:
+        """The ``[scenario]`` table as written to a run directory."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "num-supernodes": self.num_supernodes,
+            "client-cpus": self.client_cpus,
+            "client-gpus": self.client_gpus,
+        }
+
+
+def scenario_path(name_or_path: str) -> Path:
+    """Resolve a scenario name (``quick``) or a path to a TOML file, listing the known names."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".toml" and candidate.is_file():
+        return candidate
+    named = SCENARIO_DIR / f"{name_or_path}.toml"
+    if named.is_file():
+        return named
+    known = ", ".join(sorted(p.stem for p in SCENARIO_DIR.glob("*.toml")))
+    raise FileNotFoundError(
+        f"no scenario {name_or_path!r}; known scenarios: {known}, or pass a .toml path"
+    )
+
+
+def load_scenario(
+    name_or_path: str,
+    overrides: Mapping[str, Any] | None = None,
+    population: Mapping[str, Any] | None = None,
+) -> Scenario:
+    """Read a scenario file and apply config ``overrides`` and ``population`` overrides."""
+    path = scenario_path(name_or_path)
+    data = tomllib.loads(path.read_text())
+    unknown = sorted(set(data) - {"scenario", "config"})
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {unknown}; use [scenario] and [config]")
+    return _scenario_from_tables(
+        path.stem, data.get("scenario", {}), data.get("config", {}), overrides, population
+    )
+
+
+def _scenario_from_tables(
+    name: str,
+    table: Mapping[str, Any],
+    config: Mapping[str, Any],
+    overrides: Mapping[str, Any] | None,
+    population: Mapping[str, Any] | None,
+) -> Scenario:
+    table = {**table, **(population or {})}
+    return Scenario(
+        name=str(table.get("name", name)),
+        description=str(table.get("description", "")),
+        num_supernodes=int(table.get("num-supernodes", 2)),
+        client_cpus=float(table.get("client-cpus", 1)),
+        client_gpus=float(table.get("client-gpus", 0.0)),
+        config=RunConfig.from_mapping({**config, **(overrides or {})}),
+    )
+
+
+def load_run_scenario(run_dir: Path, overrides: Mapping[str, Any] | None = None) -> Scenario:
+    """Rebuild the scenario of an existing run directory (for ``--resume``)."""
+    config = read_config(run_dir)
+    scenario_file = run_dir / _SCENARIO_FILE
+    table = tomllib.loads(scenario_file.read_text()) if scenario_file.is_file() else {}
+    return _scenario_from_tables(run_dir.name, table, config, overrides, None)
+
+
+def write_scenario_table(run_dir: Path, scenario: Scenario) -> None:
+    """Record the population beside the resolved config."""
+    import json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"{k} = {json.dumps(v)}" for k, v in scenario.scenario_table().items()]
+    (run_dir / _SCENARIO_FILE).write_text("\n".join(lines) + "\n")
+
+
+def backend_config(scenario: Scenario) -> dict[str, Any]:
+    """Ray resources: CPUs per ClientApp, and a GPU fraction only when CUDA is present."""
+    import torch
+
+    resources: dict[str, float] = {"num_cpus": scenario.client_cpus}
+    if torch.cuda.is_available() and scenario.client_gpus > 0:
+        resources["num_gpus"] = scenario.client_gpus
+    return {"client_resources": resources, "init_args": {"num_cpus": os.cpu_count() or 1}}
+
+
+def run_simulation(
+    scenario: Scenario,
+    run_dir: Path,
+    resume: bool = False,
+    on_row: Callable[[Mapping[str, Any]], None] | None = None,
+) -> Any:
+    """Run the scenario's federation with Flower's simulation engine; return the loop outcome."""
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    from clients.app import app as client_app
+    from server.app import OutcomeBox, make_server_app
+
+    cfg = scenario.config.with_overrides(
+        {"run-dir": str(run_dir), "client-state-dir": str(run_dir / "client-state")}
+    )
+    write_scenario_table(run_dir, scenario)
+    concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
+    os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
+    box = OutcomeBox()
+    flwr_run_simulation(
+        server_app=make_server_app(cfg, resume=resume, on_row=on_row, box=box),
+        client_app=client_app,
+        num_supernodes=scenario.num_supernodes,
+        backend_config=backend_config(scenario),  # type: ignore[arg-type]
+    )
+    return box.outcome
