@@ -69,7 +69,7 @@ CFG_SEED: Final = "seed"
 CFG_SERVER_ROUND: Final = "server-round"
 
 CFG_MODEL: Final = "model"  # a model dir or hub id, or "zoo:<preset>"
-CFG_MODEL_PATH: Final = "model-path"  # the server's resolved model dir; clients use it when it exists
+CFG_MODEL_PATH: Final = "model-path"  # server-resolved model dir, used when it exists here
 CFG_PARTITION_SCHEME: Final = "partition-scheme"  # natural | iid | dirichlet
 CFG_NUM_PARTITIONS: Final = "num-partitions"
 CFG_DIRICHLET_ALPHA: Final = "dirichlet-alpha"
