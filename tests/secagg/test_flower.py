@@ -1,0 +1,253 @@
+"""SecAgg+ and DP aggregators over real Flower messages (simulation engine, one Ray run).
+
+A tiny ClientApp answers train messages with a known contribution per partition, so the
+test can compare the unmasked sums with the plain sum and inspect every reply the
+ServerApp received. All aggregators run in one ServerApp to pay Ray's start-up once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.proto.node_pb2 import NodeInfo
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+from flwr.supercore.run import Run
+
+from clients.mods import dispatch_mods
+from server.aggregation import PlainAggregator
+from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
+from server.privacy.config import DPConfig
+from server.secagg.aggregator import SecAggPlusAggregator
+from server.secagg.config import SecAggConfig
+from strategies import keys
+
+NUM_NODES = 5
+SIZE = 3000
+RESULTS: dict[str, Any] = {}
+
+
+def true_contribution(pid: int) -> dict[str, np.ndarray]:
+    """The contribution partition `pid` sends: known to the test, never to the server."""
+    rng = np.random.default_rng(100 + pid)
+    return {
+        "delta/w.lora_B": rng.normal(0, 0.02, size=(SIZE // 2,)).astype(np.float32),
+        "ctrl/w.lora_B": rng.normal(0, 0.02, size=(SIZE // 2,)).astype(np.float32),
+        "meta/weight": np.array([1.0], np.float32),
+        "meta/count": np.array([1.0], np.float32),
+    }
+
+
+SPEC = {k: tuple(v.shape) for k, v in true_contribution(0).items()}
+
+client_app = ClientApp(mods=[dispatch_mods])
+
+
+@client_app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Reply with this partition's known contribution; listed partitions crash (a real fault)."""
+    pid = int(context.node_config["partition-id"])
+    crash = str(msg.content.config_records[keys.REC_CONFIG].get("crash-pids", ""))
+    if str(pid) in crash.split(","):
+        raise RuntimeError("injected crash during local training")
+    record = ArrayRecord({k: Array(v) for k, v in true_contribution(pid).items()})
+    return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
+
+
+@client_app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Report the partition id (maps node ids to partitions for the test)."""
+    from flwr.app import MetricRecord
+
+    pid = int(context.node_config["partition-id"])
+    return Message(RecordDict({keys.REC_METRICS: MetricRecord({"pid": pid})}), reply_to=msg)
+
+
+class RecordingGrid(Grid):
+    """Delegates to Flower's grid and keeps every reply the ServerApp receives."""
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+        self.received: list[RecordDict] = []
+
+    def set_run(self, run: Run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._grid.run
+
+    def create_message(self, *args, **kwargs) -> Message:  # type: ignore[no-untyped-def]
+        return self._grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._grid.get_node_ids()
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return self._grid.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        out = list(self._grid.pull_messages(message_ids))
+        self.received += [m.content for m in out if m.has_content()]
+        return out
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        out = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self.received += [m.content for m in out if m.has_content()]
+        return out
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run every aggregator once over the same nodes; stash results for the test."""
+    import time
+
+    while len(list(grid.get_node_ids())) < NUM_NODES:
+        time.sleep(0.2)
+    nodes = sorted(grid.get_node_ids())
+    q = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
+    RESULTS["pid"] = {
+        r.metadata.src_node_id: int(r.content.metric_records[keys.REC_METRICS]["pid"])
+        for r in grid.send_and_receive(q)
+    }
+
+    def content(mods: str = "") -> RecordDict:
+        return RecordDict({keys.REC_CONFIG: ConfigRecord({keys.CFG_CLIENT_MODS: mods})})
+
+    secagg_cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=3, stage_timeout_s=30)
+    rec = RecordingGrid(grid)
+    RESULTS["secagg"] = SecAggPlusAggregator(secagg_cfg).aggregate(
+        rec, 1, nodes, content(), SPEC, 60
+    )
+    RESULTS["secagg_seen"] = rec.received
+    RESULTS["plain"] = PlainAggregator().aggregate(grid, 2, nodes, content(), SPEC, 60)
+    # Two clients crash while training: 3 of 5 shares still rebuild every mask
+    crash = content()
+    crash[keys.REC_CONFIG]["crash-pids"] = "0,3"
+    RESULTS["drop2"] = SecAggPlusAggregator(secagg_cfg).aggregate(grid, 3, nodes, crash, SPEC, 60)
+    # Three crash: below the threshold, the round must fail with no sum
+    crash[keys.REC_CONFIG]["crash-pids"] = "0,2,3"
+    failing = SecAggPlusAggregator(secagg_cfg)
+    RESULTS["drop3"] = failing.aggregate(grid, 4, nodes, crash, SPEC, 60)
+    RESULTS["drop3_message"] = failing.last_failure
+    dp = DPConfig(mode="central", clip_norm=0.01, noise_multiplier=1.0, seed=0)
+    RESULTS["central"] = CentralDPAggregator(PlainAggregator(), dp).aggregate(
+        grid, 5, nodes, content(), SPEC, 60
+    )
+    ddp = DPConfig(mode="distributed", clip_norm=0.01, noise_multiplier=1.0, min_survival=0.6)
+    rec = RecordingGrid(grid)
+    RESULTS["ddp"] = DistributedDPAggregator(SecAggPlusAggregator(secagg_cfg), ddp).aggregate(
+        rec, 6, nodes, content(), SPEC, 60
+    )
+    RESULTS["ddp_seen"] = rec.received
+
+
+def _run_once() -> dict[str, Any]:
+    if not RESULTS:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=NUM_NODES,
+            backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
+        )
+    return RESULTS
+
+
+def plain_sum(pids: Iterable[int]) -> dict[str, np.ndarray]:
+    parts = [true_contribution(p) for p in pids]
+    return {k: sum(p[k].astype(np.float64) for p in parts) for k in SPEC}
+
+
+def bound(n: int) -> float:
+    cfg = SecAggConfig()
+    return n * 2 * cfg.clipping_range / cfg.quantization_range
+
+
+def test_secagg_sum_over_flower_messages_equals_the_plain_sum() -> None:
+    # Prepare / Execute
+    res = _run_once()
+    secagg, plain = res["secagg"], res["plain"]
+    # Assert
+    assert secagg.summed is not None and plain.summed is not None
+    assert sorted(secagg.accepted) == sorted(plain.accepted) == sorted(res["pid"])
+    for k in SPEC:
+        assert np.max(np.abs(secagg.summed[k] - plain.summed[k])) <= bound(NUM_NODES) + 1e-6
+
+
+def test_server_never_holds_an_individual_update() -> None:
+    # Prepare
+    res = _run_once()
+    truths = [true_contribution(p) for p in range(NUM_NODES)]
+    # Execute: everything the ServerApp received in the SecAgg+ and SecAgg+ DDP rounds
+    seen = res["secagg_seen"] + res["ddp_seen"]
+    # Assert: no plain contribution record; no array correlates with any client's input
+    assert seen, "the recording grid saw no replies"
+    for content in seen:
+        assert keys.REC_CONTRIB not in content.array_records
+        for record in content.array_records.values():
+            for name, arr in record.items():
+                values = arr.numpy().astype(np.float64).reshape(-1)
+                for truth in truths:
+                    if name in truth and truth[name].size > 100:
+                        assert abs(np.corrcoef(values, truth[name])[0, 1]) < 0.15
+        for record in content.config_records.values():
+            for value in record.values():
+                blobs = value if isinstance(value, list) else [value]
+                for blob in blobs:
+                    if isinstance(blob, bytes):
+                        assert all(t["delta/w.lora_B"].tobytes()[:32] not in blob for t in truths)
+
+
+def test_dropouts_at_threshold_give_the_survivors_exact_sum() -> None:
+    # Prepare / Execute
+    res = _run_once()
+    result = res["drop2"]
+    by_node = res["pid"]
+    # Assert: partitions 0 and 3 crashed; the sum is exactly the other three's
+    assert result.summed is not None
+    survivors = sorted(by_node[n] for n in result.accepted)
+    assert survivors == [1, 2, 4]
+    want = plain_sum(survivors)
+    for k in SPEC:
+        assert np.max(np.abs(result.summed[k] - want[k])) <= bound(3) + 1e-6
+
+
+def test_below_threshold_the_round_fails_with_no_partial_aggregate() -> None:
+    res = _run_once()
+    assert res["drop3"].summed is None
+    assert "no aggregate is applied" in res["drop3_message"]
+
+
+def test_central_dp_clips_and_noises_over_flower_messages() -> None:
+    # Prepare
+    res = _run_once()
+    summed = res["central"].summed
+    # Assert: noise of std z C = 0.01 around a sum of 5 contributions clipped to norm 0.01
+    assert summed is not None
+    noise = np.concatenate([summed["delta/w.lora_B"], summed["ctrl/w.lora_B"]]).astype(np.float64)
+    assert 0.008 < noise.std() < 0.012  # each clipped contribution adds ~0.01/sqrt(3000) per value
+    assert summed["meta/count"][0] == 5.0
+
+
+def test_distributed_dp_sum_carries_the_full_noise() -> None:
+    # Prepare
+    res = _run_once()
+    summed = res["ddp"].summed
+    # Assert: 5 clients each add std 0.01/sqrt(3): the sum's std is 0.01*sqrt(5/3)
+    assert summed is not None
+    values = np.concatenate([summed["delta/w.lora_B"], summed["ctrl/w.lora_B"]])
+    assert math.isclose(float(values.std()), 0.01 * math.sqrt(5 / 3), rel_tol=0.1)
+    assert abs(float(summed["meta/count"][0]) - 5.0) < bound(5)
