@@ -1,0 +1,93 @@
+"""The built-in zoo: tokenizer round trip, determinism, loading, manifests and the model card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedge.errors import CorruptModelError, ModelNotFoundError
+from fedge.manifest import MANIFEST_NAME, verify_manifest
+from fedge.models import load_causal_lm, load_tokenizer
+from fedge.zoo import ZooPaths, build_zoo, ensure_zoo, get_preset, zoo_problems
+
+
+def test_tokenizer_round_trips_code_and_unicode(micro_zoo: ZooPaths) -> None:
+    tokenizer = load_tokenizer(micro_zoo.target_dir)
+    text = 'def f(x: int) -> str:\n    """Grüße, 世界"""\n\treturn f"{x!r}"  # ☃\n'
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < len(text.encode())  # BPE merged something
+    assert load_tokenizer(micro_zoo.draft_dir).get_vocab() == tokenizer.get_vocab()
+
+
+def test_micro_build_is_deterministic(micro_zoo: ZooPaths, tmp_path: Path) -> None:
+    again = build_zoo("micro", tmp_path / "again")
+    for role in ("target", "draft"):
+        first = json.loads((getattr(micro_zoo, f"{role}_dir") / MANIFEST_NAME).read_text())
+        second = json.loads((getattr(again, f"{role}_dir") / MANIFEST_NAME).read_text())
+        assert first["files"] == second["files"], role
+
+
+def test_built_dirs_load_with_from_pretrained(micro_zoo: ZooPaths) -> None:
+    from transformers import AutoModelForCausalLM
+
+    preset = get_preset("micro")
+    target = AutoModelForCausalLM.from_pretrained(micro_zoo.target_dir)
+    draft = load_causal_lm(micro_zoo.draft_dir)
+    assert target.config.num_hidden_layers == preset.target.layers
+    assert draft.config.hidden_size == preset.draft.hidden
+    ids = torch.tensor([[5, 6, 7]])
+    assert target(input_ids=ids).logits.shape == (1, 3, preset.vocab_size)
+
+
+def test_model_card_reports_the_figures(micro_zoo: ZooPaths) -> None:
+    card = micro_zoo.card
+    for role in ("target", "draft"):
+        assert card[role]["parameters"] > 0
+        assert card[role]["training_tokens"] > 0
+        assert card[role]["heldout_perplexity"] > 1
+    assert card["target"]["parameters"] > card["draft"]["parameters"]
+    assert 0 <= card["agreement"]["greedy_rate"] <= 1
+    assert 1 <= card["agreement"]["tokens_per_verify_draft4"] <= 5
+    # Trained models beat a uniform guess over the vocabulary.
+    assert card["target"]["heldout_perplexity"] < card["tokenizer"]["vocab_size"]
+
+
+def _copy_zoo(source: ZooPaths, destination: Path) -> ZooPaths:
+    import shutil
+
+    shutil.copytree(source.root, destination)
+    return ZooPaths(destination)
+
+
+def test_truncated_weights_are_detected_and_refused(micro_zoo: ZooPaths, tmp_path: Path) -> None:
+    copy = _copy_zoo(micro_zoo, tmp_path / "zoo")
+    weights = copy.target_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert any("model.safetensors" in p for p in verify_manifest(copy.target_dir))
+    assert zoo_problems(copy)
+    with pytest.raises(CorruptModelError, match="model.safetensors"):
+        load_causal_lm(copy.target_dir)
+
+
+def test_damaged_zoo_is_rebuilt_not_used(micro_zoo: ZooPaths, tmp_path: Path) -> None:
+    copy = _copy_zoo(micro_zoo, tmp_path / "zoo")
+    (copy.draft_dir / "config.json").write_text("{}")
+    repaired = ensure_zoo("micro", copy.root)
+    assert zoo_problems(repaired) == []
+    assert json.loads((repaired.draft_dir / "config.json").read_text())["hidden_size"] > 0
+
+
+def test_unknown_model_id_offline_says_how_to_fix() -> None:
+    with pytest.raises(ModelNotFoundError, match="fedge models build"):
+        load_causal_lm("no-such-org/no-such-model")
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        load_causal_lm("./missing/model/dir")
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="micro"):
+        get_preset("huge")
