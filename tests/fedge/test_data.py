@@ -124,7 +124,7 @@ def test_empty_client_is_rejected_by_name(tmp_path: Path) -> None:
 def test_unreadable_client_file_is_rejected_by_name(tmp_path: Path) -> None:
     (tmp_path / "carol").mkdir()
     (tmp_path / "carol" / "blob.bin").write_bytes(b"\xff\xfe\x00\x81" * 10)
-    with pytest.raises(DataError, match="'carol'.*blob.bin"):
+    with pytest.raises(DataError, match=r"'carol'.*blob\.bin"):
         load_documents(tmp_path)
 
 

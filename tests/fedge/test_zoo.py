@@ -69,7 +69,7 @@ def test_truncated_weights_are_detected_and_refused(micro_zoo: ZooPaths, tmp_pat
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert any("model.safetensors" in p for p in verify_manifest(copy.target_dir))
     assert zoo_problems(copy)
-    with pytest.raises(CorruptModelError, match="model.safetensors"):
+    with pytest.raises(CorruptModelError, match=r"model\.safetensors"):
         load_causal_lm(copy.target_dir)
 
 
