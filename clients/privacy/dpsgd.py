@@ -72,7 +72,7 @@ def freeze_lora_a(model: torch.nn.Module) -> int:
 def token_records(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
     """Cut a token stream into disjoint (records, seq_len + 1) windows: the DP unit."""
     n = len(tokens) // (seq_len + 1)
-    if n < 2:
+    if n < 1:
         raise ValueError(
             f"a stream of {len(tokens)} tokens gives {n} DP-SGD records of seq-len + 1 = "
             f"{seq_len + 1} tokens; lower seq-len or give the client more data"
@@ -130,7 +130,7 @@ def train_dpsgd(
     unwrapped (Opacus' hooks removed) when this returns.
     """
     if dp.ffa_lora:
-        freeze_lora_a(model)
+        freeze_lora_a(model)  # callers that cache the model unfreeze it themselves
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("the model has no trainable parameters; apply LoRA before DP-SGD")
@@ -140,7 +140,7 @@ def train_dpsgd(
         batch_size=min(batch_size, len(records)),
         generator=torch.Generator().manual_seed(seed) if seed is not None else None,
     )
-    optimizer = torch.optim.SGD(list(named.values()), lr=lr)
+    optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus warns that secure_mode (a CSPRNG) is off
         engine = PrivacyEngine(accountant="rdp")

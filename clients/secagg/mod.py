@@ -8,6 +8,7 @@ from flwr.clientapp.typing import ClientAppCallable
 
 from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
 from server.secagg import wire
+from server.secagg.vectors import scale_for
 from strategies import keys
 
 # Error code of a refused SecAgg+ message (Flower reserves the small codes).
@@ -59,7 +60,7 @@ def _check_range(arrays: dict[str, np.ndarray], engine: SecAggClientEngine) -> N
     clip = wire.get_number(state, wire.KEY_CLIPPING_RANGE)
     scales = wire.get_scales(state)
     for name, arr in arrays.items():
-        peak = float(np.max(np.abs(arr))) / scales.get(name, 1.0) if arr.size else 0.0
+        peak = float(np.max(np.abs(arr))) / scale_for(name, scales) if arr.size else 0.0
         if not np.isfinite(peak) or peak > clip:
             raise SecAggProtocolError(
                 f"contribution {name!r} reaches {peak:.3g} after scaling, outside the SecAgg+ "

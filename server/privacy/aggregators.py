@@ -15,7 +15,7 @@ from flwr.supercore.run import Run
 from server.aggregation import AggregateResult, Aggregator, ContributionSpec
 from server.privacy.config import DPConfig
 from server.privacy.mechanism import add_gaussian_noise, clip_contribution
-from server.privacy.wire import DDP_CLIENT_MOD, KEY_DP_CLIP, KEY_DP_NOISE_STD
+from server.privacy.wire import DDP_CLIENT_MOD, KEY_DP_ACTIVE, KEY_DP_CLIP, KEY_DP_NOISE_STD
 from server.secagg.aggregator import SecAggPlusAggregator
 from strategies import keys
 
@@ -51,6 +51,7 @@ class CentralDPAggregator:
     ) -> AggregateResult:
         """Run ``inner`` over a grid that clips each reply, then noise the sensitive sum."""
         clipping = ClippingGrid(grid, self.cfg.clip_norm)
+        content = with_config(content, {KEY_DP_ACTIVE: True}, None)
         result = self.inner.aggregate(clipping, server_round, node_ids, content, spec, timeout)
         self.last_norms = dict(clipping.norms)
         if result.summed is not None:
@@ -86,7 +87,8 @@ class DistributedDPAggregator:
     ) -> AggregateResult:
         """Add the clip norm and the per-client noise std to the train config, then run SecAgg+."""
         n = len(node_ids)
-        extra: dict[str, float | str] = {
+        extra: dict[str, float | str | bool] = {
+            KEY_DP_ACTIVE: True,
             KEY_DP_CLIP: float(self.cfg.clip_norm),
             KEY_DP_NOISE_STD: float(self.cfg.client_noise_std(n)),
         }
@@ -96,7 +98,9 @@ class DistributedDPAggregator:
         )
 
 
-def with_config(content: RecordDict, extra: dict[str, float | str], mod: str) -> RecordDict:
+def with_config(
+    content: RecordDict, extra: dict[str, float | str | bool], mod: str | None
+) -> RecordDict:
     """Copy ``content`` with keys added to its ``config`` record and ``mod`` in ``client-mods``.
 
     ``mod`` is placed innermost, after any SecAgg+ mod, so it edits the contribution first.
@@ -106,7 +110,7 @@ def with_config(content: RecordDict, extra: dict[str, float | str], mod: str) ->
         out[name] = record
     config = ConfigRecord(dict(content.config_records.get(keys.REC_CONFIG, ConfigRecord())))
     mods = [m.strip() for m in str(config.get(keys.CFG_CLIENT_MODS, "")).split(",") if m.strip()]
-    if mod not in mods:
+    if mod is not None and mod not in mods:
         mods.append(mod)
     config[keys.CFG_CLIENT_MODS] = ",".join(mods)
     for k, v in extra.items():

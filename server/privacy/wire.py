@@ -9,3 +9,4 @@ KEY_DP_NOISE_STD: Final = (
     "dp-noise-std"  # float: std of the noise each client adds (distributed DP)
 )
 DDP_CLIENT_MOD: Final = "clients.privacy.mods:distributed_dp_mod"
+KEY_DP_ACTIVE: Final = "dp-active"  # bool: a DP aggregator runs this round (turns FFA-LoRA on)

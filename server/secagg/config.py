@@ -31,7 +31,9 @@ class SecAggConfig:
     modulus_range: int = 2**32  # masks and sums live in Z_modulus; must be a power of two <= 2**32
     stage_timeout_s: float = 60.0  # every stage waits at most this long for replies
     min_contributors: int = 2  # fewer surviving masked inputs than this fail the round
-    key_scales: tuple[tuple[str, float], ...] = ()  # (record key, divisor) applied before clipping
+    key_scales: tuple[
+        tuple[str, float], ...
+    ] = ()  # (key or "prefix/", divisor) applied before clipping
 
     def __post_init__(self) -> None:
         """Reject settings the protocol cannot run with, naming the field."""
@@ -85,7 +87,3 @@ class SecAggConfig:
                 f">= modulus_range={self.modulus_range}: the sum would overflow; lower "
                 "quantization_range or sample fewer clients per round"
             )
-
-    def scale_of(self, key: str) -> float:
-        """Return the divisor applied to record `key` before clipping (1.0 when unset)."""
-        return dict(self.key_scales).get(key, 1.0)

@@ -34,7 +34,7 @@ class Layout:
         return cls(
             names=names,
             shapes=tuple(tuple(np.shape(arrays[n])) for n in names),
-            scales=tuple(float(scales.get(n, 1.0)) for n in names),
+            scales=tuple(scale_for(n, scales) for n in names),
         )
 
     def flatten(self, arrays: Mapping[str, np.ndarray]) -> FloatVec:
@@ -68,6 +68,14 @@ class Layout:
             out[name] = (vec[offset : offset + n] * scale).reshape(shape)
             offset += n
         return out
+
+
+def scale_for(name: str, scales: Mapping[str, float]) -> float:
+    """Divisor of array ``name``: an exact entry, else the longest entry ending in '/' that prefixes it."""
+    if name in scales:
+        return float(scales[name])
+    prefixes = [p for p in scales if p.endswith("/") and name.startswith(p)]
+    return float(scales[max(prefixes, key=len)]) if prefixes else 1.0
 
 
 def quantize(vec: FloatVec, clip: float, levels: int, rng: np.random.Generator) -> IntVec:

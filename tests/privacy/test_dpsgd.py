@@ -66,7 +66,7 @@ def test_epsilon_accumulates_across_rounds_like_the_library(lora_model: torch.nn
 
 def test_token_records_refuse_a_too_short_stream() -> None:
     with pytest.raises(ValueError, match="lower seq-len"):
-        token_records(np.arange(20), seq_len=16)
+        token_records(np.arange(16), seq_len=16)
 
 
 def test_dpsgd_config_names_the_bad_field() -> None:

@@ -1,0 +1,106 @@
+"""Aggregator and budget factories named by the run config (``aggregator``, ``privacy-budget``).
+
+Settings are plug-in keys of ``RunConfig.extra`` (all optional):
+
+==========================  =========  ==================================================
+key                         default    meaning
+==========================  =========  ==================================================
+``dp-clip-norm``            1.0        C: L2 bound of one client's update (delta + ctrl)
+``dp-noise-multiplier``     1.0        z: the round's sum carries N(0, (z C)^2)
+``dp-target-delta``         1e-5       delta at which epsilon is reported and budgeted
+``dp-sampling``             none       none | poisson | without-replacement (amplification)
+``dp-min-survival``         0.8        distributed DP: fraction of sampled clients a round needs
+``secagg-num-shares``       0          0: 2 ceil(log2 n) + 1; <= 1: fraction of n; else a count
+``secagg-threshold``        0.667      <= 1: fraction of the shares; else a count
+``secagg-clipping-range``   8.0        values (after scaling) must lie in [-R, R]
+``secagg-max-weight``       1000       with example weighting: divisor of delta/ and meta/weight
+``secagg-stage-timeout``    60         seconds each protocol stage waits for replies
+==========================  =========  ==================================================
+
+``max-epsilon`` (a RunConfig field) is the budget; 0 disables the stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from server.aggregation import PlainAggregator
+from server.config import RunConfig
+from server.privacy.accountant import RdpBudget
+from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
+from server.privacy.config import DPConfig, DPMode
+from server.secagg.aggregator import SecAggPlusAggregator
+from server.secagg.config import SecAggConfig
+from strategies import keys
+from strategies.base import ConfigValue
+
+
+def _num(extra: Mapping[str, ConfigValue], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config key '{key}' must be a number, got {value!r}") from exc
+
+
+def _count_or_fraction(value: float) -> int | float:
+    return int(value) if value > 1 else float(value)
+
+
+def secagg_config(cfg: RunConfig) -> SecAggConfig:
+    """SecAgg+ settings from the run config; example weighting gets divisors for big values."""
+    x = cfg.extra
+    shares = _num(x, "secagg-num-shares", 0.0)
+    scales: tuple[tuple[str, float], ...] = ()
+    if cfg.weighting == "examples":
+        w = _num(x, "secagg-max-weight", 1000.0)
+        scales = ((keys.PREFIX_DELTA, w), (keys.KEY_WEIGHT, w))
+    return SecAggConfig(
+        num_shares=None if shares == 0 else _count_or_fraction(shares),
+        reconstruction_threshold=_count_or_fraction(_num(x, "secagg-threshold", 2 / 3)),
+        clipping_range=_num(x, "secagg-clipping-range", 8.0),
+        stage_timeout_s=_num(x, "secagg-stage-timeout", 60.0),
+        key_scales=scales,
+    )
+
+
+def dp_config(cfg: RunConfig, mode: DPMode) -> DPConfig:
+    """DP settings from the run config; DP needs uniform weighting to bound one client's influence."""
+    if cfg.weighting != "uniform":
+        raise ValueError(
+            f'differential privacy needs weighting = "uniform" (got {cfg.weighting!r}): with '
+            "example weighting one client's weight, and so its influence, is unbounded"
+        )
+    x = cfg.extra
+    sampling = str(x.get("dp-sampling", "none"))
+    return DPConfig(
+        mode=mode,
+        clip_norm=_num(x, "dp-clip-norm", 1.0),
+        noise_multiplier=_num(x, "dp-noise-multiplier", 1.0),
+        target_delta=_num(x, "dp-target-delta", 1e-5),
+        max_epsilon=cfg.max_epsilon,
+        sampling=sampling,  # type: ignore[arg-type]  # validated by DPConfig
+        min_survival=_num(x, "dp-min-survival", 0.8),
+    )
+
+
+def secagg(cfg: RunConfig) -> SecAggPlusAggregator:
+    """``aggregator = "server.privacy.factories:secagg"``: SecAgg+ without DP."""
+    return SecAggPlusAggregator(secagg_config(cfg))
+
+
+def central_dp(cfg: RunConfig) -> CentralDPAggregator:
+    """``aggregator = "server.privacy.factories:central_dp"``: clip + noise on the server."""
+    return CentralDPAggregator(PlainAggregator(), dp_config(cfg, "central"))
+
+
+def secagg_distributed_dp(cfg: RunConfig) -> DistributedDPAggregator:
+    """``aggregator = "server.privacy.factories:secagg_distributed_dp"``: clients noise, SecAgg+ sums."""
+    return DistributedDPAggregator(
+        SecAggPlusAggregator(secagg_config(cfg)), dp_config(cfg, "distributed")
+    )
+
+
+def rdp_budget(cfg: RunConfig) -> RdpBudget:
+    """``privacy-budget = "server.privacy.factories:rdp_budget"``: epsilon per round, max-epsilon stop."""
+    return RdpBudget(dp_config(cfg, "central"))
