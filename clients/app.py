@@ -27,6 +27,7 @@ from flwr.clientapp import ClientApp
 
 from clients import worker
 from clients.mods import dispatch_mods
+from clients.privacy.local import apply_ffa, dpsgd_config, ffa_enabled, train_dpsgd_round
 from clients.state import ContextStore, DiskStore
 from clients.trainer import (
     TrainConfig,
@@ -130,18 +131,35 @@ def train(msg: Message, context: Context) -> Message:
     batches = [
         random_windows(tokens, cfg.batch_size, cfg.seq_len, rng).to(lm.device) for _ in range(steps)
     ]
-    model, optimizer = build_optimizer(lm.model, list(lm.params.values()), cfg)
-    model.train()
+    apply_ffa(lm.model, ffa_enabled(config))  # FFA-LoRA: lora_A frozen under DP (clients.privacy)
+    dp = dpsgd_config(config)
     t_train = time.perf_counter()
-    losses = run_local_steps(
-        lm.params,
-        lambda step: lm_batch_loss(model, batches[step]),
-        steps,
-        optimizer,
-        hook,
-        cfg.max_grad_norm,
-        autocast_context(lm.device, cfg.precision),
-    )
+    privacy_metrics: dict[str, float] = {}
+    if dp is not None:  # sample-level DP-SGD with Opacus (clients.privacy.local)
+        losses, privacy_metrics = train_dpsgd_round(
+            lm.model,
+            np.asarray(tokens),
+            dp=dp,
+            steps=steps,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            lr=cfg.lr,
+            hook=hook,
+            state=context.state,
+            seed=derive_seed(seed, "dp-sgd", server_round, pid),
+        )
+    else:
+        model, optimizer = build_optimizer(lm.model, list(lm.params.values()), cfg)
+        model.train()
+        losses = run_local_steps(
+            lm.params,
+            lambda step: lm_batch_loss(model, batches[step]),
+            steps,
+            optimizer,
+            hook,
+            cfg.max_grad_norm,
+            autocast_context(lm.device, cfg.precision),
+        )
     train_seconds = time.perf_counter() - t_train
 
     # Contribution: delta = local - global; the hook adds its extras and state.
@@ -167,6 +185,7 @@ def train(msg: Message, context: Context) -> Message:
             keys.MET_PARTITION: pid,
             "client-seconds": time.perf_counter() - t0,
             **_cache_metrics(),
+            **privacy_metrics,
         }
     )
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in contribution.items()})

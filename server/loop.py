@@ -34,6 +34,7 @@ from server.aggregation import AggregateResult, build_aggregator, load_dotted, r
 from server.budget import NoBudget, PrivacyBudget
 from server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
 from server.config import RunConfig
+from server.privacy.plots import dpsgd_epsilon, plot_privacy
 from server.rundir import MetricsLog, plot_perplexity, write_config
 from strategies import keys
 from strategies.base import Arrays, ConfigValue, GlobalState, Strategy, replace_state
@@ -345,6 +346,7 @@ def _run(
         on_row(row)
 
     plot_perplexity({strategy.name: metrics.rows()}, run_dir / "perplexity.png")
+    plot_privacy(metrics.rows(), run_dir / "privacy.png")
     adapter_dir = server_model.export(state.adapter, run_dir / "final")
     _write_status(run_dir, status, message)
     return LoopOutcome(status, message, run_dir, state, adapter_dir)
@@ -404,6 +406,7 @@ def _row(
         "train_seconds_max": round(max(train_secs), 4) if train_secs else 0.0,
         "train_seconds_sum": round(sum(train_secs), 4),
         "epsilon": epsilon,
+        "dp_sgd_epsilon": _num(dpsgd_epsilon(per_client)),
         "model_loads_max": max((m.get(keys.MET_MODEL_LOADS, 0.0) for m in per_client), default=0.0),
     }
 
