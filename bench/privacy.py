@@ -1,0 +1,338 @@
+"""Benchmark privacy costs: SecAgg+ round overhead, DP-SGD step overhead, a privacy-utility sweep.
+
+1. SecAgg+ (ours, Message API) against plain aggregation, at 10 and 50 clients per round,
+   and side by side Flower's legacy ``SecAggPlusWorkflow`` against legacy plain FedAvg, all
+   on the same vector size, each on Flower's simulation engine (Ray), ratios per pair.
+2. DP-SGD (Opacus) step time against the same non-private AdamW step on the zoo model's LoRA.
+3. Privacy-utility: central-DP federations at several noise multipliers; epsilon spent vs
+   final held-out perplexity.
+
+Usage: ``python bench/privacy.py [--clients 10,50] [--size 100000] [--rounds 3]
+[--sweep-model zoo:default] [--sweep-noise 0,0.5,1,2] [--skip-sweep]``. The last line of
+output is one JSON object, also written to ``bench/results/privacy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+for _k, _v in {
+    "HF_HUB_OFFLINE": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "0",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+RESULTS_FILE = Path(__file__).resolve().parent / "results" / "privacy.json"
+BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": os.cpu_count() or 2}}
+
+
+# ---------------------------------------------------------------- 1. SecAgg+ overhead
+def _vector(seed: int, size: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 0.01, size).astype(np.float32)
+
+
+def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, float]:
+    """Seconds per round of plain vs SecAgg+ (default graph, and n/2 shares) on the Message API."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from clients.mods import dispatch_mods
+    from server.aggregation import PlainAggregator
+    from server.secagg.aggregator import SecAggPlusAggregator
+    from server.secagg.config import SecAggConfig
+    from strategies import keys
+
+    spec = {"delta/v": (size,), "meta/weight": (1,), "meta/count": (1,)}
+    client_app = ClientApp(mods=[dispatch_mods])
+
+    @client_app.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        arrays = {"delta/v": _vector(pid, size), "meta/weight": np.ones(1, np.float32)}
+        arrays["meta/count"] = np.ones(1, np.float32)
+        record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
+
+    out: dict[str, float] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        while len(list(grid.get_node_ids())) < num_clients:
+            time.sleep(0.2)
+        nodes = sorted(grid.get_node_ids())
+        content = RecordDict({keys.REC_CONFIG: ConfigRecord({keys.CFG_CLIENT_MODS: ""})})
+        variants = {
+            "plain": PlainAggregator(),
+            "secagg": SecAggPlusAggregator(SecAggConfig()),
+            "secagg_half_shares": SecAggPlusAggregator(SecAggConfig(num_shares=0.5)),
+        }
+        PlainAggregator().aggregate(grid, 0, nodes, content, spec, 600)  # warm the actors
+        for name, agg in variants.items():
+            t0 = time.perf_counter()
+            for r in range(rounds):
+                result = agg.aggregate(grid, r + 1, nodes, content, spec, 600)
+                if result.summed is None:
+                    raise RuntimeError(f"{name} round failed: {result.rejected}")
+            out[name] = (time.perf_counter() - t0) / rounds
+
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=num_clients,
+        backend_config=BACKEND,
+    )  # type: ignore[arg-type]
+    return out
+
+
+def legacy_round_time(num_clients: int, size: int, rounds: int, secure: bool) -> float:
+    """Seconds per round of Flower's legacy FedAvg workflow, with or without SecAggPlusWorkflow."""
+    from flwr.app import Context
+    from flwr.client import NumPyClient
+    from flwr.client.mod import secaggplus_mod
+    from flwr.clientapp import ClientApp
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import LegacyContext, ServerConfig
+    from flwr.server.strategy import FedAvg
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    class VectorClient(NumPyClient):  # type: ignore[misc]
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+        def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+            return [_vector(self.pid, size)], 1, {}
+
+    def client_fn(context: Context):  # type: ignore[no-untyped-def]
+        return VectorClient(int(context.node_config["partition-id"])).to_client()
+
+    client_app = ClientApp(client_fn=client_fn, mods=[secaggplus_mod] if secure else [])
+    timing: dict[str, float] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = FedAvg(
+            fraction_fit=1.0,
+            fraction_evaluate=0.0,
+            min_fit_clients=num_clients,
+            min_available_clients=num_clients,
+            initial_parameters=ndarrays_to_parameters([np.zeros(size, np.float32)]),
+        )
+        legacy = LegacyContext(
+            context=context, config=ServerConfig(num_rounds=rounds), strategy=strategy
+        )
+        fit = SecAggPlusWorkflow(num_shares=0.5, reconstruction_threshold=2 / 3) if secure else None
+        t0 = time.perf_counter()
+        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
+        timing["seconds"] = (time.perf_counter() - t0) / rounds
+
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=num_clients,
+        backend_config=BACKEND,
+    )  # type: ignore[arg-type]
+    return timing["seconds"]
+
+
+def secagg_overhead(clients: list[int], size: int, rounds: int) -> dict[str, Any]:
+    """Round-time ratios at each client count."""
+    out: dict[str, Any] = {}
+    for n in clients:
+        ours = ours_round_times(n, size, rounds)
+        legacy_plain = legacy_round_time(n, size, rounds, secure=False)
+        legacy_secure = legacy_round_time(n, size, rounds, secure=True)
+        out[str(n)] = {
+            "ours_plain_s": round(ours["plain"], 3),
+            "ours_secagg_s": round(ours["secagg"], 3),
+            "ours_secagg_half_shares_s": round(ours["secagg_half_shares"], 3),
+            "ours_ratio": round(ours["secagg"] / ours["plain"], 3),
+            "ours_half_shares_ratio": round(ours["secagg_half_shares"] / ours["plain"], 3),
+            "legacy_plain_s": round(legacy_plain, 3),
+            "legacy_secaggplus_s": round(legacy_secure, 3),
+            "legacy_ratio": round(legacy_secure / legacy_plain, 3),
+        }
+        print(f"secagg n={n}: {out[str(n)]}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- 2. DP-SGD overhead
+def dpsgd_overhead(model: str, steps: int, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """Seconds per step: Opacus DP-SGD vs the same AdamW step without privacy (fp32, same LoRA)."""
+    import torch
+    from flwr.app import ConfigRecord
+
+    from clients import worker
+    from clients.privacy.dpsgd import DPSGDConfig, lm_loss, train_dpsgd
+    from clients.privacy.local import apply_ffa
+    from clients.trainer import TrainConfig
+
+    cfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, precision="fp32")
+    lm = worker.get_lora_model(worker.resolve_model(model), cfg)
+    tokens = np.random.default_rng(0).integers(0, 256, size=400 * (seq_len + 1))
+    records = torch.from_numpy(tokens.reshape(-1, seq_len + 1).astype(np.int64))
+
+    def plain(ffa: bool) -> float:
+        apply_ffa(lm.model, ffa)
+        params = [p for p in lm.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+        rng = np.random.default_rng(1)
+        t0 = 0.0
+        for step in range(steps + 2):  # two warm-up steps
+            if step == 2:
+                t0 = time.perf_counter()
+            batch = records[rng.integers(0, len(records), batch_size)]
+            opt.zero_grad(set_to_none=True)
+            lm_loss(lm.model, batch).backward()
+            opt.step()
+        return (time.perf_counter() - t0) / steps
+
+    def private(ffa: bool) -> float:
+        apply_ffa(lm.model, False)
+        state = ConfigRecord()
+        dp = DPSGDConfig(noise_multiplier=1.0, max_grad_norm=1.0, ffa_lora=ffa)
+        kw = {"batch_size": batch_size, "seq_len": seq_len, "lr": 1e-3, "dp": dp, "state": state}
+        train_dpsgd(lm.model, tokens, steps=2, seed=0, **kw)  # warm-up (and Opacus' wrapping)
+        apply_ffa(lm.model, False)
+        t0 = time.perf_counter()
+        train_dpsgd(lm.model, tokens, steps=steps, seed=1, **kw)
+        return (time.perf_counter() - t0) / steps
+
+    plain_full, dp_full = plain(False), private(False)
+    plain_ffa, dp_ffa = plain(True), private(True)
+    apply_ffa(lm.model, False)
+    return {
+        "model": model,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "plain_step_s": round(plain_full, 4),
+        "dpsgd_step_s": round(dp_full, 4),
+        "ratio": round(dp_full / plain_full, 3),
+        "ffa_plain_step_s": round(plain_ffa, 4),
+        "ffa_dpsgd_step_s": round(dp_ffa, 4),
+        "ffa_ratio": round(dp_ffa / plain_ffa, 3),
+    }
+
+
+# ---------------------------------------------------------------- 3. privacy-utility sweep
+def privacy_utility(
+    model: str, noise_levels: list[float], rounds: int, clients: int
+) -> list[dict[str, Any]]:
+    """Central-DP federations at each noise multiplier (0 = no DP); epsilon vs final perplexity."""
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from clients.app import app as client_app
+    from server.config import RunConfig
+    from server.loop import run_federation
+    from server.rundir import MetricsLog
+
+    root = Path(tempfile.mkdtemp(prefix="fedge-privacy-sweep-"))
+    base = {
+        "model": model,
+        "num-server-rounds": rounds,
+        "min-available-nodes": clients,
+        "min-train-nodes": clients,
+        "local-steps": 4,
+        "batch-size": 8,
+        "seq-len": 64,
+        "lr": 0.003,
+        "client-eval": False,
+        "save-merged": False,
+        "server-eval-batches": 16,
+        "weighting": "uniform",
+        "dp-clip-norm": 0.05,
+    }
+    configs = {}
+    for z in noise_levels:
+        dp = {}
+        if z > 0:
+            dp = {
+                "aggregator": "server.privacy.factories:central_dp",
+                "privacy-budget": "server.privacy.factories:rdp_budget",
+                "dp-noise-multiplier": z,
+            }
+        configs[z] = RunConfig.from_mapping({**base, **dp, "run-dir": str(root / f"z{z}")})
+    rows: list[dict[str, Any]] = []
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        for z, cfg in configs.items():
+            outcome = run_federation(grid, cfg)
+            last = MetricsLog(outcome.run_dir).rows()[-1]
+            first = MetricsLog(outcome.run_dir).rows()[0]
+            rows.append(
+                {
+                    "noise_multiplier": z,
+                    "epsilon": round(float(last["epsilon"]), 3) if z > 0 else None,
+                    "initial_perplexity": round(float(first["perplexity"]), 3),
+                    "final_perplexity": round(float(last["perplexity"]), 3),
+                    "status": outcome.status,
+                }
+            )
+            print(f"sweep z={z}: {rows[-1]}", flush=True)
+
+    os.environ["FEDGE_CONCURRENCY"] = "2"
+    run_simulation(
+        server_app=server_app, client_app=client_app, num_supernodes=clients, backend_config=BACKEND
+    )  # type: ignore[arg-type]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the three benchmarks, print and write the JSON result."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", default="10,50", help="client counts per round for SecAgg+")
+    p.add_argument("--size", type=int, default=100_000, help="floats per client vector")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dpsgd-model", default="zoo:micro")
+    p.add_argument("--dpsgd-steps", type=int, default=10)
+    p.add_argument("--sweep-model", default="zoo:default")
+    p.add_argument("--sweep-noise", default="0,0.5,1,2")
+    p.add_argument("--sweep-rounds", type=int, default=3)
+    p.add_argument("--sweep-clients", type=int, default=4)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: secagg,dpsgd,sweep")
+    args = p.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    result: dict[str, Any] = {"bench": "privacy", "vector_size": args.size, "rounds": args.rounds}
+    if "secagg" not in skip:
+        clients = [int(c) for c in args.clients.split(",")]
+        result["secagg"] = secagg_overhead(clients, args.size, args.rounds)
+    if "dpsgd" not in skip:
+        result["dpsgd"] = dpsgd_overhead(args.dpsgd_model, args.dpsgd_steps, 8, 64)
+        print(f"dpsgd: {result['dpsgd']}", flush=True)
+    if "sweep" not in skip:
+        noise = [float(z) for z in args.sweep_noise.split(",")]
+        result["privacy_utility"] = {
+            "model": args.sweep_model,
+            "points": privacy_utility(
+                args.sweep_model, noise, args.sweep_rounds, args.sweep_clients
+            ),
+        }
+    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result)
+    RESULTS_FILE.write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
