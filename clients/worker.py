@@ -148,6 +148,8 @@ def get_corpus(config: Mapping[str, ConfigValue]) -> FederatedCorpus:
         source,
         max_chars,
     )
+    if cache_key not in _CORPORA and (known := _indexed_corpus(cache_key)) is not None:
+        _CORPORA[cache_key] = known
     if cache_key not in _CORPORA:
         _CORPORA[cache_key] = build_federated_corpus(
             tokenizer_dir,
@@ -159,4 +161,51 @@ def get_corpus(config: Mapping[str, ConfigValue]) -> FederatedCorpus:
             max_chars_per_client=max_chars or None,
         )
         STATS["corpus_loads"] += 1
+        _remember_corpus(cache_key, _CORPORA[cache_key])
     return _CORPORA[cache_key]
+
+
+def _index_file() -> Path:
+    from fedge.paths import corpus_cache_dir
+
+    return corpus_cache_dir() / "fedge-federation-index.json"
+
+
+def _index_key(cache_key: tuple[object, ...]) -> str:
+    """The index key: the config plus the tokenizer file's mtime (a rebuilt zoo invalidates it)."""
+    import json
+
+    tok = Path(str(cache_key[0])) / "tokenizer.json"
+    stamp = tok.stat().st_mtime_ns if tok.is_file() else 0
+    return json.dumps([*cache_key, stamp])
+
+
+def _indexed_corpus(cache_key: tuple[object, ...]) -> FederatedCorpus | None:
+    """Open a corpus this machine already built for the same config, skipping re-reading sources.
+
+    Under the Deployment Engine every message runs in a fresh process, where
+    rebuilding the cache key means reading and tokenizing the whole source again.
+    """
+    import json
+
+    try:
+        index = json.loads(_index_file().read_text())
+        directory = Path(index[_index_key(cache_key)])
+        return FederatedCorpus(directory) if (directory / "clients.json").is_file() else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _remember_corpus(cache_key: tuple[object, ...], corpus: FederatedCorpus) -> None:
+    """Record where the corpus for this config lives (best effort, atomic replace)."""
+    import json
+
+    path = _index_file()
+    try:
+        index = json.loads(path.read_text()) if path.is_file() else {}
+        index[_index_key(cache_key)] = str(corpus.directory)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index, indent=1))
+        tmp.replace(path)
+    except (OSError, ValueError):
+        return

@@ -19,6 +19,10 @@ from strategies import keys
 from strategies.base import ConfigValue
 from strategies.registry import STRATEGY_NAMES
 
+EXTENSION_PREFIXES = ("dp-", "secagg-", "privacy-", "x-")
+"""Keys with these prefixes belong to plug-ins (aggregators, mods, budgets); they are kept
+as strings/numbers in ``RunConfig.extra`` and sent to clients with every message."""
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -50,6 +54,7 @@ class RunConfig:
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
     train: TrainConfig = field(default_factory=TrainConfig)
+    extra: Mapping[str, ConfigValue] = field(default_factory=dict)  # keys under EXTENSION_PREFIXES
 
     def __post_init__(self) -> None:
         """Validate ranges and names, naming the key and the value."""
@@ -78,31 +83,38 @@ class RunConfig:
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> RunConfig:
         """Build from flat hyphenated keys; an unknown key is an error that lists the known ones."""
-        server_fields = {_key(f.name): f for f in dataclasses.fields(cls) if f.name != "train"}
+        server_fields = {
+            _key(f.name): f for f in dataclasses.fields(cls) if f.name not in ("train", "extra")
+        }
         train_keys = set(TrainConfig().to_config())
-        unknown = sorted(k for k in mapping if k not in server_fields and k not in train_keys)
+        known = server_fields.keys() | train_keys
+        extra = {
+            k: v for k, v in mapping.items() if k not in known and k.startswith(EXTENSION_PREFIXES)
+        }
+        unknown = sorted(k for k in mapping if k not in known and k not in extra)
         if unknown:
             raise ValueError(
                 f"unknown config key(s) {unknown}; known keys: "
-                f"{', '.join(sorted([*server_fields, *train_keys]))}"
+                f"{', '.join(sorted(known))} (plug-in keys start with {', '.join(EXTENSION_PREFIXES)})"
             )
         defaults = cls()
         values: dict[str, Any] = {
             f.name: _coerce(k, mapping[k], type(getattr(defaults, f.name)))
             for k, f in server_fields.items()
-            if k in mapping
+            if k in mapping and f.name != "extra"
         }
         train = TrainConfig.from_config({k: v for k, v in mapping.items() if k in train_keys})
-        return cls(train=train, **values)
+        return cls(train=train, extra=extra, **values)
 
     def to_mapping(self) -> dict[str, ConfigValue]:
         """Return every key, flat (server keys, then the client's)."""
         out: dict[str, ConfigValue] = {
             _key(f.name): getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name != "train"
+            if f.name not in ("train", "extra")
         }
         out.update(self.train.to_config())
+        out.update(self.extra)
         return out
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> RunConfig:
@@ -124,6 +136,7 @@ class RunConfig:
             keys.CFG_CLIENT_STATE_DIR,
         ):
             out[key] = self.to_mapping()[key]
+        out.update(self.extra)
         return out
 
 

@@ -408,6 +408,8 @@ def _row(
         "epsilon": epsilon,
         "dp_sgd_epsilon": _num(dpsgd_epsilon(per_client)),
         "model_loads_max": max((m.get(keys.MET_MODEL_LOADS, 0.0) for m in per_client), default=0.0),
+        "worker_calls_max": max((m.get(keys.MET_CALLS, 0.0) for m in per_client), default=0.0),
+        "rejected": {str(n): why for n, why in sorted(result.rejected.items())} if result else {},
     }
 
 

@@ -39,6 +39,7 @@ METRIC_COLUMNS = (
     "train_seconds_sum",
     "epsilon",
     "model_loads_max",
+    "worker_calls_max",
 )
 
 

@@ -1,0 +1,154 @@
+"""The ClientApp's handlers called in-process with real Flower messages on the micro zoo."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, Metadata, RecordDict
+
+import clients.app as client_module
+from clients import worker
+from clients.state import ContextStore
+from clients.trainer import TrainConfig, local_work
+from server.aggregation import validate_contribution
+from server.config import RunConfig
+from server.loop import train_content
+from strategies import keys
+from strategies.base import GlobalState
+from strategies.registry import build_strategy
+
+SMALL = {
+    "local-steps": 2,
+    "batch-size": 2,
+    "seq-len": 32,
+    "lora-r": 2,
+    "lora-alpha": 4,
+    "max-chars-per-client": 20000,
+    "eval-batches": 2,
+}
+
+
+def _message(content: RecordDict, message_type: str) -> Message:
+    metadata = Metadata(
+        run_id=1,
+        message_id="m",
+        src_node_id=0,
+        dst_node_id=7,
+        reply_to_message_id="",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type=message_type,
+    )
+    return Message(content=content, metadata=metadata)
+
+
+def _context(partition: int = 1) -> Context:
+    return Context(
+        run_id=1,
+        node_id=7,
+        node_config={"partition-id": partition, "num-partitions": 3},
+        state=RecordDict(),
+        run_config={},
+    )
+
+
+def _setup(micro_zoo, **overrides):  # type: ignore[no-untyped-def]
+    cfg = RunConfig.from_mapping({**SMALL, "model": str(micro_zoo.target_dir), **overrides})
+    strategy = build_strategy(cfg.to_mapping())
+    adapter = worker.adapter_arrays(worker.get_lora_model(cfg.model, cfg.train))
+    state = GlobalState(adapter, strategy.init_extras(adapter))
+    return cfg, strategy, state
+
+
+def test_train_replies_a_valid_contribution_and_reuses_the_cached_model(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Two train calls in one process: one base-model load, a spec-conforming contribution each time."""
+    cfg, strategy, state = _setup(micro_zoo)
+    msg = _message(train_content(state, strategy, cfg, 1), "train")
+    first = client_module.app(msg, _context())
+    second = client_module.app(msg, _context())
+    for reply in (first, second):
+        assert not reply.has_error()
+        record = reply.content.array_records[keys.REC_CONTRIB]
+        assert validate_contribution(record, strategy.contribution_spec(state)) is None
+    m1, m2 = (dict(r.content.metric_records[keys.REC_METRICS]) for r in (first, second))
+    assert m1[keys.MET_MODEL_LOADS] == m2[keys.MET_MODEL_LOADS]  # no reload on the second call
+    assert m2[keys.MET_CALLS] == m1[keys.MET_CALLS] + 1
+    assert m1[keys.MET_NUM_EXAMPLES] == 4 and m1[keys.MET_PARTITION] == 1
+    # Same seed, round and partition: the local work is reproducible bit for bit.
+    a, b = (r.content.array_records[keys.REC_CONTRIB] for r in (first, second))
+    for k in a:
+        np.testing.assert_array_equal(a[k].numpy(), b[k].numpy())
+    delta = next(
+        v.numpy() for k, v in a.items() if k.startswith(keys.PREFIX_DELTA) and "lora_A" in k
+    )
+    assert np.abs(delta).max() > 0
+
+
+@pytest.mark.parametrize(("strategy", "count"), [("fedavg", 0.0), ("fedprox", 1.0)])
+def test_straggler_work_dropped_by_fedavg_kept_by_fedprox(
+    micro_zoo, strategy: str, count: float
+) -> None:  # type: ignore[no-untyped-def]
+    """straggler-fraction 1 and 4 local steps: 1 step done; FedAvg zeroes it, FedProx keeps it."""
+    cfg, strat, state = _setup(
+        micro_zoo, strategy=strategy, **{"straggler-fraction": 1.0, "local-steps": 4}
+    )
+    reply = client_module.app(_message(train_content(state, strat, cfg, 1), "train"), _context())
+    metrics = dict(reply.content.metric_records[keys.REC_METRICS])
+    assert metrics[keys.MET_LOCAL_STEPS] == 1 and metrics[keys.MET_COMPLETED] == 0.25
+    contribution = reply.content.array_records[keys.REC_CONTRIB]
+    assert float(contribution[keys.KEY_COUNT].numpy()[0]) == count
+
+
+def test_scaffold_client_keeps_its_control_variate_in_the_node_state(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """A SCAFFOLD train call stores c_i+ in Context.state and sends ctrl/ deltas of the adapter's shapes."""
+    cfg, strategy, state = _setup(micro_zoo, strategy="scaffold")
+    context = _context()
+    reply = client_module.app(_message(train_content(state, strategy, cfg, 1), "train"), context)
+    record = reply.content.array_records[keys.REC_CONTRIB]
+    assert validate_contribution(record, strategy.contribution_spec(state)) is None
+    saved = ContextStore(context.state).load(2)
+    assert saved is not None and set(saved) == set(state.adapter)
+    ctrl = {
+        k[len(keys.PREFIX_CONTROL) :]: record[k].numpy()
+        for k in record
+        if k.startswith(keys.PREFIX_CONTROL)
+    }
+    for name, c_new in saved.items():  # c_i was 0, so ctrl = c_i+ - 0
+        np.testing.assert_allclose(ctrl[name], c_new, rtol=1e-6)
+
+
+def test_evaluate_reports_heldout_loss(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Evaluate returns a finite loss near ln(vocab) or below for the untrained adapter."""
+    cfg, strategy, state = _setup(micro_zoo)
+    reply = client_module.app(
+        _message(train_content(state, strategy, cfg, 1), "evaluate"), _context(2)
+    )
+    metrics = dict(reply.content.metric_records[keys.REC_METRICS])
+    assert 0 < metrics[keys.MET_EVAL_LOSS] < np.log(1024) + 1
+    assert metrics[keys.MET_NUM_EXAMPLES] > 0
+
+
+def test_a_message_without_config_is_refused_with_the_record_name(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """No 'config' ConfigRecord: the handler says which record is missing."""
+    with pytest.raises(ValueError, match="'config' ConfigRecord"):
+        client_module.app(_message(RecordDict(), "train"), _context())
+
+
+def test_train_config_errors_name_the_key() -> None:
+    """Bad values are refused with the hyphenated key in the message."""
+    with pytest.raises(ValueError, match="local-steps"):
+        TrainConfig.from_config({"local-steps": 0})
+    with pytest.raises(ValueError, match="batch-size"):
+        TrainConfig.from_config({"batch-size": "many"})
+    with pytest.raises(ValueError, match="device-population"):
+        TrainConfig(device_population="phone:half")
+
+
+def test_device_population_caps_local_work() -> None:
+    """A population of only phones doing a quarter of the work runs 2 of 8 steps every round."""
+    cfg = TrainConfig(local_steps=8, device_population="phone:1:0.25")
+    assert local_work(cfg, seed=0, server_round=3, partition=5) == (2, 0.25)
+    assert local_work(TrainConfig(local_steps=8), 0, 3, 5) == (8, 1.0)
