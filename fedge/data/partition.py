@@ -47,6 +47,8 @@ def partition_documents(docs: list[Document], spec: PartitionSpec) -> dict[str, 
         raise ValueError(
             f"num_partitions={count} exceeds the {len(docs)} documents; use fewer partitions."
         )
+    if spec.scheme == "iid":
+        dataset = dataset.shuffle(seed=spec.seed)  # IidPartitioner shards in dataset order
     partitioner = _partitioner(spec, count)
     partitioner.dataset = dataset
     clients: dict[str, list[int]] = {}

@@ -25,7 +25,13 @@ from fedge.paths import zoo_dir
 from fedge.zoo.evaluate import greedy_agreement, perplexity, prompts_from
 from fedge.zoo.presets import ModelShape, ZooPreset, get_preset
 from fedge.zoo.tokenizer import save_tokenizer, train_tokenizer
-from fedge.zoo.training import TrainResult, distillation_loss, next_token_loss, train
+from fedge.zoo.training import (
+    LossFn,
+    TrainResult,
+    distillation_loss,
+    next_token_loss,
+    train,
+)
 
 CARD_NAME = "model_card.json"
 RUN_RECORD = "training.json"  # inside each model directory, so an intact model is reused as is
@@ -164,6 +170,7 @@ class _Builder:
         torch.manual_seed(self.seed + (1 if teacher is not None else 0))
         model = LlamaForCausalLM(self._config(shape, tokenizer))
         budget = self.preset.draft_train if teacher is not None else self.preset.target_train
+        loss_fn: LossFn
         if teacher is None:
             loss_fn = next_token_loss
         else:

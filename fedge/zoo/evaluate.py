@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 
 
 @torch.no_grad()
@@ -45,7 +46,7 @@ def prompts_from(tokens: np.ndarray, count: int, prompt_len: int) -> list[np.nda
 
 @torch.no_grad()
 def greedy_agreement(
-    target: nn.Module,
+    target: PreTrainedModel,
     draft: nn.Module,
     prompts: list[np.ndarray],
     new_tokens: int,
@@ -59,7 +60,7 @@ def greedy_agreement(
     agree_total, positions, tokens_emitted, passes = 0, 0, 0, 0
     for prompt in prompts:
         ids = torch.from_numpy(prompt.astype(np.int64))[None]
-        path = target.generate(
+        path = target.generate(  # type: ignore[operator]  # transformers types generate loosely
             ids,
             max_new_tokens=new_tokens,
             do_sample=False,
