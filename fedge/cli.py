@@ -15,6 +15,7 @@ app = typer.Typer(
 def _register_subcommands() -> None:
     """Attach each part's command group; imports stay here so `fedge --help` stays one place."""
     from edge.cli import edge_app, verifier_app
+    from fedge.demo import demo
     from fedge.zoo.cli import app as models_app
     from simulations.cli import app as simulate_app
 
@@ -22,6 +23,7 @@ def _register_subcommands() -> None:
     app.add_typer(edge_app, name="edge")
     app.add_typer(verifier_app, name="verifier")
     app.add_typer(simulate_app, name="simulate")
+    app.command("demo")(demo)
 
 
 _register_subcommands()
