@@ -49,7 +49,8 @@ class ServerConfig:
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key enables TLS
     tls_key: Path | None = None
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = any
-    grace_s: float = 5.0  # drain time on shutdown: in-flight calls finish, new ones are refused
+    drain_notice_s: float = 1.0  # NOT_SERVING but still serving, so health checkers move traffic
+    grace_s: float = 5.0  # then in-flight calls get this long to finish; new ones are refused
     torch_threads: int = 0  # 0 = torch's default
 
     def __post_init__(self) -> None:
@@ -62,8 +63,9 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.port must lie in [0, 65535], got {self.port}")
         if self.token is not None and not self.token.strip():
             raise ValueError("ServerConfig.token must not be blank; omit it to disable auth")
-        if self.grace_s < 0:
-            raise ValueError(f"ServerConfig.grace_s must be >= 0, got {self.grace_s}")
+        for name in ("grace_s", "drain_notice_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 def load_verifier_model(model_dir: Path, adapter_dir: Path | None = None) -> PreTrainedModel:
@@ -152,8 +154,8 @@ class VerifierServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
-    async def start(self, model: PreTrainedModel | None = None) -> int:
-        """Listen (health NOT_SERVING), load the model, start the engine, then report SERVING."""
+    async def listen(self) -> int:
+        """Bind and start answering: health NOT_SERVING, Verifier calls UNAVAILABLE until `load`."""
         self.port = self._bind()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
@@ -163,6 +165,10 @@ class VerifierServer:
             )
             self._metrics_http = http
             self.metrics_port = int(http.server_port)
+        return self.port
+
+    async def load(self, model: PreTrainedModel | None = None) -> None:
+        """Load the model (unless given), start the engine, report SERVING."""
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         if model is None:
@@ -172,11 +178,17 @@ class VerifierServer:
         self.engine = VerifierEngine(model, self.config.engine, observer=self.metrics).start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         LOG.info("verifier serving %s on %s:%d", self.config.model_dir, self.config.host, self.port)
-        return self.port
+
+    async def start(self, model: PreTrainedModel | None = None) -> int:
+        """`listen` then `load`; returns the port."""
+        port = await self.listen()
+        await self.load(model)
+        return port
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Report NOT_SERVING, let in-flight calls finish within the grace period, stop the engine."""
+        """Drain: NOT_SERVING for `drain_notice_s` (calls still served), then a grace period, then stop."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(self.config.drain_notice_s)
         await self.grpc.stop(self.config.grace_s if grace_s is None else grace_s)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)

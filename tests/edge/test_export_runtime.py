@@ -1,0 +1,130 @@
+"""ONNX export of the micro draft: manifest, validation, int8 runtime, KV rollback, refusal of invalid exports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import PreTrainedModel
+
+from edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
+from edge.export import ExportConfig, ExportValidationError, export_draft
+from edge.runtime import TorchDraftRuntime, load_draft_runtime
+from edge.verifier.engine import EngineConfig, VerifierEngine
+from fedge.errors import CorruptModelError, ModelNotFoundError
+from fedge.zoo import ZooPaths
+
+
+@pytest.fixture(scope="module")
+def exported(
+    micro_zoo: ZooPaths, micro_prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """One fp32 + int8 export of the micro draft, validated on 6 held-out prompts."""
+    out = tmp_path_factory.mktemp("export")
+    export_draft(
+        micro_zoo.draft_dir, out, micro_prompts[8:14], ExportConfig(steps=8, timing_steps=8)
+    )
+    return out
+
+
+def test_manifest_records_geometry_hashes_and_validation(exported: Path) -> None:
+    manifest = json.loads((exported / "manifest.json").read_text())
+    assert manifest["vocab_size"] == 1024 and manifest["num_layers"] == 1
+    assert manifest["past_names"] == ["past_key_0", "past_value_0"]
+    for variant in ("fp32", "int8"):
+        entry = manifest["variants"][variant]
+        assert entry["valid"], entry["failures"]
+        assert len(entry["sha256"]) == 64 and (exported / entry["file"]).is_file()
+        assert entry["positions"] == 6 * 8
+    assert manifest["variants"]["fp32"]["max_abs_logit_diff"] < 1e-3
+    assert manifest["variants"]["int8"]["bytes"] < manifest["variants"]["fp32"]["bytes"]
+    assert (exported / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_dispatch_prefers_int8_then_fp32_then_torch(exported: Path, micro_zoo: ZooPaths) -> None:
+    assert load_draft_runtime(exported).name == "onnx-int8"
+    assert load_draft_runtime(exported, "onnx-fp32").name == "onnx-fp32"
+    assert load_draft_runtime(micro_zoo.draft_dir).name == "torch"
+    with pytest.raises(ModelNotFoundError, match="onnx-int8: no manifest.json"):
+        load_draft_runtime(micro_zoo.draft_dir, "onnx-int8")
+    with pytest.raises(ValueError, match="choose auto or one of"):
+        load_draft_runtime(exported, "tensorrt")
+
+
+def test_onnx_cache_rolls_back_exactly(exported: Path, micro_prompts: list[list[int]]) -> None:
+    """extend, truncate, extend again == a fresh run over the same tokens."""
+    runtime = load_draft_runtime(exported, "onnx-fp32")
+    prompt = micro_prompts[10]
+    runtime.extend(prompt)
+    runtime.extend([5, 6, 7])
+    runtime.truncate(len(prompt) + 1)
+    rolled = runtime.extend([9, 10])
+    runtime.reset()
+    fresh = runtime.extend([*prompt, 5, 9, 10])
+    assert runtime.length == len(prompt) + 3
+    np.testing.assert_allclose(rolled, fresh, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        runtime.truncate(runtime.length + 1)
+    with pytest.raises(ValueError, match="outside the draft vocabulary"):
+        runtime.extend([4096])
+
+
+def test_onnx_draft_matches_torch_draft_in_greedy_decoding(
+    exported: Path,
+    micro_draft: PreTrainedModel,
+    micro_target: PreTrainedModel,
+    micro_prompts: list[list[int]],
+) -> None:
+    """fp32 ONNX edge-only output equals torch's; ONNX draft in the speculative loop stays exact."""
+    onnx_runtime = load_draft_runtime(exported, "onnx-fp32")
+    config = DecodeConfig(max_new_tokens=16)
+    for prompt in micro_prompts[:6]:
+        assert list(edge_only(onnx_runtime, prompt, config)) == list(
+            edge_only(TorchDraftRuntime(micro_draft), prompt, config)
+        )
+    engine = VerifierEngine(micro_target, EngineConfig(batch_window_s=0.0)).start()
+    try:
+        int8 = SpeculativeDecoder(load_draft_runtime(exported), engine, config)
+        torch_draft = SpeculativeDecoder(TorchDraftRuntime(micro_target), engine, config)
+        for prompt in micro_prompts[6:10]:
+            assert int8.generate(prompt) == torch_draft.generate(prompt)
+    finally:
+        engine.stop()
+
+
+def test_tampered_or_invalid_exports_are_refused(exported: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for item in ("manifest.json", "draft.int8.onnx", "draft.fp32.onnx"):
+        (copy / item).write_bytes((exported / item).read_bytes())
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["variants"]["int8"]["valid"] = False
+    manifest["variants"]["int8"]["failures"] = ["greedy_agreement 0.1 < 0.9"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert load_draft_runtime(copy).name == "onnx-fp32"  # the invalid int8 is skipped
+    with pytest.raises(ModelNotFoundError, match="failed validation"):
+        load_draft_runtime(copy, "onnx-int8")
+    (copy / "draft.fp32.onnx").write_bytes(b"tampered")
+    with pytest.raises(CorruptModelError, match="does not match its manifest hash"):
+        load_draft_runtime(copy, "onnx-fp32")
+
+
+def test_export_failing_validation_is_not_marked_valid(
+    micro_zoo: ZooPaths, micro_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """A bar below float32 rounding (max logit difference 1e-30) fails the fp32 export."""
+    strict = ExportConfig(quantize=False, fp32_max_logit_diff=1e-30, steps=2, timing_steps=1)
+    with pytest.raises(ExportValidationError, match="no exported variant"):
+        export_draft(micro_zoo.draft_dir, tmp_path, micro_prompts[:1], strict)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["variants"]["fp32"]["valid"] is False
+    assert "max_abs_logit_diff" in manifest["variants"]["fp32"]["failures"][0]
+    with pytest.raises(ModelNotFoundError, match="failed validation"):
+        load_draft_runtime(tmp_path, "onnx-fp32")
+
+
+def test_export_config_names_the_bad_field() -> None:
+    with pytest.raises(ValueError, match="ExportConfig.int8_min_agreement must lie in"):
+        ExportConfig(int8_min_agreement=1.5)
