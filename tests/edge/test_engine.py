@@ -114,15 +114,15 @@ def test_concurrent_sessions_are_batched_and_still_exact(
 
 def test_bad_input_is_refused_with_the_field_named(engine: VerifierEngine) -> None:
     info = engine.open([5, 6, 7])
-    with pytest.raises(InvalidRequest, match="draft_ids: id 5000 is outside"):
+    with pytest.raises(InvalidRequest, match=r"draft_ids: id 5000 is outside"):
         engine.verify(info.session_id, [5000])
-    with pytest.raises(InvalidRequest, match="exceed max_draft 8"):
+    with pytest.raises(InvalidRequest, match=r"exceed max_draft 8"):
         engine.verify(info.session_id, [1] * 9)
-    with pytest.raises(InvalidRequest, match="prompt_ids: 128 tokens"):
+    with pytest.raises(InvalidRequest, match=r"prompt_ids: 128 tokens"):
         engine.open(list(range(128)))
-    with pytest.raises(InvalidRequest, match="prompt_ids: 0 tokens"):
+    with pytest.raises(InvalidRequest, match=r"prompt_ids: 0 tokens"):
         engine.open([])
-    with pytest.raises(InvalidRequest, match="sampling.temperature"):
+    with pytest.raises(InvalidRequest, match=r"sampling.temperature"):
         engine.open([1], Sampling(temperature=-1.0))
     with pytest.raises(SessionNotFound):
         engine.verify("no-such-session", [1])
@@ -134,17 +134,17 @@ def test_bad_input_is_refused_with_the_field_named(engine: VerifierEngine) -> No
 def test_session_cannot_grow_past_the_context(engine: VerifierEngine) -> None:
     info = engine.open(list(range(1, 121)))  # 120 of 128 positions
     engine.verify(info.session_id, [1, 2, 3])  # up to 124 tokens
-    with pytest.raises(InvalidRequest, match="pass max_context 128"):
+    with pytest.raises(InvalidRequest, match=r"pass max_context 128"):
         engine.verify(info.session_id, [1] * 8)
 
 
 def test_sampling_needs_draft_distributions(engine: VerifierEngine) -> None:
     info = engine.open([3, 4], Sampling(temperature=1.0, seed=3))
-    with pytest.raises(InvalidRequest, match="draft_probs"):
+    with pytest.raises(InvalidRequest, match=r"draft_probs"):
         engine.verify(info.session_id, [7])
     with pytest.raises(InvalidRequest, match=r"draft_dists\[0\].probs"):
         engine.verify(info.session_id, [7], [0.5], [([7, 8], [0.5, 0.2])])
-    with pytest.raises(InvalidRequest, match="differs from draft_dists"):
+    with pytest.raises(InvalidRequest, match=r"differs from draft_dists"):
         engine.verify(info.session_id, [7], [0.9], [([7, 8], [0.5, 0.5])])
     result = engine.verify(info.session_id, [7], [0.5], [([7, 8], [0.5, 0.5])])
     assert result.session_length == 2 + result.accepted + 1
@@ -157,7 +157,7 @@ def test_second_verify_in_flight_is_refused(micro_target: PreTrainedModel) -> No
         info = engine.open([1, 2])
         first = engine.submit_verify(info.session_id, [3])
         # Execute / Assert
-        with pytest.raises(SessionBusy, match="in flight"):
+        with pytest.raises(SessionBusy, match=r"in flight"):
             engine.submit_verify(info.session_id, [3])
         assert first.result(timeout=10).session_length >= 3
         engine.verify(info.session_id, [])  # free again once answered
@@ -171,7 +171,7 @@ def test_full_queue_is_backpressure(micro_target: PreTrainedModel) -> None:
     engine._thread = threading.Thread(target=lambda: None)
     engine.submit_open([1], Sampling())
     engine.submit_open([2], Sampling())
-    with pytest.raises(Overloaded, match="queue is full"):
+    with pytest.raises(Overloaded, match=r"queue is full"):
         engine.submit_open([3], Sampling())
 
 
@@ -187,7 +187,7 @@ def test_sessions_expire_after_the_ttl(micro_target: PreTrainedModel) -> None:
         now[0] = 14.0
         fresh = engine.open([1]).session_id
         now[0] = 15.5  # old idle since 5.0: expired; fresh idle since 14.0: alive
-        with pytest.raises(SessionNotFound, match="expired"):
+        with pytest.raises(SessionNotFound, match=r"expired"):
             engine.verify(old, [1])
         engine.verify(fresh, [1])
     finally:
@@ -216,14 +216,14 @@ def test_lru_eviction_under_session_and_memory_caps(micro_target: PreTrainedMode
         with pytest.raises(SessionNotFound):
             capped.verify(first, [1])
         capped.verify(second, [1])
-        with pytest.raises(Overloaded, match="memory cap"):
+        with pytest.raises(Overloaded, match=r"memory cap"):
             capped.open(list(range(1, 60)))  # larger than the whole cap
     finally:
         capped.stop()
 
 
 def test_engine_config_names_the_bad_field() -> None:
-    with pytest.raises(ValueError, match="EngineConfig.max_batch must be > 0, got 0"):
+    with pytest.raises(ValueError, match=r"EngineConfig.max_batch must be > 0, got 0"):
         EngineConfig(max_batch=0)
-    with pytest.raises(ValueError, match="batch_window_s"):
+    with pytest.raises(ValueError, match=r"batch_window_s"):
         EngineConfig(batch_window_s=-1)

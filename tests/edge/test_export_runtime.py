@@ -47,9 +47,9 @@ def test_dispatch_prefers_int8_then_fp32_then_torch(exported: Path, micro_zoo: Z
     assert load_draft_runtime(exported).name == "onnx-int8"
     assert load_draft_runtime(exported, "onnx-fp32").name == "onnx-fp32"
     assert load_draft_runtime(micro_zoo.draft_dir).name == "torch"
-    with pytest.raises(ModelNotFoundError, match="onnx-int8: no manifest.json"):
+    with pytest.raises(ModelNotFoundError, match=r"onnx-int8: no manifest.json"):
         load_draft_runtime(micro_zoo.draft_dir, "onnx-int8")
-    with pytest.raises(ValueError, match="choose auto or one of"):
+    with pytest.raises(ValueError, match=r"choose auto or one of"):
         load_draft_runtime(exported, "tensorrt")
 
 
@@ -65,9 +65,9 @@ def test_onnx_cache_rolls_back_exactly(exported: Path, micro_prompts: list[list[
     fresh = runtime.extend([*prompt, 5, 9, 10])
     assert runtime.length == len(prompt) + 3
     np.testing.assert_allclose(rolled, fresh, atol=1e-5)
-    with pytest.raises(ValueError, match="cannot truncate"):
+    with pytest.raises(ValueError, match=r"cannot truncate"):
         runtime.truncate(runtime.length + 1)
-    with pytest.raises(ValueError, match="outside the draft vocabulary"):
+    with pytest.raises(ValueError, match=r"outside the draft vocabulary"):
         runtime.extend([4096])
 
 
@@ -104,10 +104,10 @@ def test_tampered_or_invalid_exports_are_refused(exported: Path, tmp_path: Path)
     manifest["variants"]["int8"]["failures"] = ["greedy_agreement 0.1 < 0.9"]
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert load_draft_runtime(copy).name == "onnx-fp32"  # the invalid int8 is skipped
-    with pytest.raises(ModelNotFoundError, match="failed validation"):
+    with pytest.raises(ModelNotFoundError, match=r"failed validation"):
         load_draft_runtime(copy, "onnx-int8")
     (copy / "draft.fp32.onnx").write_bytes(b"tampered")
-    with pytest.raises(CorruptModelError, match="does not match its manifest hash"):
+    with pytest.raises(CorruptModelError, match=r"does not match its manifest hash"):
         load_draft_runtime(copy, "onnx-fp32")
 
 
@@ -116,15 +116,15 @@ def test_export_failing_validation_is_not_marked_valid(
 ) -> None:
     """A bar below float32 rounding (max logit difference 1e-30) fails the fp32 export."""
     strict = ExportConfig(quantize=False, fp32_max_logit_diff=1e-30, steps=2, timing_steps=1)
-    with pytest.raises(ExportValidationError, match="no exported variant"):
+    with pytest.raises(ExportValidationError, match=r"no exported variant"):
         export_draft(micro_zoo.draft_dir, tmp_path, micro_prompts[:1], strict)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["variants"]["fp32"]["valid"] is False
     assert "max_abs_logit_diff" in manifest["variants"]["fp32"]["failures"][0]
-    with pytest.raises(ModelNotFoundError, match="failed validation"):
+    with pytest.raises(ModelNotFoundError, match=r"failed validation"):
         load_draft_runtime(tmp_path, "onnx-fp32")
 
 
 def test_export_config_names_the_bad_field() -> None:
-    with pytest.raises(ValueError, match="ExportConfig.int8_min_agreement must lie in"):
+    with pytest.raises(ValueError, match=r"ExportConfig.int8_min_agreement must lie in"):
         ExportConfig(int8_min_agreement=1.5)

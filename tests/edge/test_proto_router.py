@@ -77,5 +77,5 @@ def test_unmeasured_routes_are_explored_and_offline_means_edge() -> None:
 
 
 def test_router_config_names_the_bad_field() -> None:
-    with pytest.raises(ValueError, match="RouterConfig.objective must be one of"):
+    with pytest.raises(ValueError, match=r"RouterConfig.objective must be one of"):
         RouterConfig(objective="cheapest")

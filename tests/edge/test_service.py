@@ -222,16 +222,16 @@ def test_lora_adapter_is_merged_at_load(
     ):
         for prompt in prompts:
             assert list(client.generate(prompt, 8)) == greedy(merged, prompt, 8)
-    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+    with pytest.raises(FileNotFoundError, match=r"adapter_config.json"):
         load_verifier_model(micro_zoo.target_dir, micro_zoo.draft_dir)
 
 
 def test_server_config_names_the_bad_field(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="tls_cert and tls_key must be given together"):
+    with pytest.raises(ValueError, match=r"tls_cert and tls_key must be given together"):
         ServerConfig(tmp_path, tls_cert=tmp_path / "c.pem")
-    with pytest.raises(ValueError, match="ServerConfig.port"):
+    with pytest.raises(ValueError, match=r"ServerConfig.port"):
         ServerConfig(tmp_path, port=70000)
-    with pytest.raises(ValueError, match="ClientConfig.target must be HOST:PORT"):
+    with pytest.raises(ValueError, match=r"ClientConfig.target must be HOST:PORT"):
         ClientConfig("localhost")
 
 

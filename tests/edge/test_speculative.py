@@ -45,7 +45,7 @@ def test_expected_tokens_per_pass_matches_the_geometric_sum() -> None:
     assert expected_tokens_per_pass(0.5, 3) == pytest.approx(1.875)
     assert expected_tokens_per_pass(1.0, 4) == 5.0
     assert expected_tokens_per_pass(0.0, 4) == 1.0
-    with pytest.raises(ValueError, match="acceptance"):
+    with pytest.raises(ValueError, match=r"acceptance"):
         expected_tokens_per_pass(1.5, 2)
 
 
