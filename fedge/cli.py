@@ -17,12 +17,14 @@ def _register_subcommands() -> None:
     from edge.cli import edge_app, verifier_app
     from fedge.demo import demo
     from fedge.zoo.cli import app as models_app
+    from server.privacy.cli import app as privacy_app
     from simulations.cli import app as simulate_app
 
     app.add_typer(models_app, name="models")
     app.add_typer(edge_app, name="edge")
     app.add_typer(verifier_app, name="verifier")
     app.add_typer(simulate_app, name="simulate")
+    app.add_typer(privacy_app, name="privacy")
     app.command("demo")(demo)
 
 
