@@ -1,0 +1,135 @@
+"""The edge stage of `fedge demo`: export the draft, serve the adapted target, decode speculatively."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from edge.client import ClientConfig, VerifierClient
+from edge.decoder import DecodeConfig, SpeculativeDecoder
+from edge.export import ExportConfig, export_draft
+from edge.prompts import heldout_prompts
+from edge.runtime import load_draft_runtime
+from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.zoo import ZooPaths
+
+VALIDATION_PROMPTS = 8
+DEMO_PROMPTS = 6
+PROMPT_TOKENS = 32
+NEW_TOKENS = 48
+METRICS_NAME = "edge_metrics.json"
+
+
+def edge_stage(
+    zoo: ZooPaths, adapter_dir: Path | None, run_dir: Path, console: Console
+) -> dict[str, Any]:
+    """Export the zoo's draft, serve target (+ adapter) on 127.0.0.1:0, generate, report, stop.
+
+    Returns (and writes to `run_dir/edge_metrics.json`) acceptance, tokens/s and target
+    passes per token of speculative decoding, with cloud-only decoding beside it.
+    """
+    from fedge.models import load_tokenizer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(zoo.target_dir)
+    prompts = heldout_prompts(tokenizer, VALIDATION_PROMPTS + DEMO_PROMPTS, PROMPT_TOKENS)
+    with console.status("exporting the draft to ONNX (fp32 + int8) and validating it"):
+        manifest = export_draft(
+            zoo.draft_dir, run_dir / "draft", prompts[:VALIDATION_PROMPTS], ExportConfig()
+        )
+    runtime = load_draft_runtime(run_dir / "draft")
+    variants = {
+        k: (v["valid"], round(v["greedy_agreement"], 3)) for k, v in manifest["variants"].items()
+    }
+    console.print(f"draft exported: {variants} (valid, greedy agreement); runtime {runtime.name}")
+    config = ServerConfig(zoo.target_dir, adapter_dir=adapter_dir, drain_notice_s=0.0)
+    rows: list[dict[str, Any]] = []
+    with console.status("starting the verifier"), BackgroundServer(config) as server:
+        console.print(
+            f"verifier on 127.0.0.1:{server.port} serving target + {adapter_dir or 'no adapter'}"
+        )
+        with VerifierClient(ClientConfig(f"127.0.0.1:{server.port}")) as client:
+            for i, prompt in enumerate(prompts[VALIDATION_PROMPTS:]):
+                decoder = SpeculativeDecoder(
+                    runtime, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
+                )
+                tokens = decoder.generate(prompt)
+                cloud = _cloud_only(client, prompt)
+                stats = decoder.stats
+                rows.append(
+                    {
+                        "prompt": i,
+                        "tokens": stats.tokens,
+                        "acceptance": stats.acceptance,
+                        "passes_per_token": stats.passes_per_token,
+                        "tokens_per_s": stats.tokens_per_second,
+                        "cloud_tokens_per_s": cloud,
+                        "identical_to_cloud_greedy": tokens
+                        == list(client.generate(prompt, NEW_TOKENS)),
+                    }
+                )
+        sample = tokenizer.decode(tokens, skip_special_tokens=True)
+    summary = _summarize(rows, runtime.name, adapter_dir)
+    console.print(_table(rows, summary))
+    console.print(f"[dim]last completion: {sample[:120]!r}[/dim]")
+    (run_dir / METRICS_NAME).write_text(json.dumps({"summary": summary, "prompts": rows}, indent=2))
+    return summary
+
+
+def _cloud_only(client: VerifierClient, prompt: list[int]) -> float:
+    """Tokens per second of the verifier's own streaming generation for the same prompt."""
+    started = time.perf_counter()
+    count = sum(1 for _ in client.generate(prompt, NEW_TOKENS))
+    return count / (time.perf_counter() - started)
+
+
+def _summarize(
+    rows: list[dict[str, Any]], runtime: str, adapter_dir: Path | None
+) -> dict[str, Any]:
+    """Means over prompts."""
+    mean = lambda key: sum(float(r[key]) for r in rows) / len(rows)  # noqa: E731
+    return {
+        "draft_runtime": runtime,
+        "adapter_dir": str(adapter_dir) if adapter_dir else None,
+        "prompts": len(rows),
+        "acceptance": round(mean("acceptance"), 4),
+        "passes_per_token": round(mean("passes_per_token"), 4),
+        "speculative_tokens_per_s": round(mean("tokens_per_s"), 1),
+        "cloud_only_tokens_per_s": round(mean("cloud_tokens_per_s"), 1),
+        "greedy_identical": all(r["identical_to_cloud_greedy"] for r in rows),
+    }
+
+
+def _table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
+    """Per-prompt figures with the mean as caption."""
+    table = Table(title="edge: speculative decoding against the verifier (greedy)")
+    for column in (
+        "prompt",
+        "tokens",
+        "acceptance",
+        "target passes/token",
+        "tokens/s",
+        "cloud-only tokens/s",
+        "= cloud",
+    ):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(
+            str(r["prompt"]),
+            str(r["tokens"]),
+            f"{r['acceptance']:.2f}",
+            f"{r['passes_per_token']:.2f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['cloud_tokens_per_s']:.0f}",
+            "yes" if r["identical_to_cloud_greedy"] else "NO",
+        )
+    table.caption = (
+        f"mean acceptance {summary['acceptance']:.2f}, {summary['passes_per_token']:.2f} target passes "
+        f"per token, draft runtime {summary['draft_runtime']}"
+    )
+    return table
