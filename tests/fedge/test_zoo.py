@@ -91,3 +91,39 @@ def test_unknown_model_id_offline_says_how_to_fix() -> None:
 def test_unknown_preset_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match="micro"):
         get_preset("huge")
+
+
+def test_killed_build_resumes_to_the_same_weights(micro_zoo: ZooPaths, tmp_path: Path) -> None:
+    """Kill a real build once the target's first checkpoint exists; rerunning finishes identically."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "zoo"
+    command = [
+        sys.executable,
+        "-m",
+        "fedge.cli",
+        "models",
+        "build",
+        "--preset",
+        "micro",
+        "--out",
+        str(out),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = out / ".build" / "target.pt"
+    deadline = time.monotonic() + 600
+    while not checkpoint.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert checkpoint.is_file() and not (out / "model_card.json").exists()
+
+    resumed = build_zoo("micro", out)
+    for role in ("target", "draft"):
+        first = json.loads((getattr(micro_zoo, f"{role}_dir") / MANIFEST_NAME).read_text())
+        second = json.loads((getattr(resumed, f"{role}_dir") / MANIFEST_NAME).read_text())
+        assert first["files"] == second["files"], role
