@@ -42,7 +42,7 @@ def _vector(seed: int, size: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(0, 0.01, size).astype(np.float32)
 
 
-def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, float]:
+def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]:
     """Seconds per round of plain vs SecAgg+ (default graph, and n/2 shares) on the Message API."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
     from flwr.clientapp import ClientApp
@@ -66,7 +66,7 @@ def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, floa
         record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
 
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     server_app = ServerApp()
 
     @server_app.main()
@@ -80,14 +80,19 @@ def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, floa
             "secagg": SecAggPlusAggregator(SecAggConfig()),
             "secagg_half_shares": SecAggPlusAggregator(SecAggConfig(num_shares=0.5)),
         }
-        PlainAggregator().aggregate(grid, 0, nodes, content, spec, 600)  # warm the actors
         for name, agg in variants.items():
+            agg.aggregate(grid, 0, nodes, content, spec, 600)  # warm-up: imports, actor caches
             t0 = time.perf_counter()
+            stages: dict[str, float] = {}
             for r in range(rounds):
                 result = agg.aggregate(grid, r + 1, nodes, content, spec, 600)
                 if result.summed is None:
                     raise RuntimeError(f"{name} round failed: {result.rejected}")
+                for stage, sec in getattr(agg, "last_stage_seconds", {}).items():
+                    stages[stage] = stages.get(stage, 0.0) + sec / rounds
             out[name] = (time.perf_counter() - t0) / rounds
+            if stages:
+                out[f"{name}_stages"] = {k: round(v, 3) for k, v in stages.items()}  # type: ignore[assignment]
 
     run_simulation(
         server_app=server_app,
@@ -167,6 +172,7 @@ def secagg_overhead(clients: list[int], size: int, rounds: int) -> dict[str, Any
             "legacy_plain_s": round(legacy_plain, 3),
             "legacy_secaggplus_s": round(legacy_secure, 3),
             "legacy_ratio": round(legacy_secure / legacy_plain, 3),
+            "ours_secagg_stage_s": ours.get("secagg_stages", {}),
         }
         print(f"secagg n={n}: {out[str(n)]}", flush=True)
     return out

@@ -8,26 +8,22 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from cryptography.fernet import InvalidToken
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
-from flwr.common.secure_aggregation.crypto.shamir import create_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
-    decrypt,
-    encrypt,
-    generate_shared_key,
-)
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt
 from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_concat,
     share_keys_plaintext_separate,
 )
-from flwr.supercore.primitives.asymmetric import (
-    bytes_to_private_key,
-    bytes_to_public_key,
-    generate_key_pairs,
-    private_key_to_bytes,
-    public_key_to_bytes,
-)
 
 from fedge.errors import FedgeError
 from server.secagg import wire
+from server.secagg.crypto import (
+    MASK_PURPOSE,
+    SHARE_PURPOSE,
+    agree,
+    fernet_key,
+    generate_keypair,
+    split_secret,
+)
 from server.secagg.vectors import Layout, prg_mask, quantize
 
 Contribute = Callable[[], Mapping[str, np.ndarray]]
@@ -123,14 +119,12 @@ class SecAggClientEngine:
             if key not in rec:
                 raise SecAggProtocolError(f"setup message lacks field {key!r}")
             self.state[key] = rec[key]
-        sk1, pk1 = generate_key_pairs()
-        sk2, pk2 = generate_key_pairs()
-        self.state[_S_SK1] = private_key_to_bytes(sk1)
-        self.state[_S_SK2] = private_key_to_bytes(sk2)
+        sk1, pk1 = generate_keypair()
+        sk2, pk2 = generate_keypair()
+        self.state[_S_SK1] = sk1
+        self.state[_S_SK2] = sk2
         self.state[_S_SEED] = os.urandom(32)
-        out = ConfigRecord(
-            {wire.KEY_PK1: public_key_to_bytes(pk1), wire.KEY_PK2: public_key_to_bytes(pk2)}
-        )
+        out = ConfigRecord({wire.KEY_PK1: pk1, wire.KEY_PK2: pk2})
         return RecordDict({wire.SECAGG_RECORD: out})
 
     def _share_keys(self, rec: ConfigRecord) -> RecordDict:
@@ -154,16 +148,16 @@ class SecAggClientEngine:
             raise SecAggProtocolError(
                 f"only {len(peers)} peers left, below the reconstruction threshold {threshold}"
             )
-        seed_shares = create_shares(wire.get_bytes(self.state, _S_SEED), threshold, len(peers))
-        sk_shares = create_shares(wire.get_bytes(self.state, _S_SK1), threshold, len(peers))
-        sk2 = bytes_to_private_key(wire.get_bytes(self.state, _S_SK2))
+        seed_shares = split_secret(wire.get_bytes(self.state, _S_SEED), threshold, len(peers))
+        sk_shares = split_secret(wire.get_bytes(self.state, _S_SK1), threshold, len(peers))
+        sk2 = wire.get_bytes(self.state, _S_SK2)
         dsts: list[int] = []
         cts: list[bytes] = []
         for peer, pk2, b_share, s_share in zip(peers, pk2s, seed_shares, sk_shares, strict=True):
             if peer == self.node_id:
                 self._keep_shares(peer, b_share, s_share)
                 continue
-            key = generate_shared_key(sk2, bytes_to_public_key(pk2))
+            key = fernet_key(agree(sk2, pk2, SHARE_PURPOSE))
             plain = share_keys_plaintext_concat(self.node_id, peer, b_share, s_share)
             dsts.append(peer)
             cts.append(encrypt(key, plain))
@@ -190,10 +184,10 @@ class SecAggClientEngine:
                 f"only {len(sources)} peers shared keys; with threshold {threshold} this "
                 "node's masks could not be protected, so it does not send its input"
             )
-        sk2 = bytes_to_private_key(wire.get_bytes(self.state, _S_SK2))
+        sk2 = wire.get_bytes(self.state, _S_SK2)
         for src, ct in zip(sources, cts, strict=True):
             try:
-                plain = decrypt(generate_shared_key(sk2, bytes_to_public_key(pk2[src])), ct)
+                plain = decrypt(fernet_key(agree(sk2, pk2[src], SHARE_PURPOSE)), ct)
             except InvalidToken as exc:
                 raise SecAggProtocolError(f"share from node {src} does not decrypt") from exc
             s, d, b_share, s_share = share_keys_plaintext_separate(plain)
@@ -214,13 +208,14 @@ class SecAggClientEngine:
             np.random.default_rng(),
         )
         masked = (q + prg_mask(wire.get_bytes(self.state, _S_SEED), layout.size, modulus)) & modmask
-        sk1 = bytes_to_private_key(wire.get_bytes(self.state, _S_SK1))
+        sk1 = wire.get_bytes(self.state, _S_SK1)
         for peer in sources:
-            mask = prg_mask(
-                generate_shared_key(sk1, bytes_to_public_key(pk1[peer])), layout.size, modulus
-            )
+            mask = prg_mask(agree(sk1, pk1[peer], MASK_PURPOSE), layout.size, modulus)
             masked = (masked + mask) & modmask if self.node_id < peer else (masked - mask) & modmask
-        record = ArrayRecord({k: Array(v) for k, v in layout.split(masked).items()})
+        # masks live in Z_m with m <= 2**32: uint32 halves the upload against uint64
+        record = ArrayRecord(
+            {k: Array(v.astype(np.uint32)) for k, v in layout.split(masked).items()}
+        )
         masked_name = str(self.state[wire.KEY_MASKED_RECORD])
         return RecordDict({masked_name: record})
 

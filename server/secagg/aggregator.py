@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -37,6 +38,7 @@ class SecAggPlusAggregator:
         self.cfg = cfg if cfg is not None else SecAggConfig()
         self.last_failure: str | None = None
         self.min_contributors: int | None = None  # per-round override, set by distributed DP
+        self.last_stage_seconds: dict[str, float] = {}  # wall time of each stage, last round
 
     def aggregate(
         self,
@@ -63,6 +65,7 @@ class SecAggPlusAggregator:
                 )
                 for nid, req in requests.items()
             ]
+            started = time.perf_counter()
             wait = self.cfg.stage_timeout_s
             if stage == wire.STAGE_COLLECT and timeout is not None:
                 wait = max(wait, timeout)
@@ -79,6 +82,7 @@ class SecAggPlusAggregator:
                 result.bytes_up += record_dict_bytes(msg.content)
             result.bytes_down += sum(record_dict_bytes(m.content) for m in messages)
             replied[stage] = set(out)
+            self.last_stage_seconds[stage] = time.perf_counter() - started
             return out
 
         try:

@@ -10,13 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from fedge.errors import FedgeError
 from server.secagg import wire
 from server.secagg.config import SecAggConfig
+from server.secagg.crypto import MASK_PURPOSE, agree, check_public_key, combine_secret
 from server.secagg.vectors import IntVec, Layout, dequantize_sum, prg_mask
 
 log = logging.getLogger(__name__)
@@ -124,8 +122,8 @@ class SecAggServerEngine:
                 continue
             try:
                 pk1, pk2 = wire.get_bytes(rec, wire.KEY_PK1), wire.get_bytes(rec, wire.KEY_PK2)
-                bytes_to_public_key(pk1)
-                bytes_to_public_key(pk2)
+                check_public_key(pk1)
+                check_public_key(pk2)
             except (KeyError, ValueError, TypeError) as exc:
                 log.warning("SecAgg+: node %d sent unusable public keys (%s); dropped", u, exc)
                 continue
@@ -299,10 +297,9 @@ class SecAggServerEngine:
             partners = sorted(set(self._r.neighbours[u]) & alive)
             if not partners:
                 continue
-            sk_bytes = _combine(collected[u][: self._r.thresholds[u]], f"mask key of node {u}")
-            sk1 = bytes_to_private_key(sk_bytes)
+            sk1 = _combine(collected[u][: self._r.thresholds[u]], f"mask key of node {u}")
             for v in partners:
-                seed = generate_shared_key(sk1, bytes_to_public_key(self._r.public_keys[v][0]))
+                seed = agree(sk1, self._r.public_keys[v][0], MASK_PURPOSE)
                 mask = prg_mask(seed, layout.size, m)
                 # node v added +mask when v < u and -mask otherwise; undo it
                 total = (total - mask) & modmask if v < u else (total + mask) & modmask
@@ -337,6 +334,6 @@ class SecAggServerEngine:
 
 def _combine(shares: list[bytes], what: str) -> bytes:
     try:
-        return combine_shares(shares)
+        return combine_secret(shares)
     except ValueError as exc:
         raise SecAggRoundFailed(f"SecAgg+ unmask: shares of the {what} do not combine") from exc

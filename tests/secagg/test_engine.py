@@ -211,3 +211,20 @@ def test_config_rejects_bad_settings(kwargs: dict, match: str) -> None:
 def test_capacity_check_names_the_overflow() -> None:
     with pytest.raises(ValueError, match="would overflow"):
         SecAggConfig(quantization_range=2**30).check_capacity(8)
+
+
+@pytest.mark.parametrize("threshold", [1, 3, 5])
+def test_shamir_shares_rebuild_only_from_threshold_many(threshold: int) -> None:
+    # Prepare
+    from server.secagg.crypto import combine_secret, split_secret
+
+    secret = bytes(range(32))
+    shares = split_secret(secret, threshold, 5)
+    # Execute / Assert: any threshold-many rebuild it; fewer give something else
+    assert combine_secret(shares[-threshold:]) == secret
+    if threshold > 1:
+        try:
+            wrong = combine_secret(shares[: threshold - 1])
+        except ValueError:
+            wrong = b""
+        assert wrong != secret
