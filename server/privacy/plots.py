@@ -35,8 +35,11 @@ def plot_privacy(rows: Sequence[Mapping[str, Any]], out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (eps_ax, ppl_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax in (eps_ax, ppl_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for column, label in (
         (COL_EPSILON, "user-level (server)"),
         (COL_DPSGD_EPSILON, "DP-SGD (max client)"),
