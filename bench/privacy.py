@@ -250,7 +250,7 @@ def dpsgd_overhead(model: str, steps: int, batch_size: int, seq_len: int) -> dic
 def privacy_utility(
     model: str, noise_levels: list[float], rounds: int, clients: int
 ) -> list[dict[str, Any]]:
-    """Central-DP federations at each noise multiplier (0 = no DP); epsilon vs final perplexity."""
+    """Federations on `model`: plain, SecAgg+, central DP per noise level, SecAgg+ with DDP."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
@@ -276,35 +276,54 @@ def privacy_utility(
         "weighting": "uniform",
         "dp-clip-norm": 0.05,
     }
-    configs = {}
+    factories = "server.privacy.factories:"
+    budget = {"privacy-budget": factories + "rdp_budget"}
+    runs: dict[str, tuple[float, dict[str, Any]]] = {
+        "plain": (0.0, {}),
+        "secagg": (0.0, {"aggregator": factories + "secagg"}),
+    }
     for z in noise_levels:
-        dp = {}
         if z > 0:
-            dp = {
-                "aggregator": "server.privacy.factories:central_dp",
-                "privacy-budget": "server.privacy.factories:rdp_budget",
-                "dp-noise-multiplier": z,
-            }
-        configs[z] = RunConfig.from_mapping({**base, **dp, "run-dir": str(root / f"z{z}")})
+            runs[f"central-dp z={z}"] = (
+                z,
+                {**budget, "aggregator": factories + "central_dp", "dp-noise-multiplier": z},
+            )
+    mid = sorted(z for z in noise_levels if z > 0)[len([z for z in noise_levels if z > 0]) // 2]
+    runs[f"secagg-ddp z={mid}"] = (
+        mid,
+        {
+            **budget,
+            "aggregator": factories + "secagg_distributed_dp",
+            "dp-noise-multiplier": mid,
+            "dp-min-survival": 1.0,
+        },
+    )
+    configs = {
+        label: RunConfig.from_mapping({**base, **extra, "run-dir": str(root / f"run{i}")})
+        for i, (label, (_, extra)) in enumerate(runs.items())
+    }
     rows: list[dict[str, Any]] = []
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        for z, cfg in configs.items():
+        for label, cfg in configs.items():
             outcome = run_federation(grid, cfg)
-            last = MetricsLog(outcome.run_dir).rows()[-1]
-            first = MetricsLog(outcome.run_dir).rows()[0]
+            history = MetricsLog(outcome.run_dir).rows()
+            rounds_s = [float(r["round_seconds"]) for r in history if r["round"] > 0]
+            z = runs[label][0]
             rows.append(
                 {
+                    "run": label,
                     "noise_multiplier": z,
-                    "epsilon": round(float(last["epsilon"]), 3) if z > 0 else None,
-                    "initial_perplexity": round(float(first["perplexity"]), 3),
-                    "final_perplexity": round(float(last["perplexity"]), 3),
+                    "epsilon": round(float(history[-1]["epsilon"]), 3) if z > 0 else None,
+                    "initial_perplexity": round(float(history[0]["perplexity"]), 3),
+                    "final_perplexity": round(float(history[-1]["perplexity"]), 3),
+                    "round_seconds": round(float(np.mean(rounds_s)), 3),
                     "status": outcome.status,
                 }
             )
-            print(f"sweep z={z}: {rows[-1]}", flush=True)
+            print(f"sweep {label}: {rows[-1]}", flush=True)
 
     os.environ["FEDGE_CONCURRENCY"] = "2"
     run_simulation(
