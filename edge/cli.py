@@ -165,6 +165,9 @@ def serve_command(
     session_ttl_s: Annotated[float, typer.Option(help="Idle session lifetime, seconds.")] = 300.0,
     kv_cap_mb: Annotated[int, typer.Option(help="KV cache memory cap, MiB.")] = 1024,
     grace_s: Annotated[float, typer.Option(help="Drain time on SIGTERM, seconds.")] = 5.0,
+    torch_threads: Annotated[
+        int, typer.Option(help="torch intra-op threads; 0 = torch's default.")
+    ] = 0,
 ) -> None:
     """Serve MODEL (plus ADAPTER) over gRPC until SIGINT/SIGTERM; health is NOT_SERVING while loading and draining."""
     from edge.verifier.engine import EngineConfig
@@ -188,6 +191,7 @@ def serve_command(
             kv_cap_bytes=kv_cap_mb << 20,
             batch_window_s=batch_window_ms / 1e3,
             max_batch=max_batch,
+            torch_threads=torch_threads,
         ),
     )
 

@@ -43,6 +43,9 @@ class EngineConfig:
     batch_window_s: float = 0.002  # wait this long for concurrent verifies to join a batch
     max_batch: int = 32
     max_queue: int = 512  # queued requests beyond this are refused (backpressure)
+    torch_threads: int = (
+        0  # intra-op threads of the worker; 0 = those of the thread building the engine
+    )
 
     def __post_init__(self) -> None:
         positive = {
@@ -56,6 +59,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {value}")
+        if self.torch_threads < 0:
+            raise ValueError(f"EngineConfig.torch_threads must be >= 0, got {self.torch_threads}")
         if self.max_context < 0:
             raise ValueError(f"EngineConfig.max_context must be >= 0, got {self.max_context}")
         if self.batch_window_s < 0:
@@ -182,6 +187,7 @@ class VerifierEngine:
             on_evict=lambda reason: self.observer.on_evict(reason),
         )
         self._clock = clock
+        self._threads = self.config.torch_threads or torch.get_num_threads()
         self._queue: queue.Queue[_PrefillJob | _VerifyJob] = queue.Queue(self.config.max_queue)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -365,6 +371,8 @@ class VerifierEngine:
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         """Worker loop: take a job, gather a batch of verifies, run it, repeat."""
+        # OpenMP thread counts are per calling thread: a new thread does not inherit its creator's
+        torch.set_num_threads(self._threads)
         while not self._stop.is_set():
             try:
                 first = self._queue.get(timeout=0.05)

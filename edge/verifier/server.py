@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 from transformers import PreTrainedModel
@@ -51,7 +50,6 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = any
     drain_notice_s: float = 1.0  # NOT_SERVING but still serving, so health checkers move traffic
     grace_s: float = 5.0  # then in-flight calls get this long to finish; new ones are refused
-    torch_threads: int = 0  # 0 = torch's default
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -169,8 +167,6 @@ class VerifierServer:
 
     async def load(self, model: PreTrainedModel | None = None) -> None:
         """Load the model (unless given), start the engine, report SERVING."""
-        if self.config.torch_threads:
-            torch.set_num_threads(self.config.torch_threads)
         if model is None:
             model = await asyncio.to_thread(
                 load_verifier_model, self.config.model_dir, self.config.adapter_dir

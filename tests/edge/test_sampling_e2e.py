@@ -46,7 +46,7 @@ def test_two_token_samples_follow_the_target_joint_distribution(
     # Prepare
     target = make_tiny_llama(VOCAB, 2, 32, seed=11)
     draft = make_tiny_llama(VOCAB, 1, 32, seed=22)
-    engine = VerifierEngine(target, EngineConfig(batch_window_s=0.0)).start()
+    engine = VerifierEngine(target, EngineConfig(batch_window_s=0.0, torch_threads=1)).start()
     runtime = TorchDraftRuntime(draft)
     samples = 600
     counts = np.zeros((VOCAB, VOCAB))
