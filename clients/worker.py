@@ -118,6 +118,11 @@ def get_lora_model(ref: str, cfg: TrainConfig, device: torch.device | None = Non
     return _MODELS[cache_key]
 
 
+def drop_models() -> None:
+    """Forget every cached model (the reference ClientApp of the throughput benchmark does this)."""
+    _MODELS.clear()
+
+
 def set_adapter(lm: LoraModel, arrays: Mapping[str, np.ndarray]) -> None:
     """Copy adapter values into the model in place (the base stays untouched)."""
     missing = sorted(set(lm.params) - set(arrays))

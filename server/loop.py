@@ -251,7 +251,13 @@ def _run(
 
     # Connect: wait for nodes and learn their partitions (node ids change across restarts).
     nodes = wait_for_nodes(grid, cfg.min_available_nodes)
-    partitions = query_partitions(grid, nodes, cfg)
+    # Sampling a fraction needs a restart-proof order; with everyone sampled, skip the query
+    # (under the Deployment Engine each message costs a fresh ClientApp process).
+    partitions = (
+        query_partitions(grid, nodes, cfg)
+        if cfg.fraction_train < 1.0
+        else {n: i for i, n in enumerate(nodes)}
+    )
     ordered = sorted(partitions, key=lambda n: (partitions[n], n))
     population = len(ordered)
 
@@ -287,6 +293,7 @@ def _run(
         sampled = sample_nodes(rng, ordered, cfg)
         # 3. Train and aggregate
         content = train_content(state, strategy, cfg, server_round)
+        t_train = time.perf_counter()
         result = aggregator.aggregate(
             grid,
             server_round,
@@ -295,6 +302,7 @@ def _run(
             strategy.contribution_spec(state),
             cfg.round_timeout,
         )
+        train_phase = time.perf_counter() - t_train
         if result.summed is None or len(result.accepted) < cfg.min_train_nodes:
             message = (
                 f"round {server_round} failed: {len(result.accepted)} of {len(sampled)} sampled clients "
@@ -340,6 +348,7 @@ def _run(
             result=result,
             seconds=time.perf_counter() - t0,
             epsilon=budget.epsilon(),
+            train_phase=train_phase,
         )
         metrics.append(row)
         _checkpoint(run_dir, state, rng, budget, strategy)
@@ -380,6 +389,7 @@ def _row(
     result: AggregateResult | None = None,
     seconds: float = 0.0,
     epsilon: float = 0.0,
+    train_phase: float = 0.0,
 ) -> dict[str, Any]:
     """One metrics row (NaN becomes null in JSON)."""
     per_client = list(result.metrics.values()) if result else []
@@ -403,6 +413,7 @@ def _row(
         "bytes_up": result.bytes_up if result else 0,
         "bytes_down": result.bytes_down if result else 0,
         "round_seconds": round(seconds, 4),
+        "train_phase_seconds": round(train_phase, 4),
         "train_seconds_max": round(max(train_secs), 4) if train_secs else 0.0,
         "train_seconds_sum": round(sum(train_secs), 4),
         "epsilon": epsilon,

@@ -35,6 +35,7 @@ METRIC_COLUMNS = (
     "bytes_up",
     "bytes_down",
     "round_seconds",
+    "train_phase_seconds",
     "train_seconds_max",
     "train_seconds_sum",
     "epsilon",

@@ -139,12 +139,19 @@ def run_simulation(
     run_dir: Path,
     resume: bool = False,
     on_row: Callable[[Mapping[str, Any]], None] | None = None,
+    client_app: Any = None,
 ) -> Any:
-    """Run the scenario's federation with Flower's simulation engine; return the loop outcome."""
+    """Run the scenario's federation with Flower's simulation engine; return the loop outcome.
+
+    ``client_app`` defaults to :data:`clients.app.app`; it must live in an importable
+    module so Ray actors import it (and keep its module-level cache).
+    """
     from flwr.simulation import run_simulation as flwr_run_simulation
 
-    from clients.app import app as client_app
     from server.app import OutcomeBox, make_server_app
+
+    if client_app is None:
+        from clients.app import app as client_app
 
     cfg = scenario.config.with_overrides(
         {"run-dir": str(run_dir), "client-state-dir": str(run_dir / "client-state")}
