@@ -36,6 +36,7 @@ class LoraModel:
     model: torch.nn.Module
     params: dict[str, torch.nn.Parameter]
     device: torch.device
+    initial: Arrays  # the seeded LoRA initialisation, kept because params are overwritten in place
 
 
 def pick_device() -> torch.device:
@@ -114,7 +115,8 @@ def get_lora_model(ref: str, cfg: TrainConfig, device: torch.device | None = Non
                 f"lora-target-modules {cfg.lora_target_modules!r} matched no module of {path}; "
                 "name modules that exist, e.g. q_proj,v_proj for Llama"
             )
-        _MODELS[cache_key] = LoraModel(model, params, device)
+        initial = {n: p.detach().to("cpu", torch.float32).numpy().copy() for n, p in params.items()}
+        _MODELS[cache_key] = LoraModel(model, params, device, initial)
     return _MODELS[cache_key]
 
 

@@ -81,7 +81,7 @@ class ServerModel:
 
     def initial_adapter(self) -> Arrays:
         """The seeded LoRA initialisation (B = 0, so the model starts as the base model)."""
-        return worker.adapter_arrays(self.lm)
+        return {k: v.copy() for k, v in self.lm.initial.items()}
 
     def heldout(self) -> np.ndarray:
         """The union of all clients' held-out token streams (built once)."""
