@@ -17,18 +17,34 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from edge import _hf
 from edge.speculative import Verdict, greedy_verdict, sampling_verdict
+from edge.verifier.batching import KVGeometry, batched_forward
 from edge.verifier.errors import InvalidRequest, NotReady, Overloaded, SessionBusy
+from edge.verifier.requests import (
+    Draft,
+    Sampling,
+    SessionInfo,
+    VerifyResult,
+    check_ids,
+    check_sampling,
+    sampling_draft,
+)
 from edge.verifier.sessions import Session, SessionStore
 
-MAX_TEMPERATURE = 10.0
-PROB_SUM_TOLERANCE = 1e-3  # float32 softmax over a top-k support sums to 1 within ~1e-6
+__all__ = [
+    "EngineConfig",
+    "EngineObserver",
+    "Sampling",
+    "SessionInfo",
+    "VerifierEngine",
+    "VerifyResult",
+]
 
 
 @dataclass(frozen=True)
@@ -65,43 +81,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_context must be >= 0, got {self.max_context}")
         if self.batch_window_s < 0:
             raise ValueError(f"EngineConfig.batch_window_s must be >= 0, got {self.batch_window_s}")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Target decoding rule of a session: temperature 0 is greedy."""
-
-    temperature: float = 0.0
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """What a client learns when it opens a session."""
-
-    session_id: str
-    vocab_size: int
-    max_draft: int
-    max_context: int
-    session_ttl_s: float
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """Accepted prefix length, the next token, and the session's length afterwards."""
-
-    accepted: int
-    next_token: int
-    session_length: int
-
-
-@dataclass(frozen=True)
-class Draft:
-    """A validated draft: ids plus, when sampling, q(ids) and the dense q rows [k, V]."""
-
-    ids: list[int]
-    probs: torch.Tensor | None = None
-    dists: torch.Tensor | None = None
 
 
 class EngineObserver(Protocol):
@@ -159,7 +138,7 @@ class VerifierEngine:
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or _NullObserver()
-        model_cfg = model.config
+        model_cfg: Any = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         limit = int(getattr(model_cfg, "max_position_embeddings", 0) or 0)
         self.max_context = self.config.max_context or limit
@@ -168,17 +147,8 @@ class VerifierEngine:
                 f"EngineConfig.max_context={self.max_context} exceeds the model's "
                 f"max_position_embeddings={limit}"
             )
-        heads = int(getattr(model_cfg, "num_key_value_heads", model_cfg.num_attention_heads))
-        head_dim = int(
-            getattr(model_cfg, "head_dim", None)
-            or model_cfg.hidden_size // model_cfg.num_attention_heads
-        )
-        self._kv_shape = (model_cfg.num_hidden_layers, heads, head_dim)
-        dtype = next(model.parameters()).dtype
-        self.bytes_per_position = (
-            2 * model_cfg.num_hidden_layers * heads * head_dim * dtype.itemsize
-        )
-        self._dtype = dtype
+        self.geometry = KVGeometry.of(model)
+        self.bytes_per_position = self.geometry.bytes_per_position
         self.sessions = SessionStore(
             self.config.max_sessions,
             self.config.session_ttl_s,
@@ -222,14 +192,14 @@ class VerifierEngine:
     # ------------------------------------------------------------------ requests
     def submit_open(self, prompt_ids: Sequence[int], sampling: Sampling) -> Future[SessionInfo]:
         """Queue a session open (prompt prefill); the future yields its SessionInfo."""
-        prompt = self._check_ids("prompt_ids", prompt_ids)
+        prompt = check_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not 1 <= len(prompt) < self.max_context:
             raise InvalidRequest(
                 "prompt_ids",
                 f"{len(prompt)} tokens; a prompt must hold 1 .. {self.max_context - 1} tokens "
                 f"(max_context {self.max_context}); shorten it",
             )
-        _check_sampling(sampling)
+        check_sampling(sampling)
         future: Future[SessionInfo] = Future()
         self._enqueue(_PrefillJob(prompt, sampling, future))
         return future
@@ -273,17 +243,6 @@ class VerifierEngine:
         """Blocking `submit_verify`."""
         return self.submit_verify(session_id, draft_ids, draft_probs, draft_dists).result()
 
-    # ------------------------------------------------------------------ validation
-    def _check_ids(self, field: str, ids: Sequence[int]) -> list[int]:
-        """Token ids must lie in [0, vocab_size)."""
-        values = [int(i) for i in ids]
-        bad = [i for i in values if not 0 <= i < self.vocab_size]
-        if bad:
-            raise InvalidRequest(
-                field, f"id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        return values
-
     def _check_draft(
         self,
         session: Session,
@@ -291,8 +250,8 @@ class VerifierEngine:
         draft_probs: Sequence[float],
         draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]],
     ) -> Draft:
-        """Validate a draft against the session's limits and sampling mode."""
-        ids = self._check_ids("draft_ids", draft_ids)
+        """Validate a draft against the vocabulary, max_draft, the context, and the sampling mode."""
+        ids = check_ids("draft_ids", draft_ids, self.vocab_size)
         if len(ids) > self.config.max_draft:
             raise InvalidRequest(
                 "draft_ids", f"{len(ids)} tokens exceed max_draft {self.config.max_draft}"
@@ -305,47 +264,7 @@ class VerifierEngine:
             )
         if session.temperature == 0.0:
             return Draft(ids)
-        if len(draft_probs) != len(ids) or len(draft_dists) != len(ids):
-            raise InvalidRequest(
-                "draft_probs",
-                f"sampling needs draft_probs and draft_dists for each of the {len(ids)} drafted "
-                f"tokens, got {len(draft_probs)} and {len(draft_dists)}",
-            )
-        dense = torch.zeros(len(ids), self.vocab_size, dtype=torch.float64)
-        for i, (support, probs) in enumerate(draft_dists):
-            dense[i] = self._dense_row(i, support, probs)
-        q = torch.tensor([float(p) for p in draft_probs], dtype=torch.float64)
-        for i, token in enumerate(ids):
-            if not 0.0 < float(q[i]) <= 1.0:
-                raise InvalidRequest("draft_probs", f"entry {i} is {float(q[i])}, not in (0, 1]")
-            if abs(float(dense[i, token]) - float(q[i])) > PROB_SUM_TOLERANCE:
-                raise InvalidRequest(
-                    "draft_probs",
-                    f"entry {i} ({float(q[i]):.6f}) differs from draft_dists[{i}] at the "
-                    f"drafted token ({float(dense[i, token]):.6f})",
-                )
-        return Draft(ids, q, dense)
-
-    def _dense_row(self, i: int, support: Sequence[int], probs: Sequence[float]) -> torch.Tensor:
-        """Turn one sparse draft distribution into a dense [V] row, validating it."""
-        field = f"draft_dists[{i}]"
-        ids = self._check_ids(f"{field}.token_ids", support)
-        if len(ids) != len(probs) or not ids:
-            raise InvalidRequest(
-                field,
-                f"needs equal, non-zero counts of token_ids and probs, got {len(ids)} and {len(probs)}",
-            )
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest(f"{field}.token_ids", "ids must be distinct")
-        values = torch.tensor([float(p) for p in probs], dtype=torch.float64)
-        if bool((values < 0).any()) or abs(float(values.sum()) - 1.0) > PROB_SUM_TOLERANCE:
-            raise InvalidRequest(
-                f"{field}.probs",
-                f"must be non-negative and sum to 1 (±{PROB_SUM_TOLERANCE}), sum is {float(values.sum()):.6f}",
-            )
-        row = torch.zeros(self.vocab_size, dtype=torch.float64)
-        row[torch.tensor(ids)] = values / values.sum()
-        return row
+        return sampling_draft(ids, draft_probs, draft_dists, self.vocab_size)
 
     def _claim(self, session: Session) -> None:
         """Mark `session` busy, refusing a second verify in flight."""
@@ -423,7 +342,7 @@ class VerifierEngine:
         if head:
             _, kv = _hf.forward(self.model, torch.tensor([head]), None)
         else:
-            kv = self._empty_kv()
+            kv = self.geometry.empty()
         session_id = uuid.uuid4().hex
         generator = torch.Generator().manual_seed(job.sampling.seed or int(session_id[:15], 16))
         session = Session(
@@ -444,12 +363,6 @@ class VerifierEngine:
             self.config.session_ttl_s,
         )
 
-    def _empty_kv(self) -> _hf.KV:
-        """Zero-length KV tensors for a session whose cache is still empty."""
-        layers, heads, head_dim = self._kv_shape
-        empty = torch.zeros(1, heads, 0, head_dim, dtype=self._dtype)
-        return [(empty, empty) for _ in range(layers)]
-
     def _run_batch(self, batch: list[_VerifyJob]) -> None:
         """Verify a batch in one forward; every job's future gets a result or an error."""
         started = time.monotonic()
@@ -457,7 +370,12 @@ class VerifierEngine:
             keep = {job.session.session_id for job in batch}
             growth = sum(len(job.draft.ids) + 1 for job in batch) * self.bytes_per_position
             self.sessions.reserve(growth, keep)
-            logits, new_kv = self._batched_forward(batch)
+            logits, new_kv = batched_forward(
+                self.model,
+                self.geometry,
+                [job.session.kv for job in batch],
+                [[job.session.pending, *job.draft.ids] for job in batch],
+            )
         except Exception as exc:
             for job in batch:
                 job.session.busy = False
@@ -474,38 +392,6 @@ class VerifierEngine:
                 job.future.set_result(result)
         self.observer.on_batch(len(batch), time.monotonic() - started)
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
-
-    @torch.no_grad()
-    def _batched_forward(self, batch: list[_VerifyJob]) -> tuple[torch.Tensor, _hf.KV]:
-        """One target pass over [pending, *draft] of every session, padded to a rectangle.
-
-        KV caches are left-padded to the longest past P, inputs right-padded to the
-        longest T, so every session's new tokens start at column P; the attention
-        mask hides the padding and position ids continue each session's own length.
-        """
-        pasts = [_hf.kv_length(job.session.kv) for job in batch]
-        inputs = [[job.session.pending, *job.draft.ids] for job in batch]
-        size, longest_past, longest_new = len(batch), max(pasts), max(len(x) for x in inputs)
-        layers, heads, head_dim = self._kv_shape
-        input_ids = torch.zeros(size, longest_new, dtype=torch.long)
-        positions = torch.zeros(size, longest_new, dtype=torch.long)
-        mask = torch.zeros(size, longest_past + longest_new, dtype=torch.long)
-        kv: _hf.KV = []
-        for layer in range(layers):
-            keys = torch.zeros(size, heads, longest_past, head_dim, dtype=self._dtype)
-            values = torch.zeros_like(keys)
-            for b, job in enumerate(batch):
-                key, value = job.session.kv[layer]
-                keys[b, :, longest_past - pasts[b] :] = key[0]
-                values[b, :, longest_past - pasts[b] :] = value[0]
-            kv.append((keys, values))
-        for b, tokens in enumerate(inputs):
-            input_ids[b, : len(tokens)] = torch.tensor(tokens)
-            positions[b] = pasts[b] + torch.arange(longest_new)
-            mask[b, longest_past - pasts[b] : longest_past + len(tokens)] = 1
-        logits, new_kv = _hf.forward(self.model, input_ids, kv, mask, positions)
-        # new_kv[layer] is [B, heads, P + T, head_dim]; column P holds each session's pending token
-        return logits, [(k[:, :, longest_past:], v[:, :, longest_past:]) for k, v in new_kv]
 
     def _commit(
         self, job: _VerifyJob, row: int, logits: torch.Tensor, new_kv: _hf.KV
@@ -538,14 +424,3 @@ class VerifierEngine:
         q = draft.probs if draft.probs is not None else torch.zeros(k, dtype=torch.float64)
         dists = draft.dists if draft.dists is not None else torch.zeros(k, probs.shape[1])
         return sampling_verdict(draft.ids, q, dists, probs, session.generator)
-
-
-def _check_sampling(sampling: Sampling) -> None:
-    """Temperature must lie in [0, MAX_TEMPERATURE]; seed must be non-negative."""
-    if not 0.0 <= sampling.temperature <= MAX_TEMPERATURE:
-        raise InvalidRequest(
-            "sampling.temperature",
-            f"{sampling.temperature} is outside [0, {MAX_TEMPERATURE}]; use 0 for greedy",
-        )
-    if sampling.seed < 0:
-        raise InvalidRequest("sampling.seed", f"{sampling.seed} must be >= 0")

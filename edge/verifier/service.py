@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NoReturn
 
 import grpc
 
@@ -61,11 +62,12 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def _abort(
         self, context: grpc.aio.ServicerContext, method: str, error: VerifierError
-    ) -> None:
-        """Count the failure and end the call with the mapped status."""
+    ) -> NoReturn:
+        """Count the failure and end the call with the mapped status (abort raises)."""
         code = status_of(error)
         self._metrics.requests.labels(method=method, code=code.name).inc()
         await context.abort(code, str(error))
+        raise AssertionError("grpc.aio context.abort returned instead of raising")
 
     def _ok(self, method: str, started: float) -> None:
         """Count a success and its latency."""
@@ -83,7 +85,6 @@ class VerifierService(pb_grpc.VerifierServicer):
             info = await asyncio.wrap_future(future)
         except VerifierError as error:
             await self._abort(context, "OpenSession", error)
-            raise AssertionError("unreachable: abort raises") from error
         self._ok("OpenSession", started)
         return pb.OpenSessionReply(
             session_id=info.session_id,
@@ -108,7 +109,6 @@ class VerifierService(pb_grpc.VerifierServicer):
             result = await asyncio.wrap_future(future)
         except VerifierError as error:
             await self._abort(context, "Verify", error)
-            raise AssertionError("unreachable: abort raises") from error
         self._ok("Verify", started)
         return pb.VerifyReply(
             accepted=result.accepted,
@@ -125,7 +125,6 @@ class VerifierService(pb_grpc.VerifierServicer):
             length = self._engine().close(request.session_id)
         except VerifierError as error:
             await self._abort(context, "CloseSession", error)
-            raise AssertionError("unreachable: abort raises") from error
         self._ok("CloseSession", started)
         return pb.CloseSessionReply(session_length=length)
 
