@@ -96,6 +96,9 @@ def get_lora_model(ref: str, cfg: TrainConfig, device: torch.device | None = Non
     if cache_key not in _MODELS:
         if len(_MODELS) >= _MAX_MODELS:
             _MODELS.pop(next(iter(_MODELS)))
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per client process and call is noise in run logs
         base = load_causal_lm(path)
         STATS["model_loads"] += 1
         lora = LoraConfig(
