@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size", type=int, default=100_000, help="floats per client vector")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dpsgd-model", default="zoo:micro")
-    p.add_argument("--dpsgd-steps", type=int, default=10)
+    p.add_argument("--dpsgd-steps", type=int, default=20)
     p.add_argument("--sweep-model", default="zoo:default")
     p.add_argument("--sweep-noise", default="0,0.5,1,2")
     p.add_argument("--sweep-rounds", type=int, default=3)

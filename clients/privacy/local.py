@@ -18,13 +18,12 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from clients.privacy.dpsgd import MET_DPSGD_EPSILON, STATE_RECORD, DPSGDConfig, train_dpsgd
-from server.privacy.wire import KEY_DP_ACTIVE
+from server.privacy.ffa import KEY_DPSGD_NOISE, KEY_FFA, ffa_enabled
 from strategies.base import ClientHook, ConfigValue
 
-KEY_DPSGD_NOISE = "dp-sgd-noise-multiplier"
+__all__ = ["KEY_FFA", "apply_ffa", "dpsgd_config", "ffa_enabled", "train_dpsgd_round"]
 KEY_DPSGD_CLIP = "dp-sgd-max-grad-norm"
 KEY_DPSGD_DELTA = "dp-sgd-delta"
-KEY_FFA = "dp-ffa-lora"
 
 
 def dpsgd_config(config: Mapping[str, ConfigValue]) -> DPSGDConfig | None:
@@ -38,16 +37,6 @@ def dpsgd_config(config: Mapping[str, ConfigValue]) -> DPSGDConfig | None:
         target_delta=float(config.get(KEY_DPSGD_DELTA, 1e-5)),
         ffa_lora=ffa_enabled(config),
     )
-
-
-def ffa_enabled(config: Mapping[str, ConfigValue]) -> bool:
-    """Whether to freeze lora_A this round (FFA-LoRA), from ``dp-ffa-lora``."""
-    mode = str(config.get(KEY_FFA, "auto")).lower()
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"config key '{KEY_FFA}' must be auto, on or off, got {mode!r}")
-    if mode != "auto":
-        return mode == "on"
-    return float(config.get(KEY_DPSGD_NOISE, 0.0)) > 0 or bool(config.get(KEY_DP_ACTIVE, False))
 
 
 def apply_ffa(model: torch.nn.Module, enabled: bool) -> None:

@@ -6,6 +6,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
+from server.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
 from server.privacy.mechanism import add_gaussian_noise, clip_contribution
 from server.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD
 from strategies import keys
@@ -39,7 +40,11 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     if reply.has_error() or keys.REC_CONTRIB not in reply.content.array_records:
         return reply
     record = reply.content.array_records[keys.REC_CONTRIB]
-    clipped, _ = clip_contribution({k: a.numpy() for k, a in record.items()}, clip)
-    noised = add_gaussian_noise(clipped, std, np.random.default_rng())
+    arrays = {k: a.numpy() for k, a in record.items()}
+    skip: frozenset[str] = frozenset()
+    if ffa_enabled(config):  # FFA-LoRA: lora_A deltas are public zeros, no noise
+        arrays, skip = zero_frozen(arrays), frozenset(frozen_keys(arrays))
+    clipped, _ = clip_contribution(arrays, clip)
+    noised = add_gaussian_noise(clipped, std, np.random.default_rng(), skip)
     reply.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in noised.items()})
     return reply

@@ -119,6 +119,7 @@ class SecAggClientEngine:
             if key not in rec:
                 raise SecAggProtocolError(f"setup message lacks field {key!r}")
             self.state[key] = rec[key]
+        self.state[wire.KEY_OMIT_ZERO] = wire.get_str_list(rec, wire.KEY_OMIT_ZERO)
         sk1, pk1 = generate_keypair()
         sk2, pk2 = generate_keypair()
         self.state[_S_SK1] = sk1
@@ -196,25 +197,34 @@ class SecAggClientEngine:
             self._keep_shares(src, b_share, s_share)
         self.state[_S_MASK_PEERS] = wire.pack_ids(sources)
 
-        arrays = contribute()
+        arrays = dict(contribute())
+        for name in wire.get_str_list(self.state, wire.KEY_OMIT_ZERO):
+            if name in arrays and np.any(arrays.pop(name)):
+                raise SecAggProtocolError(
+                    f"contribution {name!r} must be zero (FFA-LoRA freezes lora_A) but is not; "
+                    "freeze it (dp-ffa-lora) or turn FFA-LoRA off on the server"
+                )
         scales = wire.get_scales(self.state)
         layout = Layout.of(arrays, scales)
         modulus = int(wire.get_number(self.state, wire.KEY_MODULUS_RANGE))
-        modmask = np.uint64(modulus - 1)
         q = quantize(
             layout.flatten(arrays),
             wire.get_number(self.state, wire.KEY_CLIPPING_RANGE),
             int(wire.get_number(self.state, wire.KEY_QUANTIZATION_RANGE)),
             np.random.default_rng(),
         )
-        masked = (q + prg_mask(wire.get_bytes(self.state, _S_SEED), layout.size, modulus)) & modmask
+        # uint32 arithmetic wraps mod 2**32, a multiple of m: reduce mod m once at the end
+        masked = q + prg_mask(wire.get_bytes(self.state, _S_SEED), layout.size, modulus)
         sk1 = wire.get_bytes(self.state, _S_SK1)
         for peer in sources:
             mask = prg_mask(agree(sk1, pk1[peer], MASK_PURPOSE), layout.size, modulus)
-            masked = (masked + mask) & modmask if self.node_id < peer else (masked - mask) & modmask
-        # masks live in Z_m with m <= 2**32: uint32 halves the upload against uint64
+            if self.node_id < peer:
+                masked += mask
+            else:
+                masked -= mask
+        masked &= np.uint32(modulus - 1)
         record = ArrayRecord(
-            {k: Array(v.astype(np.uint32)) for k, v in layout.split(masked).items()}
+            {k: Array(np.ascontiguousarray(v)) for k, v in layout.split(masked).items()}
         )
         masked_name = str(self.state[wire.KEY_MASKED_RECORD])
         return RecordDict({masked_name: record})

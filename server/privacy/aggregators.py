@@ -14,6 +14,7 @@ from flwr.supercore.run import Run
 
 from server.aggregation import AggregateResult, Aggregator, ContributionSpec
 from server.privacy.config import DPConfig
+from server.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
 from server.privacy.mechanism import add_gaussian_noise, clip_contribution
 from server.privacy.wire import DDP_CLIENT_MOD, KEY_DP_ACTIVE, KEY_DP_CLIP, KEY_DP_NOISE_STD
 from server.secagg.aggregator import SecAggPlusAggregator
@@ -50,13 +51,15 @@ class CentralDPAggregator:
         timeout: float | None,
     ) -> AggregateResult:
         """Run ``inner`` over a grid that clips each reply, then noise the sensitive sum."""
-        clipping = ClippingGrid(grid, self.cfg.clip_norm)
         content = with_config(content, {KEY_DP_ACTIVE: True}, None)
+        ffa = ffa_enabled(content.config_records[keys.REC_CONFIG])
+        clipping = ClippingGrid(grid, self.cfg.clip_norm, ffa)
         result = self.inner.aggregate(clipping, server_round, node_ids, content, spec, timeout)
         self.last_norms = dict(clipping.norms)
         if result.summed is not None:
             std = self.cfg.noise_multiplier * self.cfg.clip_norm
-            result.summed = add_gaussian_noise(result.summed, std, self.rng)
+            skip = frozenset(frozen_keys(spec)) if ffa else frozenset()
+            result.summed = add_gaussian_noise(result.summed, std, self.rng, skip)
         return result
 
 
@@ -126,9 +129,10 @@ class ClippingGrid(Grid):
     sensitive L2 norm before clipping.
     """
 
-    def __init__(self, grid: Grid, clip_norm: float) -> None:
+    def __init__(self, grid: Grid, clip_norm: float, ffa: bool = False) -> None:
         self._grid = grid
         self.clip_norm = clip_norm
+        self.ffa = ffa  # zero FFA-LoRA's frozen lora_A keys before clipping
         self.norms: dict[int, float] = {}
 
     def set_run(self, run: Run) -> None:
@@ -175,7 +179,9 @@ class ClippingGrid(Grid):
         arrays = {k: a.numpy() for k, a in record.items()}
         if not all(a.dtype == np.float32 and np.isfinite(a).all() for a in arrays.values()):
             return msg  # the inner aggregator rejects it, naming the problem
-        clipped, norm = clip_contribution(arrays, self.clip_norm)
+        clipped, norm = clip_contribution(
+            zero_frozen(arrays) if self.ffa else arrays, self.clip_norm
+        )
         self.norms[msg.metadata.src_node_id] = norm
         msg.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in clipped.items()})
         if not math.isfinite(norm):

@@ -6,10 +6,12 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes
+from server.privacy.ffa import ffa_enabled, frozen_keys
 from server.secagg import wire
 from server.secagg.config import SecAggConfig
 from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
@@ -85,6 +87,8 @@ class SecAggPlusAggregator:
             self.last_stage_seconds[stage] = time.perf_counter() - started
             return out
 
+        config = content.config_records.get(keys.REC_CONFIG, ConfigRecord())
+        omit = frozen_keys(spec) if ffa_enabled(config) else []
         try:
             engine = SecAggServerEngine(
                 self.cfg,
@@ -92,6 +96,7 @@ class SecAggPlusAggregator:
                 MASKED_RECORD,
                 expected=spec,
                 min_contributors=self.min_contributors,
+                omit_zero=omit,
             )
             summed = run_secagg(engine, exchange)
         except SecAggRoundFailed as exc:
@@ -109,6 +114,8 @@ class SecAggPlusAggregator:
                 }
         for nid in set(node_ids) - set(engine.contributors):
             result.rejected.setdefault(nid, "dropped out of the SecAgg+ round")
+        for name in omit:  # FFA-LoRA keys every client left out: exactly zero
+            summed[name] = np.zeros(spec[name], dtype=np.float32)
         result.summed = {k: v.astype("float32") for k, v in summed.items()}
         return result
 

@@ -71,6 +71,7 @@ class SecAggServerEngine:
         expected: Mapping[str, tuple[int, ...]] | None = None,
         seed: int | None = None,
         min_contributors: int | None = None,
+        omit_zero: Sequence[str] = (),
     ) -> None:
         nodes = sorted(set(node_ids))
         self.min_contributors = max(
@@ -84,7 +85,12 @@ class SecAggServerEngine:
         self.cfg = cfg
         self.masked_record = masked_record
         self.round_id = secrets.token_hex(8)
-        self.expected = dict(expected) if expected is not None else None
+        self.omit_zero = sorted(omit_zero)
+        self.expected = (
+            {k: v for k, v in expected.items() if k not in self.omit_zero}
+            if expected is not None
+            else None
+        )
         self.nodes = nodes
         num_shares = cfg.shares_for(len(nodes))
         neighbours = ring_neighbours(
@@ -111,6 +117,7 @@ class SecAggServerEngine:
             rec[wire.KEY_SCALE_NAMES] = scale_names
             rec[wire.KEY_SCALE_VALUES] = scale_values
             rec[wire.KEY_MASKED_RECORD] = self.masked_record
+            rec[wire.KEY_OMIT_ZERO] = list(self.omit_zero)
             out[u] = RecordDict({wire.SECAGG_RECORD: rec})
         return out
 
@@ -280,29 +287,27 @@ class SecAggServerEngine:
         layout = self._r.layout
         assert layout is not None  # receive_masked_inputs required at least one input
         m = self.cfg.modulus_range
-        modmask = np.uint64(m - 1)
-        total: IntVec = np.zeros(layout.size, dtype=np.uint64)
+        # uint32 arithmetic wraps mod 2**32, a multiple of m: reduce mod m once at the end
+        total: IntVec = np.zeros(layout.size, dtype=np.uint32)
         for v in sorted(alive):
-            flat = np.concatenate(
-                [
-                    np.asarray(self._r.masked[v][n], dtype=np.uint64).reshape(-1)
-                    for n in layout.names
-                ]
-            )
-            total = (total + flat) & modmask
+            for name, chunk in layout.split(total).items():  # views into total
+                chunk += np.asarray(self._r.masked[v][name], dtype=np.uint32).reshape(chunk.shape)
         for v in sorted(alive):
             seed = _combine(collected[v][: self._r.thresholds[v]], f"self-mask seed of node {v}")
-            total = (total - prg_mask(seed, layout.size, m)) & modmask
+            total -= prg_mask(seed, layout.size, m)
         for u in sorted(dropped):
             partners = sorted(set(self._r.neighbours[u]) & alive)
             if not partners:
                 continue
             sk1 = _combine(collected[u][: self._r.thresholds[u]], f"mask key of node {u}")
             for v in partners:
-                seed = agree(sk1, self._r.public_keys[v][0], MASK_PURPOSE)
-                mask = prg_mask(seed, layout.size, m)
+                mask = prg_mask(agree(sk1, self._r.public_keys[v][0], MASK_PURPOSE), layout.size, m)
                 # node v added +mask when v < u and -mask otherwise; undo it
-                total = (total - mask) & modmask if v < u else (total + mask) & modmask
+                if v < u:
+                    total -= mask
+                else:
+                    total += mask
+        total &= np.uint32(m - 1)
         flat_sum = dequantize_sum(
             total, len(alive), self.cfg.clipping_range, self.cfg.quantization_range
         )

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from numpy.typing import NDArray
 
 FloatVec = NDArray[np.float64]
-IntVec = NDArray[np.uint64]
+IntVec = NDArray[np.uint32]  # values mod m <= 2**32; uint32 wrap-around is arithmetic mod 2**32
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,12 @@ def quantize(vec: FloatVec, clip: float, levels: int, rng: np.random.Generator) 
     """Map values in [-clip, clip] to integers in [0, levels] by unbiased stochastic rounding."""
     scaled = (np.clip(vec, -clip, clip) + clip) * (levels / (2.0 * clip))
     low = np.floor(scaled)
-    up = rng.random(scaled.shape) < (scaled - low)
-    return (low + up).astype(np.uint64)
+    up = rng.random(scaled.shape, dtype=np.float32) < (scaled - low)
+    return (low + up).astype(np.uint32)
 
 
 def dequantize_sum(total: IntVec, num_summed: int, clip: float, levels: int) -> FloatVec:
-    """Invert `quantize` on a sum of `num_summed` quantized vectors."""
+    """Invert `quantize` on a sum of `num_summed` quantized vectors (already reduced mod m)."""
     return total.astype(np.float64) * (2.0 * clip / levels) - num_summed * clip
 
 
@@ -96,5 +96,4 @@ def prg_mask(seed: bytes, length: int, modulus: int) -> IntVec:
     key = hashlib.sha256(b"fedge-secagg-mask" + seed).digest()
     encryptor = Cipher(algorithms.AES(key), modes.CTR(b"\x00" * 16)).encryptor()
     stream = encryptor.update(b"\x00" * (4 * length)) + encryptor.finalize()
-    words = np.frombuffer(stream, dtype="<u4").astype(np.uint64)
-    return words & np.uint64(modulus - 1)
+    return np.frombuffer(stream, dtype="<u4") & np.uint32(modulus - 1)

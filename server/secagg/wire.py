@@ -29,6 +29,7 @@ KEY_MODULUS_RANGE = "modulus-range"
 KEY_SCALE_NAMES = "scale-names"
 KEY_SCALE_VALUES = "scale-values"
 KEY_MASKED_RECORD = "masked-record"
+KEY_OMIT_ZERO = "omit-zero"  # list[str]: contribution keys that must be zero and are not sent
 KEY_PK1 = "pk1"  # public key for pairwise mask agreement
 KEY_PK2 = "pk2"  # public key for share encryption
 KEY_PEERS = "peers"  # packed uint64 node ids, parallel to KEY_PEER_PK1/KEY_PEER_PK2

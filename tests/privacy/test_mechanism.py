@@ -57,6 +57,8 @@ def test_noise_std_passes_a_chi_square_test() -> None:
     assert lo <= (n - 1) * x.var(ddof=1) / std**2 <= hi
     assert abs(x.mean()) < 4 * std / math.sqrt(n)
     assert noised["meta/count"][0] == 3.0  # public keys get no noise
+    skipped = add_gaussian_noise(zero, std, rng, skip=frozenset({"delta/x"}))
+    assert not np.any(skipped["delta/x"])  # FFA-LoRA's frozen keys get none either
 
 
 def test_distributed_noise_shares_sum_to_at_least_the_central_noise() -> None:

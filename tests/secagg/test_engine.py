@@ -228,3 +228,38 @@ def test_shamir_shares_rebuild_only_from_threshold_many(threshold: int) -> None:
         except ValueError:
             wrong = b""
         assert wrong != secret
+
+
+def test_ffa_frozen_keys_are_not_uploaded_and_must_be_zero(make_federation: Callable) -> None:
+    # Prepare: every client has an all-zero lora_A delta (FFA-LoRA froze A)
+    fed = make_federation(3, seed=11)
+    for c in fed.contributions.values():
+        c["delta/layer.lora_A"] = np.zeros((20, 5), np.float32)
+    nodes = sorted(fed.contributions)
+    omit = ["delta/layer.lora_A"]
+    # Execute
+    got = run_secagg(
+        SecAggServerEngine(SecAggConfig(), nodes, MASKED, omit_zero=omit), fed.exchange
+    )
+    # Assert: the key never travelled, the rest is the exact sum
+    assert "delta/layer.lora_A" not in got
+    for stage, _, reply in fed.received:
+        for record in reply.array_records.values():
+            assert "delta/layer.lora_A" not in record, stage
+    want = plain_sum(fed, nodes)
+    assert np.max(
+        np.abs(got["delta/layer.lora_B"] - want["delta/layer.lora_B"])
+    ) <= quantization_bound(SecAggConfig(), 3)
+
+
+def test_a_client_refuses_to_drop_a_nonzero_frozen_key(make_federation: Callable) -> None:
+    # Prepare: one client trained lora_A although the round says it is frozen
+    fed = make_federation(3, seed=12)
+    for c in fed.contributions.values():
+        c["delta/layer.lora_A"] = np.zeros((20, 5), np.float32)
+    nodes = sorted(fed.contributions)
+    fed.contributions[nodes[0]]["delta/layer.lora_A"][0, 0] = 1e-3
+    engine = SecAggServerEngine(SecAggConfig(), nodes, MASKED, omit_zero=["delta/layer.lora_A"])
+    # Execute / Assert
+    with pytest.raises(SecAggProtocolError, match="must be zero"):
+        run_secagg(engine, fed.exchange)
