@@ -166,7 +166,9 @@ def train(msg: Message, context: Context) -> Message:
     local = worker.adapter_arrays(lm)
     delta = {k: local[k] - global_adapter[k] for k in local}
     extras, new_state = hook.finish(delta, steps, cfg.lr)
-    num_examples = steps * cfg.batch_size
+    # FedAvg's n_k: the client's training examples (seq-len windows of its train split), not the
+    # samples this round happened to draw, so a tiny partition weighs little.
+    num_examples = max(1, len(tokens) // cfg.seq_len)
     weighting: Weighting = "uniform" if config.get(keys.CFG_WEIGHTING) == "uniform" else "examples"
     contribution = build_contribution(
         ClientResult(delta, num_examples, completed, extras),
