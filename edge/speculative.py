@@ -46,7 +46,13 @@ def greedy_verdict(draft_ids: Sequence[int], target_logits: torch.Tensor) -> Ver
     `target_logits` is [k+1, V]: row i scores the token after draft prefix i.
     """
     _check_rows(draft_ids, target_logits)
-    choices = target_logits.argmax(dim=-1).tolist()
+    return greedy_choices_verdict(draft_ids, target_logits.argmax(dim=-1).tolist())
+
+
+def greedy_choices_verdict(draft_ids: Sequence[int], choices: Sequence[int]) -> Verdict:
+    """`greedy_verdict` from the target's k+1 argmax choices (the verifier takes them batch-wide)."""
+    if len(choices) != len(draft_ids) + 1:
+        raise ValueError(f"need k+1 = {len(draft_ids) + 1} target choices, got {len(choices)}")
     accepted = 0
     for drafted, chosen in zip(draft_ids, choices, strict=False):
         if drafted != chosen:

@@ -32,42 +32,47 @@ class KVGeometry:
         """KV bytes one token adds to a session."""
         return 2 * self.layers * self.heads * self.head_dim * self.dtype.itemsize
 
-    def empty(self) -> _hf.KV:
-        """Zero-length KV tensors for a session whose cache is still empty."""
-        empty = torch.zeros(1, self.heads, 0, self.head_dim, dtype=self.dtype)
-        return [(empty, empty) for _ in range(self.layers)]
+    def empty(self) -> torch.Tensor:
+        """A zero-length stacked KV for a session whose cache is still empty."""
+        return torch.zeros(1, 2 * self.layers, self.heads, 0, self.head_dim, dtype=self.dtype)
 
 
 @torch.no_grad()
 def batched_forward(
-    model: PreTrainedModel, geometry: KVGeometry, pasts: list[_hf.KV], inputs: list[list[int]]
-) -> tuple[torch.Tensor, _hf.KV]:
+    model: PreTrainedModel, geometry: KVGeometry, pasts: list[torch.Tensor], inputs: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every session's new tokens on its own past in one pass, padded to a rectangle.
 
-    KV caches are left-padded to the longest past P, inputs right-padded to the
-    longest T, so every session's new tokens start at column P; the attention mask
-    hides the padding and position ids continue each session's own length. Returns
-    logits [B, T, V] and the new tokens' KV, per layer [B, heads, T, head_dim].
+    `pasts` are stacked KV caches (edge._hf.stack_kv), [1, 2 * layers, heads, L_b, head_dim].
+    They are left-padded to the longest past P and the inputs right-padded to the longest
+    T, so every session's new tokens start at column P; the attention mask hides the
+    padding and position ids continue each session's own length. Returns logits
+    [B, T, V] and the new tokens' stacked KV [B, 2 * layers, heads, T, head_dim].
     """
-    lengths = [_hf.kv_length(past) for past in pasts]
-    size, longest_past, longest_new = len(inputs), max(lengths), max(len(x) for x in inputs)
-    input_ids = torch.zeros(size, longest_new, dtype=torch.long)
-    positions = torch.zeros(size, longest_new, dtype=torch.long)
-    mask = torch.zeros(size, longest_past + longest_new, dtype=torch.long)
-    kv: _hf.KV = []
-    for layer in range(geometry.layers):
-        shape = (size, geometry.heads, longest_past, geometry.head_dim)
-        keys = torch.zeros(shape, dtype=geometry.dtype)
-        values = torch.zeros_like(keys)
-        for b, past in enumerate(pasts):
-            key, value = past[layer]
-            keys[b, :, longest_past - lengths[b] :] = key[0]
-            values[b, :, longest_past - lengths[b] :] = value[0]
-        kv.append((keys, values))
-    for b, tokens in enumerate(inputs):
-        input_ids[b, : len(tokens)] = torch.tensor(tokens)
-        positions[b] = lengths[b] + torch.arange(longest_new)
-        mask[b, longest_past - lengths[b] : longest_past + len(tokens)] = 1
-    logits, new_kv = _hf.forward(model, input_ids, kv, mask, positions)
-    # new_kv[layer] is [B, heads, P + T, head_dim]; column P holds each session's first new token
-    return logits, [(k[:, :, longest_past:], v[:, :, longest_past:]) for k, v in new_kv]
+    lengths = [int(past.shape[3]) for past in pasts]
+    counts = [len(tokens) for tokens in inputs]
+    size, longest_past, longest_new = len(inputs), max(lengths), max(counts)
+    input_ids = torch.tensor([tokens + [0] * (longest_new - len(tokens)) for tokens in inputs])
+    past_len = torch.tensor(lengths)[:, None]  # [B, 1]
+    positions = (
+        past_len + torch.arange(longest_new)[None, :]
+    )  # [B, T]: each session's own positions
+    column = torch.arange(longest_past + longest_new)[None, :]  # [1, P + T]
+    real_past = column >= longest_past - past_len  # left padding of the past is hidden
+    real_new = (
+        column < longest_past + torch.tensor(counts)[:, None]
+    )  # right padding of the input too
+    mask = (real_past & real_new).long()
+    padded = torch.zeros(
+        size,
+        2 * geometry.layers,
+        geometry.heads,
+        longest_past,
+        geometry.head_dim,
+        dtype=geometry.dtype,
+    )
+    for b, past in enumerate(pasts):  # one copy per session, all layers at once
+        padded[b, :, :, longest_past - lengths[b] :] = past[0]
+    logits, new_kv = _hf.forward(model, input_ids, _hf.unstack_kv(padded), mask, positions)
+    # each new_kv layer is [B, heads, P + T, head_dim]; column P holds each session's first new token
+    return logits, _hf.stack_kv(new_kv)[:, :, :, longest_past:]

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from edge import _hf
-from edge.speculative import Verdict, greedy_verdict, sampling_verdict
+from edge.speculative import greedy_choices_verdict, sampling_verdict
 from edge.verifier.batching import KVGeometry, batched_forward
 from edge.verifier.errors import InvalidRequest, NotReady, Overloaded, SessionBusy
 from edge.verifier.requests import (
@@ -340,7 +340,8 @@ class VerifierEngine:
         self.sessions.reserve(len(job.prompt) * self.bytes_per_position, keep=set())
         head = job.prompt[:-1]
         if head:
-            _, kv = _hf.forward(self.model, torch.tensor([head]), None)
+            _, layers = _hf.forward(self.model, torch.tensor([head]), None)
+            kv = _hf.stack_kv(layers)
         else:
             kv = self.geometry.empty()
         session_id = uuid.uuid4().hex
@@ -381,9 +382,10 @@ class VerifierEngine:
                 job.session.busy = False
                 job.future.set_exception(exc)
             return
+        choices = logits.argmax(dim=-1).tolist()  # [B, T]: all greedy sessions need
         for row, job in enumerate(batch):
             try:
-                result = self._commit(job, row, logits, new_kv)
+                result = self._commit(job, row, logits, choices[row], new_kv)
             except Exception as exc:
                 job.session.busy = False
                 job.future.set_exception(exc)
@@ -394,33 +396,28 @@ class VerifierEngine:
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
 
     def _commit(
-        self, job: _VerifyJob, row: int, logits: torch.Tensor, new_kv: _hf.KV
+        self,
+        job: _VerifyJob,
+        row: int,
+        logits: torch.Tensor,
+        choices: list[int],
+        new_kv: torch.Tensor,
     ) -> VerifyResult:
         """Decide the verdict for one session and keep the KV of its accepted tokens."""
         session, draft = job.session, job.draft
-        scores = logits[row, : len(draft.ids) + 1].float()
-        verdict = self._verdict(session, draft, scores)
-        keep = verdict.accepted + 1  # the pending token plus the accepted drafts
-        kv = [
-            (
-                torch.cat([k, nk[row : row + 1, :, :keep]], dim=2),
-                torch.cat([v, nv[row : row + 1, :, :keep]], dim=2),
+        k = len(draft.ids)
+        if session.temperature == 0.0:
+            verdict = greedy_choices_verdict(draft.ids, choices[: k + 1])
+        else:
+            probs = torch.softmax(logits[row, : k + 1].double() / session.temperature, dim=-1)
+            assert draft.probs is not None and draft.dists is not None  # set by sampling_draft
+            verdict = sampling_verdict(
+                draft.ids, draft.probs, draft.dists, probs, session.generator
             )
-            for (k, v), (nk, nv) in zip(session.kv, new_kv, strict=True)
-        ]
+        keep = verdict.accepted + 1  # the pending token plus the accepted drafts
+        kv = torch.cat([session.kv, new_kv[row : row + 1, :, :, :keep]], dim=3)
         self.sessions.set_kv(session, kv)
         session.pending = verdict.next_token
         session.last_used = self._clock()
-        self.observer.on_verify(len(draft.ids), verdict.accepted)
+        self.observer.on_verify(k, verdict.accepted)
         return VerifyResult(verdict.accepted, verdict.next_token, session.length)
-
-    @staticmethod
-    def _verdict(session: Session, draft: Draft, scores: torch.Tensor) -> Verdict:
-        """Greedy or sampling acceptance for one session's scores [k+1, V]."""
-        if session.temperature == 0.0:
-            return greedy_verdict(draft.ids, scores)
-        probs = torch.softmax(scores.double() / session.temperature, dim=-1)
-        k = len(draft.ids)
-        q = draft.probs if draft.probs is not None else torch.zeros(k, dtype=torch.float64)
-        dists = draft.dists if draft.dists is not None else torch.zeros(k, probs.shape[1])
-        return sampling_verdict(draft.ids, q, dists, probs, session.generator)

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edge._hf import KV, kv_bytes, kv_length
 from edge.verifier.errors import Overloaded, SessionNotFound
 
 
@@ -19,7 +18,7 @@ class Session:
     """One sequence on the verifier: KV of all committed tokens but the last (`pending`)."""
 
     session_id: str
-    kv: KV
+    kv: torch.Tensor  # [1, 2 * layers, kv_heads, length - 1, head_dim], see edge._hf.stack_kv
     pending: int  # last committed token; its KV is computed by the next verify
     temperature: float
     generator: torch.Generator
@@ -30,7 +29,7 @@ class Session:
     @property
     def length(self) -> int:
         """Committed tokens: everything in the KV cache plus the pending token."""
-        return kv_length(self.kv) + 1
+        return int(self.kv.shape[3]) + 1
 
 
 class SessionStore:
@@ -76,7 +75,7 @@ class SessionStore:
                     raise Overloaded(
                         f"all {self._max_sessions} sessions are busy; retry later or raise max_sessions"
                     )
-            session.nbytes = kv_bytes(session.kv)
+            session.nbytes = _nbytes(session.kv)
             self.reserve(session.nbytes, keep=set())
             session.last_used = self._clock()
             self._sessions[session.session_id] = session
@@ -106,10 +105,10 @@ class SessionStore:
             self._total_bytes -= session.nbytes
             return session
 
-    def set_kv(self, session: Session, kv: KV) -> None:
+    def set_kv(self, session: Session, kv: torch.Tensor) -> None:
         """Replace a session's KV cache, keeping the byte count right."""
         with self.lock:
-            nbytes = kv_bytes(kv)
+            nbytes = _nbytes(kv)
             if session.session_id in self._sessions:
                 self._total_bytes += nbytes - session.nbytes
             session.kv = kv
@@ -145,3 +144,8 @@ class SessionStore:
                 self._on_evict("lru")
                 return True
         return False
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Memory held by a tensor's elements, in bytes."""
+    return tensor.numel() * tensor.element_size()
