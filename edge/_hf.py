@@ -65,11 +65,6 @@ def forward(
     return out.logits, cache_to_kv(new_cache)
 
 
-def kv_bytes(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Memory held by KV tensors, in bytes."""
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
-
-
 def kv_length(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """Sequence positions held by a KV cache (0 when empty)."""
     return int(kv[0][0].shape[2]) if kv else 0

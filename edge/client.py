@@ -248,9 +248,9 @@ class EdgeClient:
         up0 = self.verifier.bytes_up if self.verifier else 0
         down0 = self.verifier.bytes_down if self.verifier else 0
         started = time.perf_counter()
-        if chosen == Route.SPECULATIVE:
-            assert self.verifier is not None
-            decoder = SpeculativeDecoder(self.runtime, self.verifier, self.decode)
+        verifier = self.verifier  # not None on the two verifier routes (checked above)
+        if chosen == Route.SPECULATIVE and verifier is not None:
+            decoder = SpeculativeDecoder(self.runtime, verifier, self.decode)
             yield from decoder.stream(prompt_ids)
             s = decoder.stats
             report.rounds, report.acceptance, report.tokens = s.rounds, s.acceptance, s.tokens
@@ -262,11 +262,10 @@ class EdgeClient:
                     s.acceptance,
                     s.draft_lengths[-1] if s.draft_lengths else 1,
                 )
-        elif chosen == Route.CLOUD_ONLY:
-            assert self.verifier is not None
+        elif chosen == Route.CLOUD_ONLY and verifier is not None:
             sampling = Sampling(self.decode.temperature, self.decode.seed)
             stream_started = time.perf_counter()
-            for token in self.verifier.generate(
+            for token in verifier.generate(
                 prompt_ids, self.decode.max_new_tokens, sampling, self.decode.stop_token_id
             ):
                 report.tokens += 1

@@ -406,11 +406,10 @@ class VerifierEngine:
         """Decide the verdict for one session and keep the KV of its accepted tokens."""
         session, draft = job.session, job.draft
         k = len(draft.ids)
-        if session.temperature == 0.0:
+        if draft.probs is None or draft.dists is None:  # greedy session (see _check_draft)
             verdict = greedy_choices_verdict(draft.ids, choices[: k + 1])
         else:
             probs = torch.softmax(logits[row, : k + 1].double() / session.temperature, dim=-1)
-            assert draft.probs is not None and draft.dists is not None  # set by sampling_draft
             verdict = sampling_verdict(
                 draft.ids, draft.probs, draft.dists, probs, session.generator
             )
