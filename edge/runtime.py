@@ -3,8 +3,8 @@
 Every runtime holds the KV cache of the tokens it has been fed; `extend` feeds
 more and returns the logits after the last one; `truncate` rolls the cache back
 after the verifier rejects part of a draft. Backends are chosen by ordered
-dispatch (int8 ONNX, fp32 ONNX, torch): the first that accepts the source wins,
-torch last; a failure lists every backend and why it declined.
+dispatch (ONNX variants fastest first by measured decode time, then torch): the
+first that accepts the source wins; a failure lists every backend and why it declined.
 """
 
 from __future__ import annotations
@@ -215,10 +215,26 @@ RUNTIMES: dict[str, Callable[[Path, int], DraftRuntime | str]] = {
 }
 
 
-def load_draft_runtime(source: Path, backend: str = "auto", threads: int = 0) -> DraftRuntime:
-    """First runtime in RUNTIMES that accepts `source` (an export dir or a model dir).
+def auto_order(source: Path) -> list[str]:
+    """RUNTIMES in order, except that ONNX variants go fastest first by the manifest's decode time.
 
-    `backend` names one entry of RUNTIMES to force it, or "auto" to try them in order.
+    int8 is not always faster: on tiny drafts per-op quantization overhead dominates,
+    so the measured `decode_step_s` decides (torch stays last, the default).
+    """
+    names = list(RUNTIMES)
+    if not (source / MANIFEST_NAME).is_file():
+        return names
+    variants = read_manifest(source).get("variants", {})
+    onnx = [n for n in names if n.startswith("onnx-")]
+    timed = sorted(onnx, key=lambda n: variants.get(n[5:], {}).get("decode_step_s", float("inf")))
+    return timed + [n for n in names if n not in onnx]
+
+
+def load_draft_runtime(source: Path, backend: str = "auto", threads: int = 0) -> DraftRuntime:
+    """First runtime that accepts `source` (an export dir or a model dir).
+
+    `backend` names one entry of RUNTIMES to force it, or "auto" to try them in
+    `auto_order`: valid ONNX variants fastest first, then torch.
     """
     source = Path(source)
     if not source.exists():
@@ -230,7 +246,7 @@ def load_draft_runtime(source: Path, backend: str = "auto", threads: int = 0) ->
         raise ValueError(
             f"unknown draft backend {backend!r}; choose auto or one of {list(RUNTIMES)}"
         )
-    names = list(RUNTIMES) if backend == "auto" else [backend]
+    names = auto_order(source) if backend == "auto" else [backend]
     declined = []
     for name in names:
         outcome = RUNTIMES[name](source, threads)

@@ -43,8 +43,13 @@ def test_manifest_records_geometry_hashes_and_validation(exported: Path) -> None
     assert (exported / "tokenizer" / "tokenizer.json").is_file()
 
 
-def test_dispatch_prefers_int8_then_fp32_then_torch(exported: Path, micro_zoo: ZooPaths) -> None:
-    assert load_draft_runtime(exported).name == "onnx-int8"
+def test_dispatch_prefers_the_faster_valid_variant_then_torch(
+    exported: Path, micro_zoo: ZooPaths
+) -> None:
+    variants = json.loads((exported / "manifest.json").read_text())["variants"]
+    faster = min(variants, key=lambda name: variants[name]["decode_step_s"])
+    assert load_draft_runtime(exported).name == f"onnx-{faster}"
+    assert load_draft_runtime(exported, "onnx-int8").name == "onnx-int8"
     assert load_draft_runtime(exported, "onnx-fp32").name == "onnx-fp32"
     assert load_draft_runtime(micro_zoo.draft_dir).name == "torch"
     with pytest.raises(ModelNotFoundError, match=r"onnx-int8: no manifest.json"):
@@ -86,7 +91,7 @@ def test_onnx_draft_matches_torch_draft_in_greedy_decoding(
         )
     engine = VerifierEngine(micro_target, EngineConfig(batch_window_s=0.0)).start()
     try:
-        int8 = SpeculativeDecoder(load_draft_runtime(exported), engine, config)
+        int8 = SpeculativeDecoder(load_draft_runtime(exported, "onnx-int8"), engine, config)
         torch_draft = SpeculativeDecoder(TorchDraftRuntime(micro_target), engine, config)
         for prompt in micro_prompts[6:10]:
             assert int8.generate(prompt) == torch_draft.generate(prompt)
@@ -102,6 +107,8 @@ def test_tampered_or_invalid_exports_are_refused(exported: Path, tmp_path: Path)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["variants"]["int8"]["valid"] = False
     manifest["variants"]["int8"]["failures"] = ["greedy_agreement 0.1 < 0.9"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    manifest["variants"]["fp32"]["decode_step_s"] = 1.0  # int8 first in auto order, but invalid
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert load_draft_runtime(copy).name == "onnx-fp32"  # the invalid int8 is skipped
     with pytest.raises(ModelNotFoundError, match=r"failed validation"):
