@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import PreTrainedModel
 
 from edge.client import ClientConfig, EdgeClient, VerifierClient
-from edge.decoder import DecodeConfig
+from edge.decoder import DecodeConfig, SpeculativeDecoder
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.runtime import TorchDraftRuntime
@@ -274,3 +274,17 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
         )
     )
     return cert_path, key_path
+
+
+def test_sampling_over_grpc_is_reproducible_per_seed(
+    verifier_port: int, micro_draft: PreTrainedModel, micro_prompts: list[list[int]]
+) -> None:
+    """Draft distributions travel in the proto; the same seeds give the same sampled text."""
+    runs = []
+    for _ in range(2):
+        with VerifierClient(ClientConfig(f"127.0.0.1:{verifier_port}")) as client:
+            config = DecodeConfig(max_new_tokens=16, temperature=0.8, seed=5, draft_top_k=8)
+            decoder = SpeculativeDecoder(TorchDraftRuntime(micro_draft), client, config)
+            runs.append(decoder.generate(micro_prompts[3]))
+            assert decoder.stats.drafted > 0 and client.bytes_up > 0
+    assert runs[0] == runs[1] and len(runs[0]) == 16
