@@ -107,12 +107,14 @@ def generate_command(
     """Stream a completion of PROMPT as tokens are accepted; print a JSON report to stderr."""
     from edge.client import ClientConfig, EdgeClient, VerifierClient
     from edge.decoder import DecodeConfig
-    from edge.export import TOKENIZER_DIR
+    from edge.export import TOKENIZER_DIR, load_export_tokenizer
     from edge.runtime import load_draft_runtime
     from fedge.models import load_tokenizer
 
     runtime = load_draft_runtime(draft, backend)
-    tokenizer = load_tokenizer(draft / TOKENIZER_DIR if (draft / TOKENIZER_DIR).is_dir() else draft)
+    tokenizer = (
+        load_export_tokenizer(draft) if (draft / TOKENIZER_DIR).is_dir() else load_tokenizer(draft)
+    )
     client = None
     if verifier is not None:
         client = VerifierClient(

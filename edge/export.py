@@ -238,6 +238,21 @@ def export_draft(
     return manifest
 
 
+def load_export_tokenizer(export_dir: Path) -> Any:
+    """The tokenizer an export carries in `tokenizer/` (plain tokenizer files, no model config)."""
+    from transformers import AutoTokenizer
+
+    directory = Path(export_dir) / TOKENIZER_DIR
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{directory} is missing; re-export the draft with `fedge edge export`"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _describe(
     model_dir: Path, geo: dict[str, int], past_names: list[str], config: ExportConfig, prompts: int
 ) -> dict:
