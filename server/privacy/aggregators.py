@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 from server.aggregation import AggregateResult, Aggregator, ContributionSpec
+from server.grid import ReplyHookGrid
 from server.privacy.config import DPConfig
 from server.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
 from server.privacy.mechanism import add_gaussian_noise, clip_contribution
@@ -122,7 +121,7 @@ def with_config(
     return out
 
 
-class ClippingGrid(Grid):
+class ClippingGrid(ReplyHookGrid):
     """A Grid that clips the contribution of every reply it hands back (central DP).
 
     All other calls go to the wrapped grid unchanged; ``norms`` records each reply's
@@ -130,45 +129,14 @@ class ClippingGrid(Grid):
     """
 
     def __init__(self, grid: Grid, clip_norm: float, ffa: bool = False) -> None:
-        self._grid = grid
+        super().__init__(grid)
         self.clip_norm = clip_norm
         self.ffa = ffa  # zero FFA-LoRA's frozen lora_A keys before clipping
         self.norms: dict[int, float] = {}
 
-    def set_run(self, run: Run) -> None:
-        """Delegate."""
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """Delegate."""
-        return self._grid.run
-
-    def create_message(self, *args, **kwargs) -> Message:  # type: ignore[no-untyped-def]
-        """Delegate."""
-        return self._grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """Delegate."""
-        return self._grid.get_node_ids()
-
-    def get_nodes(self) -> Iterable[NodeInfo]:
-        """Delegate."""
-        return self._grid.get_nodes()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Delegate."""
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Pull replies and clip their contributions."""
-        return [self._clip(m) for m in self._grid.pull_messages(message_ids)]
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        """Send, receive, and clip every reply's contribution."""
-        return [self._clip(m) for m in self._grid.send_and_receive(messages, timeout=timeout)]
+    def on_reply(self, msg: Message) -> Message:
+        """Clip the reply's contribution."""
+        return self._clip(msg)
 
     def _clip(self, msg: Message) -> Message:
         if msg.has_error():

@@ -14,13 +14,12 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
-from flwr.supercore.run import Run
 
 from clients.mods import dispatch_mods
 from server.aggregation import PlainAggregator
+from server.grid import ReplyHookGrid
 from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
 from server.privacy.config import DPConfig
 from server.secagg.aggregator import SecAggPlusAggregator
@@ -69,43 +68,17 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({keys.REC_METRICS: MetricRecord({"pid": pid})}), reply_to=msg)
 
 
-class RecordingGrid(Grid):
+class RecordingGrid(ReplyHookGrid):
     """Delegates to Flower's grid and keeps every reply the ServerApp receives."""
 
     def __init__(self, grid: Grid) -> None:
-        self._grid = grid
+        super().__init__(grid)
         self.received: list[RecordDict] = []
 
-    def set_run(self, run: Run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self._grid.run
-
-    def create_message(self, *args, **kwargs) -> Message:  # type: ignore[no-untyped-def]
-        return self._grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self._grid.get_node_ids()
-
-    def get_nodes(self) -> Iterable[NodeInfo]:
-        return self._grid.get_nodes()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        out = list(self._grid.pull_messages(message_ids))
-        self.received += [m.content for m in out if m.has_content()]
-        return out
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        out = list(self._grid.send_and_receive(messages, timeout=timeout))
-        self.received += [m.content for m in out if m.has_content()]
-        return out
+    def on_reply(self, msg: Message) -> Message:
+        if msg.has_content():
+            self.received.append(msg.content)
+        return msg
 
 
 server_app = ServerApp()
