@@ -1,0 +1,308 @@
+"""The Kubernetes manifests in deploy/k8s: official schemas (strict) plus the cross-references a schema cannot see.
+
+No cluster runs here. Each object is checked against the Kubernetes JSON schema
+(kubernetes-validate, strict: unknown fields are errors) at the oldest and the
+newest Kubernetes version we claim; then against what a schema cannot know:
+probe ports that name no container port, Service target ports and selectors that
+match no pod, mounts of undeclared volumes, a listen address a pod cannot be
+reached on, arguments `fedge verifier serve` would reject, a Secret other than
+the one docs/fleet.md tells you to create. Every check has a test that breaks
+the manifest on purpose and expects the check to name the fault.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import kubernetes_validate
+import pytest
+import typer
+import yaml
+
+from edge.cli import TOKEN_ENV, verifier_app
+from edge.proto import verifier_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+DOCS = REPO / "docs" / "fleet.md"
+K8S_VERSIONS = ("1.29", "1.37")  # gRPC probes are GA from 1.27; 1.37 is the newest schema shipped
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+HEALTH_SERVICES = ("", SERVICE_NAME)  # what the verifier's grpc.health.v1 servicer reports
+Obj = dict[str, Any]
+
+
+def load(name: str) -> list[Obj]:
+    """The objects of one manifest file."""
+    return [doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
+
+
+def schema_problems(obj: Obj) -> list[str]:
+    """Strict validation against the official schema at each claimed Kubernetes version."""
+    problems = []
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            where = ".".join(str(p) for p in err.path)
+            problems.append(f"{obj['kind']} (k8s {version}) {where}: {err.message}")
+    return problems
+
+
+def _probes(container: Obj) -> Iterator[tuple[str, Obj]]:
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if kind in container:
+            yield kind, container[kind]
+
+
+def container_problems(container: Obj, volumes: set[str]) -> list[str]:
+    """Probes aim at declared ports and the health service, mounts at declared volumes, an image is set."""
+    name = container["name"]
+    problems = [] if container.get("image") else [f"container {name} has no image"]
+    ports = {p["containerPort"] for p in container.get("ports", [])}
+    port_names = {p["name"] for p in container.get("ports", []) if "name" in p}
+    for kind, probe in _probes(container):
+        if "grpc" in probe:
+            if probe["grpc"]["port"] not in ports:
+                problems.append(
+                    f"{name}.{kind}.grpc.port {probe['grpc']['port']} is no containerPort"
+                )
+            service = probe["grpc"].get("service", "")
+            if service not in HEALTH_SERVICES:
+                problems.append(
+                    f"{name}.{kind}.grpc.service {service!r} is not in {HEALTH_SERVICES}"
+                )
+        for action in ("httpGet", "tcpSocket"):
+            port = probe.get(action, {}).get("port")
+            if port is not None and port not in ports | port_names:
+                problems.append(f"{name}.{kind}.{action}.port {port!r} is no container port")
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] not in volumes:
+            problems.append(
+                f"{name} mounts volume {mount['name']!r}, which the pod does not declare"
+            )
+    return problems
+
+
+def pod_problems(template: Obj) -> list[str]:
+    """A pod template: non-root, and every container consistent with the pod's volumes."""
+    spec = template["spec"]
+    volumes = {v["name"] for v in spec.get("volumes", [])}
+    security = spec.get("securityContext", {})
+    problems = [] if security.get("runAsNonRoot") else ["pod does not set runAsNonRoot: true"]
+    if security.get("runAsUser", 1) == 0:
+        problems.append("pod runs as uid 0")
+    for container in spec["containers"]:
+        problems += container_problems(container, volumes)
+    return problems
+
+
+def service_problems(service: Obj, template: Obj) -> list[str]:
+    """The Service selects the pods and its named target ports exist on them."""
+    labels = template["metadata"].get("labels", {})
+    selector = service["spec"].get("selector", {})
+    problems = []
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        problems.append(f"Service selector {selector} does not select pods labelled {labels}")
+    names = {p.get("name") for c in template["spec"]["containers"] for p in c.get("ports", [])}
+    numbers = {p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]}
+    for port in service["spec"]["ports"]:
+        target = port.get("targetPort", port["port"])
+        if target not in names | numbers:
+            problems.append(f"Service port {port.get('name')} targets {target!r}: no such pod port")
+    return problems
+
+
+def deployment_problems(deployment: Obj) -> list[str]:
+    """The selector matches the template's labels; then the pod checks."""
+    labels = deployment["spec"]["template"]["metadata"].get("labels", {})
+    selector = deployment["spec"]["selector"].get("matchLabels", {})
+    problems = []
+    if any(labels.get(k) != v for k, v in selector.items()):
+        problems.append(f"Deployment selector {selector} does not match template labels {labels}")
+    return problems + pod_problems(deployment["spec"]["template"])
+
+
+def serve_params(container: Obj) -> dict[str, Any]:
+    """The container's `fedge verifier serve` arguments as the real CLI parses them (raises on bad ones)."""
+    if container.get("command", [])[:3] != ["fedge", "verifier", "serve"]:
+        raise click.UsageError(f"command {container.get('command')} is not `fedge verifier serve`")
+    command: click.Command | None = typer.main.get_command(verifier_app)
+    if isinstance(command, click.Group):  # a lone command is collapsed into the app by Typer
+        command = command.get_command(click.Context(command), "serve")
+    assert command is not None and command.name == "serve"
+    return command.make_context("serve", list(container.get("args", []))).params
+
+
+def verifier_problems(deployment: Obj) -> list[str]:
+    """`fedge verifier serve` in a pod: parsable args, reachable address, probe on its port, token, drain."""
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    try:
+        params = serve_params(container)
+    except click.ClickException as err:
+        return [f"container args rejected by `fedge verifier serve`: {err.format_message()}"]
+    problems = []
+    if params["host"] in LOOPBACK:
+        problems.append(
+            f"--host={params['host']} is loopback: probes and the Service cannot reach it"
+        )
+    grpc_ports = {p["containerPort"] for p in container["ports"] if p.get("name") == "grpc"}
+    if grpc_ports != {params["port"]}:
+        problems.append(f"--port={params['port']} but the container's grpc port is {grpc_ports}")
+    if not any(
+        probe.get("grpc", {}).get("port") == params["port"] for _, probe in _probes(container)
+    ):
+        problems.append(f"no gRPC probe on the verifier's port {params['port']}")
+    readiness = container.get("readinessProbe", {}).get("grpc", {}).get("service")
+    if readiness != SERVICE_NAME:
+        problems.append(f"readinessProbe must check service {SERVICE_NAME!r}, got {readiness!r}")
+    env = {e["name"]: e for e in container.get("env", [])}
+    ref = env.get(TOKEN_ENV, {}).get("valueFrom", {}).get("secretKeyRef")
+    if ref != documented_secret():
+        problems.append(f"{TOKEN_ENV} must come from the Secret docs/fleet.md creates, got {ref}")
+    drain_s = 1.0 + params["grace_s"]  # ServerConfig.drain_notice_s, then the grace period
+    if pod.get("terminationGracePeriodSeconds", 30) <= drain_s:
+        problems.append(f"terminationGracePeriodSeconds must exceed the {drain_s:.0f} s drain")
+    return problems
+
+
+def documented_secret() -> dict[str, str]:
+    """Name and key of the token Secret in docs/fleet.md's `kubectl create secret` line."""
+    match = re.search(
+        r"kubectl create secret generic (\S+) --from-literal=(\w+)=", DOCS.read_text()
+    )
+    assert match, (
+        "docs/fleet.md must show `kubectl create secret generic NAME --from-literal=KEY=...`"
+    )
+    return {"name": match.group(1), "key": match.group(2)}
+
+
+def all_problems(objects: list[Obj]) -> list[str]:
+    """Every problem of the verifier shape: schema, cross-references, verifier-specific."""
+    problems = [p for obj in objects for p in schema_problems(obj)]
+    if problems:
+        return problems
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    problems += deployment_problems(deployment) + verifier_problems(deployment)
+    for service in (o for o in objects if o["kind"] == "Service"):
+        problems += service_problems(service, deployment["spec"]["template"])
+    return problems
+
+
+def verifier_shape() -> list[Obj]:
+    return load("verifier.yaml") + load("models-pvc.yaml")
+
+
+# ---------------------------------------------------------------------------------- tests
+def test_verifier_manifests_pass_every_check() -> None:
+    objects = verifier_shape()
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PersistentVolumeClaim"]
+    assert all_problems(objects) == []
+
+
+def test_model_volume_is_the_documented_claim() -> None:
+    (deployment, _, claim) = verifier_shape()
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    claims = [
+        v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v
+    ]
+    assert claims == [claim["metadata"]["name"]]
+    params = serve_params(deployment["spec"]["template"]["spec"]["containers"][0])
+    assert str(params["model"]).startswith("/models/")
+
+
+def test_image_user_is_the_manifests_user() -> None:
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    users = re.findall(r"^USER (\d+)", dockerfile, flags=re.M)
+    (deployment, *_) = verifier_shape()
+    assert users and {int(u) for u in users} == {
+        deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    }
+
+
+def _container(objects: list[Obj]) -> Obj:
+    return objects[0]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _set_arg(flag: str, value: str) -> Callable[[list[Obj]], None]:
+    def mutate(objects: list[Obj]) -> None:
+        args = _container(objects)["args"]
+        args[:] = [a for a in args if not a.startswith(flag + "=")] + [f"{flag}={value}"]
+
+    return mutate
+
+
+BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
+    "probe port not a container port": (
+        lambda o: _container(o)["readinessProbe"]["grpc"].update(port=50062),
+        "readinessProbe.grpc.port 50062 is no containerPort",
+    ),
+    "probe port given by name": (
+        lambda o: _container(o)["livenessProbe"]["grpc"].update(port="grpc"),
+        "'grpc' is not of type 'integer'",
+    ),
+    "probe asks an unknown health service": (
+        lambda o: _container(o)["readinessProbe"]["grpc"].update(service="fedge.Verifier"),
+        "grpc.service 'fedge.Verifier' is not in",
+    ),
+    "Service targets a misspelt port name": (
+        lambda o: o[1]["spec"]["ports"][0].update(targetPort="gprc"),
+        "targets 'gprc': no such pod port",
+    ),
+    "Service selects other pods": (
+        lambda o: o[1]["spec"]["selector"].update({"app.kubernetes.io/name": "verifier"}),
+        "does not select pods",
+    ),
+    "misspelt field": (
+        lambda o: _container(o).update(livenesProbe=_container(o).pop("livenessProbe")),
+        "'livenesProbe' was unexpected",
+    ),
+    "containers missing": (
+        lambda o: o[0]["spec"]["template"]["spec"].pop("containers"),
+        "'containers' is a required property",
+    ),
+    "image missing": (lambda o: _container(o).pop("image"), "has no image"),
+    "listening on loopback": (_set_arg("--host", "127.0.0.1"), "is loopback"),
+    "flag serve does not have": (_set_arg("--max-batches", "8"), "No such option"),
+    "--port differs from the container port": (_set_arg("--port", "50070"), "--port=50070"),
+    "mount of an undeclared volume": (
+        lambda o: _container(o)["volumeMounts"][0].update(name="model"),
+        "mounts volume 'model'",
+    ),
+    "token from another Secret": (
+        lambda o: _container(o)["env"][0]["valueFrom"]["secretKeyRef"].update(name="token"),
+        "must come from the Secret",
+    ),
+    "root user allowed": (
+        lambda o: o[0]["spec"]["template"]["spec"]["securityContext"].pop("runAsNonRoot"),
+        "runAsNonRoot",
+    ),
+    "termination grace shorter than the drain": (
+        lambda o: o[0]["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=10),
+        "must exceed the 21 s drain",
+    ),
+    "Deployment selector does not match its pods": (
+        lambda o: o[0]["spec"]["selector"]["matchLabels"].update({"app.kubernetes.io/name": "x"}),
+        "does not match template labels",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BREAKAGES))
+def test_a_broken_manifest_is_refused(name: str) -> None:
+    mutate, expected = BREAKAGES[name]
+    objects = copy.deepcopy(verifier_shape())
+    mutate(objects)
+    problems = all_problems(objects)
+    assert any(expected in p for p in problems), problems
+
+
+def test_docs_apply_every_manifest() -> None:
+    applied = set(re.findall(r"kubectl apply -f deploy/k8s/(\S+\.yaml)", DOCS.read_text()))
+    assert applied == {p.name for p in K8S.glob("*.yaml")}
