@@ -25,7 +25,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "fl_throughput.json"
-APPS = {"ours": "clients.app:app", "reference": "clients.reference:app"}
+APPS = {"ours": "simulations.apps:clientapp", "reference": "clients.reference:app"}
 
 
 def _largest_existing_preset() -> str:

@@ -50,10 +50,10 @@ def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]
     from flwr.simulation import run_simulation
 
     from clients.mods import dispatch_mods
+    from fedge import keys
+    from fedge.secagg.config import SecAggConfig
     from server.aggregation import PlainAggregator
     from server.secagg.aggregator import SecAggPlusAggregator
-    from server.secagg.config import SecAggConfig
-    from strategies import keys
 
     spec = {"delta/v": (size,), "meta/weight": (1,), "meta/count": (1,)}
     client_app = ClientApp(mods=[dispatch_mods])
@@ -191,13 +191,13 @@ def dpsgd_overhead(model: str, steps: int, batch_size: int, seq_len: int) -> dic
     import torch
     from opacus import PrivacyEngine
 
-    from clients import worker
     from clients.privacy.dpsgd import lm_loss, token_records
     from clients.privacy.local import apply_ffa
-    from clients.trainer import TrainConfig
+    from fedge.lm import holder
+    from fedge.lm.config import TrainConfig
 
     cfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, precision="fp32")
-    lm = worker.get_lora_model(worker.resolve_model(model), cfg)
+    lm = holder.get_lora_model(holder.resolve_model(model), cfg)
     tokens = np.random.default_rng(0).integers(0, 256, size=400 * (seq_len + 1))
     records = token_records(tokens, seq_len)
     out: dict[str, Any] = {"model": model, "batch_size": batch_size, "seq_len": seq_len}
@@ -255,10 +255,10 @@ def privacy_utility(
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from clients.app import app as client_app
     from server.config import RunConfig
     from server.loop import run_federation
     from server.rundir import MetricsLog
+    from simulations.apps import clientapp as client_app
 
     root = Path(tempfile.mkdtemp(prefix="fedge-privacy-sweep-"))
     base = {

@@ -25,22 +25,14 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients import worker
 from clients.mods import dispatch_mods
 from clients.privacy.local import apply_ffa, dpsgd_config, ffa_enabled, train_dpsgd_round
 from clients.state import ContextStore, DiskStore
-from clients.trainer import (
-    TrainConfig,
-    autocast_context,
-    build_optimizer,
-    derive_seed,
-    evaluate_tokens,
-    lm_batch_loss,
-    local_work,
-    random_windows,
-    run_local_steps,
-)
-from strategies import keys
+from clients.trainer import build_optimizer, random_windows, run_local_steps
+from fedge import keys
+from fedge.lm import holder
+from fedge.lm.config import TrainConfig, derive_seed
+from fedge.lm.evaluate import autocast_context, evaluate_tokens, lm_batch_loss
 from strategies.base import (
     Arrays,
     ClientResult,
@@ -89,10 +81,18 @@ def state_store(config: Mapping[str, ConfigValue], context: Context, pid: int) -
     return ContextStore(context.state)
 
 
+def step_budget(config: Mapping[str, ConfigValue], local_steps: int) -> int:
+    """Steps to run this round: ``local-steps``, capped by a ``step-budget`` the device set."""
+    budget = int(config.get(keys.CFG_STEP_BUDGET, 0))
+    if budget < 0:
+        raise ValueError(f"config key '{keys.CFG_STEP_BUDGET}' must be >= 0, got {budget}")
+    return min(local_steps, budget) if budget > 0 else local_steps
+
+
 def _cache_metrics() -> dict[str, float]:
     return {
-        keys.MET_MODEL_LOADS: float(worker.STATS["model_loads"]),
-        keys.MET_CALLS: float(worker.STATS["calls"]),
+        keys.MET_MODEL_LOADS: float(holder.STATS["model_loads"]),
+        keys.MET_CALLS: float(holder.STATS["calls"]),
     }
 
 
@@ -107,17 +107,17 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Run local LoRA training on this node's partition and reply with the contribution."""
     t0 = time.perf_counter()
-    worker.STATS["calls"] += 1
+    holder.STATS["calls"] += 1
     config = message_config(msg)
     cfg = TrainConfig.from_config(config)
-    worker.configure_threads(cfg.client_threads)
+    holder.configure_threads(cfg.client_threads)
     pid = partition_id(context)
     seed = int(config.get(keys.CFG_SEED, 0))
     server_round = int(config.get(keys.CFG_SERVER_ROUND, 1))
-    lm = worker.get_lora_model(worker.client_model_ref(config), cfg)
+    lm = holder.get_lora_model(holder.client_model_ref(config), cfg)
     global_adapter = record_arrays(msg, keys.REC_GLOBAL)
-    worker.set_adapter(lm, global_adapter)
-    tokens = worker.get_corpus(config).client(pid).train
+    holder.set_adapter(lm, global_adapter)
+    tokens = holder.get_corpus(config).client(pid).train
 
     # Strategy hook, then the local loop: everything random is seeded by (seed, round, partition).
     strategy = build_strategy(config)
@@ -125,7 +125,8 @@ def train(msg: Message, context: Context) -> Message:
     hook = strategy.client_hook(
         config, anchor, record_arrays(msg, keys.REC_STRATEGY), state_store(config, context, pid)
     )
-    steps, completed = local_work(cfg, seed, server_round, pid)
+    steps = step_budget(config, cfg.local_steps)
+    completed = steps / cfg.local_steps
     rng = np.random.default_rng(derive_seed(seed, "batches", server_round, pid))
     torch.manual_seed(derive_seed(seed, "torch", server_round, pid))
     batches = [
@@ -163,7 +164,7 @@ def train(msg: Message, context: Context) -> Message:
     train_seconds = time.perf_counter() - t_train
 
     # Contribution: delta = local - global; the hook adds its extras and state.
-    local = worker.adapter_arrays(lm)
+    local = holder.adapter_arrays(lm)
     delta = {k: local[k] - global_adapter[k] for k in local}
     extras, new_state = hook.finish(delta, steps, cfg.lr)
     # FedAvg's n_k: the client's training examples (seq-len windows of its train split), not the
@@ -197,14 +198,14 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Held-out loss of the global adapter on this node's held-out split."""
-    worker.STATS["calls"] += 1
+    holder.STATS["calls"] += 1
     config = message_config(msg)
     cfg = TrainConfig.from_config(config)
-    worker.configure_threads(cfg.client_threads)
+    holder.configure_threads(cfg.client_threads)
     pid = partition_id(context)
-    lm = worker.get_lora_model(worker.client_model_ref(config), cfg)
-    worker.set_adapter(lm, record_arrays(msg, keys.REC_GLOBAL))
-    heldout = worker.get_corpus(config).client(pid).heldout
+    lm = holder.get_lora_model(holder.client_model_ref(config), cfg)
+    holder.set_adapter(lm, record_arrays(msg, keys.REC_GLOBAL))
+    heldout = holder.get_corpus(config).client(pid).heldout
     loss, scored = evaluate_tokens(lm.model, np.asarray(heldout), cfg, lm.device)
     metrics = MetricRecord(
         {

@@ -13,7 +13,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
-from strategies import keys
+from fedge import keys
 
 FAULT_KEY = "x-fault-partitions"
 FAULTS = ("nan", "missing", "dtype", "shape", "error")

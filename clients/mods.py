@@ -10,7 +10,7 @@ each a Flower mod ``mod(msg, context, call_next) -> Message``.
 Contract for mods: a mod that handles a message itself (e.g. a SecAgg+ key-setup
 stage, recognised by its own ConfigRecord key) returns a reply without calling
 ``call_next``; a mod that post-processes the ``contribution`` ArrayRecord of a train
-reply must keep its keys, shapes and float32 dtype (see :mod:`strategies.keys`).
+reply must keep its keys, shapes and float32 dtype (see :mod:`fedge.keys`).
 Every message the server sends carries the ``config`` record, so mods are found
 under both ``flwr run`` and ``run_simulation`` (whose run config is empty).
 """
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from flwr.app import Context, Message
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from server.aggregation import load_dotted
-from strategies import keys
+from fedge import keys
+from fedge.plugins import load_dotted
 
 
 def configured_mod_paths(msg: Message, context: Context) -> list[str]:

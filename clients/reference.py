@@ -12,7 +12,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients import app as cached_app
-from clients import worker
+from fedge.lm import holder
 
 app = ClientApp()
 
@@ -26,12 +26,12 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Drop every cached model first, so the call loads base + LoRA from disk like the examples."""
-    worker.drop_models()
+    holder.drop_models()
     return cached_app.train(msg, context)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate also rebuilds the model."""
-    worker.drop_models()
+    holder.drop_models()
     return cached_app.evaluate(msg, context)

@@ -16,7 +16,6 @@ Every aggregator must reject, not crash on, a malformed reply: use
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from strategies import keys
+from fedge import keys
+from fedge.plugins import load_dotted
 from strategies.base import Arrays, sum_contributions
 
 if TYPE_CHECKING:
@@ -175,20 +175,3 @@ def build_aggregator(name: str, config: RunConfig) -> Aggregator:
         return PlainAggregator()
     factory = load_dotted(name, what="aggregator")
     return factory(config)  # type: ignore[return-value]
-
-
-def load_dotted(path: str, what: str) -> Callable[..., object]:
-    """Import ``"package.module:attr"`` and return the attribute, naming the config key on failure."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {path!r} is neither a built-in name nor 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} {path!r}: cannot import {module_name!r} ({exc})") from exc
-    if not hasattr(module, attr):
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
-    obj = getattr(module, attr)
-    if not callable(obj):
-        raise ValueError(f"{what} {path!r} is not callable")
-    return obj  # type: ignore[no-any-return]

@@ -1,7 +1,7 @@
 """The federation's one configuration type: server knobs plus the client's :class:`TrainConfig`.
 
 Every source of configuration is a flat mapping of hyphenated keys (constants in
-:mod:`strategies.keys`): ``[tool.flwr.app.config]`` in ``pyproject.toml`` (``flwr
+:mod:`fedge.keys`): ``[tool.flwr.app.config]`` in ``pyproject.toml`` (``flwr
 run``), a scenario TOML under ``simulations/scenarios`` (``fedge simulate``), and
 ``--set key=value`` overrides. :meth:`RunConfig.from_mapping` validates all of
 them the same way; the client half travels to clients inside every message.
@@ -14,13 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from clients.trainer import TrainConfig, _coerce
-from strategies import keys
-from strategies.base import ConfigValue
+from fedge import keys
+from fedge.lm.config import TrainConfig, coerce, config_key
+from fedge.types import ConfigValue
 from strategies.registry import STRATEGY_NAMES
 
-EXTENSION_PREFIXES = ("dp-", "secagg-", "privacy-", "x-")
-"""Keys with these prefixes belong to plug-ins (aggregators, mods, budgets); they are kept
+EXTENSION_PREFIXES = ("dp-", "secagg-", "privacy-", "device-", "straggler-", "x-")
+"""Keys with these prefixes belong to plug-ins (aggregators, mods, budgets, device simulation
+in ``simulations.devices``); they are kept
 as strings/numbers in ``RunConfig.extra`` and sent to clients with every message."""
 
 
@@ -84,7 +85,9 @@ class RunConfig:
     def from_mapping(cls, mapping: Mapping[str, Any]) -> RunConfig:
         """Build from flat hyphenated keys; an unknown key is an error that lists the known ones."""
         server_fields = {
-            _key(f.name): f for f in dataclasses.fields(cls) if f.name not in ("train", "extra")
+            config_key(f.name): f
+            for f in dataclasses.fields(cls)
+            if f.name not in ("train", "extra")
         }
         train_keys = set(TrainConfig().to_config())
         known = server_fields.keys() | train_keys
@@ -99,7 +102,7 @@ class RunConfig:
             )
         defaults = cls()
         values: dict[str, Any] = {
-            f.name: _coerce(k, mapping[k], type(getattr(defaults, f.name)))
+            f.name: coerce(k, mapping[k], type(getattr(defaults, f.name)))
             for k, f in server_fields.items()
             if k in mapping and f.name != "extra"
         }
@@ -109,7 +112,7 @@ class RunConfig:
     def to_mapping(self) -> dict[str, ConfigValue]:
         """Return every key, flat (server keys, then the client's)."""
         out: dict[str, ConfigValue] = {
-            _key(f.name): getattr(self, f.name)
+            config_key(f.name): getattr(self, f.name)
             for f in dataclasses.fields(self)
             if f.name not in ("train", "extra")
         }
@@ -138,7 +141,3 @@ class RunConfig:
             out[key] = self.to_mapping()[key]
         out.update(self.extra)
         return out
-
-
-def _key(field_name: str) -> str:
-    return field_name.replace("_", "-")

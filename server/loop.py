@@ -28,15 +28,16 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from clients import worker
-from clients.trainer import evaluate_tokens
-from server.aggregation import AggregateResult, build_aggregator, load_dotted, reply_metrics
+from fedge import keys
+from fedge.lm import holder
+from fedge.lm.evaluate import evaluate_tokens
+from fedge.plugins import load_dotted
+from server.aggregation import AggregateResult, build_aggregator, reply_metrics
 from server.budget import NoBudget, PrivacyBudget
 from server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
 from server.config import RunConfig
 from server.privacy.plots import dpsgd_epsilon, plot_privacy
 from server.rundir import MetricsLog, plot_perplexity, write_config
-from strategies import keys
 from strategies.base import Arrays, ConfigValue, GlobalState, Strategy, replace_state
 from strategies.registry import build_strategy
 
@@ -74,9 +75,9 @@ class ServerModel:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.model_path = worker.resolve_model(cfg.model)
+        self.model_path = holder.resolve_model(cfg.model)
         self.client_config = client_config(cfg)
-        self.lm = worker.get_lora_model(self.model_path, cfg.train)
+        self.lm = holder.get_lora_model(self.model_path, cfg.train)
         self._heldout: np.ndarray | None = None
 
     def initial_adapter(self) -> Arrays:
@@ -86,12 +87,12 @@ class ServerModel:
     def heldout(self) -> np.ndarray:
         """The union of all clients' held-out token streams (built once)."""
         if self._heldout is None:
-            self._heldout = np.asarray(worker.get_corpus(self.client_config).heldout_union())
+            self._heldout = np.asarray(holder.get_corpus(self.client_config).heldout_union())
         return self._heldout
 
     def evaluate(self, adapter: Arrays) -> float:
         """Mean token loss of base + ``adapter`` on evenly spaced held-out windows."""
-        worker.set_adapter(self.lm, adapter)
+        holder.set_adapter(self.lm, adapter)
         cfg = self.cfg.train
         eval_cfg = type(cfg).from_config(
             {**cfg.to_config(), "eval-batches": self.cfg.server_eval_batches}
@@ -105,7 +106,7 @@ class ServerModel:
 
         from fedge.models import load_causal_lm, load_tokenizer
 
-        worker.set_adapter(self.lm, adapter)
+        holder.set_adapter(self.lm, adapter)
         adapter_dir = out / "adapter"
         self.lm.model.save_pretrained(str(adapter_dir))  # type: ignore[operator]
         if self.cfg.save_merged:
@@ -121,7 +122,7 @@ class ServerModel:
 # ---------------------------------------------------------------- messages
 def client_config(cfg: RunConfig) -> dict[str, ConfigValue]:
     """The run's client config plus the server's resolved model dir (saves clients a zoo check)."""
-    return {**cfg.client_config(), keys.CFG_MODEL_PATH: worker.resolve_model(cfg.model)}
+    return {**cfg.client_config(), keys.CFG_MODEL_PATH: holder.resolve_model(cfg.model)}
 
 
 def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

@@ -20,6 +20,7 @@ import tomllib
 
 from server.config import RunConfig
 from server.rundir import read_config
+from simulations.devices import DeviceBehaviour
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 _SCENARIO_FILE = "scenario.toml"
@@ -47,6 +48,7 @@ class Scenario:
                 f"min-available-nodes={self.config.min_available_nodes} exceeds "
                 f"num-supernodes={self.num_supernodes}; lower it or add supernodes"
             )
+        DeviceBehaviour.from_config(self.config.extra)  # a bad device key fails before the run
 
     def scenario_table(self) -> dict[str, Any]:
         """The ``[scenario]`` table as written to a run directory."""
@@ -143,7 +145,7 @@ def run_simulation(
 ) -> Any:
     """Run the scenario's federation with Flower's simulation engine; return the loop outcome.
 
-    ``client_app`` defaults to :data:`clients.app.app`; it must live in an importable
+    ``client_app`` defaults to :data:`simulations.apps.clientapp`; it must live in an importable
     module so Ray actors import it (and keep its module-level cache).
     """
     from flwr.simulation import run_simulation as flwr_run_simulation
@@ -151,7 +153,7 @@ def run_simulation(
     from server.app import OutcomeBox, make_server_app
 
     if client_app is None:
-        from clients.app import app as client_app
+        from simulations.apps import clientapp as client_app
 
     cfg = scenario.config.with_overrides(
         {"run-dir": str(run_dir), "client-state-dir": str(run_dir / "client-state")}

@@ -18,7 +18,7 @@ import torch
 
 from clients.state import MemoryStore
 from clients.trainer import run_local_steps
-from strategies import keys
+from fedge import keys
 from strategies.base import (
     Arrays,
     ClientResult,

@@ -10,7 +10,7 @@ Client half (runs inside the ClientApp, on the client's machine)
        ``finish`` returns the strategy's extra arrays (SCAFFOLD's control delta) and
        the client state to persist (SCAFFOLD's ``c_i``).
     2. :func:`build_contribution` turns the local result into ONE flat dict of
-       float32 arrays, the *contribution* (keys in :mod:`strategies.keys`)::
+       float32 arrays, the *contribution* (keys in :mod:`fedge.keys`)::
 
            delta/<name>  = weight * (local - global)      for every adapter tensor
            ctrl/<name>   = c_i+ - c_i                      SCAFFOLD only
@@ -58,10 +58,9 @@ from typing import ClassVar, Literal, Protocol
 import numpy as np
 import torch
 
-from strategies import keys
+from fedge import keys
+from fedge.types import Arrays, ConfigValue
 
-Arrays = dict[str, np.ndarray]
-ConfigValue = bool | int | float | str
 Weighting = Literal["examples", "uniform"]
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from strategies import keys
+from fedge import keys
 from strategies.base import (
     Arrays,
     ClientHook,

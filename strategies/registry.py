@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from strategies import keys
+from fedge import keys
 from strategies.base import ConfigValue, Strategy, Weighting
 from strategies.fedavg import FedAvg
 from strategies.fedprox import FedProx

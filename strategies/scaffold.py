@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from strategies import keys
+from fedge import keys
 from strategies.base import (
     Arrays,
     ClientHook,

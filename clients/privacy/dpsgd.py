@@ -26,8 +26,6 @@ from strategies.base import ClientHook
 # ConfigRecord in Context.state holding the accountant history of this client.
 STATE_RECORD = "fedge.dpsgd.accountant"
 _NOISE, _RATE, _STEPS = "noise-multipliers", "sample-rates", "steps"
-# Reply metric with the client's cumulative epsilon.
-MET_DPSGD_EPSILON = "dp-sgd-epsilon"
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from clients.privacy.dpsgd import MET_DPSGD_EPSILON, STATE_RECORD, DPSGDConfig, train_dpsgd
-from server.privacy.ffa import KEY_DPSGD_NOISE, KEY_FFA, ffa_enabled
+from clients.privacy.dpsgd import STATE_RECORD, DPSGDConfig, train_dpsgd
+from fedge.privacy.ffa import KEY_DPSGD_NOISE, KEY_FFA, ffa_enabled
+from fedge.privacy.wire import MET_DPSGD_EPSILON
 from strategies.base import ClientHook, ConfigValue
 
 __all__ = ["KEY_FFA", "apply_ffa", "dpsgd_config", "ffa_enabled", "train_dpsgd_round"]

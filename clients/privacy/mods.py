@@ -6,10 +6,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
-from server.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
-from server.privacy.mechanism import add_gaussian_noise, clip_contribution
-from server.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD
-from strategies import keys
+from fedge import keys
+from fedge.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
+from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution
+from fedge.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD
 
 # Error code of a refused distributed-DP message (Flower reserves the small codes).
 ERROR_DP = 641

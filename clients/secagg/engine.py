@@ -15,8 +15,8 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 )
 
 from fedge.errors import FedgeError
-from server.secagg import wire
-from server.secagg.crypto import (
+from fedge.secagg import wire
+from fedge.secagg.crypto import (
     MASK_PURPOSE,
     SHARE_PURPOSE,
     agree,
@@ -24,7 +24,7 @@ from server.secagg.crypto import (
     generate_keypair,
     split_secret,
 )
-from server.secagg.vectors import Layout, prg_mask, quantize
+from fedge.secagg.vectors import Layout, prg_mask, quantize
 
 Contribute = Callable[[], Mapping[str, np.ndarray]]
 

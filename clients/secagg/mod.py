@@ -7,9 +7,9 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
-from server.secagg import wire
-from server.secagg.vectors import scale_for
-from strategies import keys
+from fedge import keys
+from fedge.secagg import wire
+from fedge.secagg.vectors import scale_for
 
 # Error code of a refused SecAgg+ message (Flower reserves the small codes).
 ERROR_SECAGG = 640

@@ -10,14 +10,14 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fedge import keys
+from fedge.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
+from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution
+from fedge.privacy.wire import DDP_CLIENT_MOD, KEY_DP_ACTIVE, KEY_DP_CLIP, KEY_DP_NOISE_STD
 from server.aggregation import AggregateResult, Aggregator, ContributionSpec
 from server.grid import ReplyHookGrid
 from server.privacy.config import DPConfig
-from server.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
-from server.privacy.mechanism import add_gaussian_noise, clip_contribution
-from server.privacy.wire import DDP_CLIENT_MOD, KEY_DP_ACTIVE, KEY_DP_CLIP, KEY_DP_NOISE_STD
 from server.secagg.aggregator import SecAggPlusAggregator
-from strategies import keys
 
 log = logging.getLogger(__name__)
 

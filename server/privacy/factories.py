@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from fedge import keys
+from fedge.secagg.config import SecAggConfig
 from server.aggregation import PlainAggregator
 from server.config import RunConfig
 from server.privacy.accountant import RdpBudget
 from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
 from server.privacy.config import DPConfig, DPMode
 from server.secagg.aggregator import SecAggPlusAggregator
-from server.secagg.config import SecAggConfig
-from strategies import keys
 from strategies.base import ConfigValue
 
 

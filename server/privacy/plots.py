@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from clients.privacy.dpsgd import MET_DPSGD_EPSILON
+from fedge.privacy.wire import MET_DPSGD_EPSILON
 
 # Columns of a metrics row this part adds or reads.
 COL_EPSILON = "epsilon"  # the server budget's cumulative user-level epsilon

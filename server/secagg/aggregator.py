@@ -10,13 +10,13 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedge import keys
+from fedge.privacy.ffa import ffa_enabled, frozen_keys
+from fedge.secagg import wire
+from fedge.secagg.config import SecAggConfig
 from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes
-from server.privacy.ffa import ffa_enabled, frozen_keys
-from server.secagg import wire
-from server.secagg.config import SecAggConfig
 from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
 from server.secagg.protocol import run_secagg
-from strategies import keys
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
 from fedge.errors import FedgeError
-from server.secagg import wire
-from server.secagg.config import SecAggConfig
-from server.secagg.crypto import MASK_PURPOSE, agree, check_public_key, combine_secret
-from server.secagg.vectors import IntVec, Layout, dequantize_sum, prg_mask
+from fedge.secagg import wire
+from fedge.secagg.config import SecAggConfig
+from fedge.secagg.crypto import MASK_PURPOSE, agree, check_public_key, combine_secret
+from fedge.secagg.vectors import IntVec, Layout, dequantize_sum, prg_mask
 
 log = logging.getLogger(__name__)
 

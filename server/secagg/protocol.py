@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from flwr.app import RecordDict
 
-from server.secagg import wire
+from fedge.secagg import wire
 from server.secagg.engine import SecAggServerEngine
 
 # (stage, {node: request content}) -> {node: reply content} for the nodes that answered in time

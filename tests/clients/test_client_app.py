@@ -9,13 +9,15 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 import clients.app as client_module
-from clients import worker
 from clients.state import ContextStore
-from clients.trainer import TrainConfig, local_work
+from fedge import keys
+from fedge.lm import holder
+from fedge.lm.config import TrainConfig
 from server.aggregation import validate_contribution
 from server.config import RunConfig
 from server.loop import train_content
-from strategies import keys
+from simulations.apps import clientapp as simulated_app
+from simulations.devices import DeviceBehaviour, local_work
 from strategies.base import GlobalState
 from strategies.registry import build_strategy
 
@@ -58,7 +60,7 @@ def _context(partition: int = 1) -> Context:
 def _setup(micro_zoo, **overrides):  # type: ignore[no-untyped-def]
     cfg = RunConfig.from_mapping({**SMALL, "model": str(micro_zoo.target_dir), **overrides})
     strategy = build_strategy(cfg.to_mapping())
-    adapter = worker.adapter_arrays(worker.get_lora_model(cfg.model, cfg.train))
+    adapter = holder.adapter_arrays(holder.get_lora_model(cfg.model, cfg.train))
     state = GlobalState(adapter, strategy.init_extras(adapter))
     return cfg, strategy, state
 
@@ -79,7 +81,7 @@ def test_train_replies_a_valid_contribution_and_reuses_the_cached_model(micro_zo
     assert m1[keys.MET_PARTITION] == 1
     assert (
         m1[keys.MET_NUM_EXAMPLES]
-        == len(worker.get_corpus(cfg.client_config()).client(1).train) // 32
+        == len(holder.get_corpus(cfg.client_config()).client(1).train) // 32
     )
     # Same seed, round and partition: the local work is reproducible bit for bit.
     a, b = (r.content.array_records[keys.REC_CONTRIB] for r in (first, second))
@@ -95,11 +97,11 @@ def test_train_replies_a_valid_contribution_and_reuses_the_cached_model(micro_zo
 def test_straggler_work_dropped_by_fedavg_kept_by_fedprox(
     micro_zoo, strategy: str, count: float
 ) -> None:  # type: ignore[no-untyped-def]
-    """straggler-fraction 1 and 4 local steps: 1 step done; FedAvg zeroes it, FedProx keeps it."""
+    """straggler-fraction 1 and 4 local steps: the device mod budgets 1 step; FedAvg zeroes it, FedProx keeps it."""
     cfg, strat, state = _setup(
         micro_zoo, strategy=strategy, **{"straggler-fraction": 1.0, "local-steps": 4}
     )
-    reply = client_module.app(_message(train_content(state, strat, cfg, 1), "train"), _context())
+    reply = simulated_app(_message(train_content(state, strat, cfg, 1), "train"), _context())
     metrics = dict(reply.content.metric_records[keys.REC_METRICS])
     assert metrics[keys.MET_LOCAL_STEPS] == 1 and metrics[keys.MET_COMPLETED] == 0.25
     contribution = reply.content.array_records[keys.REC_CONTRIB]
@@ -148,11 +150,18 @@ def test_train_config_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="batch-size"):
         TrainConfig.from_config({"batch-size": "many"})
     with pytest.raises(ValueError, match="device-population"):
-        TrainConfig(device_population="phone:half")
+        DeviceBehaviour(population="phone:half")
 
 
 def test_device_population_caps_local_work() -> None:
     """A population of only phones doing a quarter of the work runs 2 of 8 steps every round."""
-    cfg = TrainConfig(local_steps=8, device_population="phone:1:0.25")
-    assert local_work(cfg, seed=0, server_round=3, partition=5) == (2, 0.25)
-    assert local_work(TrainConfig(local_steps=8), 0, 3, 5) == (8, 1.0)
+    phones = DeviceBehaviour(population="phone:1:0.25")
+    assert local_work(phones, local_steps=8, seed=0, server_round=3, partition=5) == 2
+    assert local_work(DeviceBehaviour(), 8, 0, 3, 5) == 8
+
+
+def test_the_deployed_client_app_ignores_device_keys(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Without the simulation's device mod, straggler keys change nothing: all local steps run."""
+    cfg, strat, state = _setup(micro_zoo, **{"straggler-fraction": 1.0, "local-steps": 2})
+    reply = client_module.app(_message(train_content(state, strat, cfg, 1), "train"), _context())
+    assert dict(reply.content.metric_records[keys.REC_METRICS])[keys.MET_LOCAL_STEPS] == 2

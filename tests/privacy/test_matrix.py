@@ -79,7 +79,7 @@ def outcomes(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
             except Exception as exc:  # recorded and asserted per case below
                 OUTCOMES[name] = exc
 
-    from clients.app import app as client_app
+    from simulations.apps import clientapp as client_app
 
     os.environ["FEDGE_CONCURRENCY"] = "2"
     run_simulation(

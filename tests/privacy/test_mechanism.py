@@ -10,9 +10,9 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant as LibraryRdp
 from scipy import stats
 
+from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution, sensitive_norm
 from server.privacy.accountant import RdpBudget
 from server.privacy.config import DPConfig
-from server.privacy.mechanism import add_gaussian_noise, clip_contribution, sensitive_norm
 
 
 def contribution(rng: np.random.Generator, scale: float) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ import pytest
 from flwr.app import ConfigRecord, RecordDict
 
 from clients.secagg.engine import SecAggClientEngine
-from server.secagg import wire
+from fedge.secagg import wire
 
 
 @dataclass

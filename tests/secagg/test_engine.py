@@ -9,8 +9,8 @@ import pytest
 from flwr.app import ConfigRecord, RecordDict
 
 from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
-from server.secagg import wire
-from server.secagg.config import SecAggConfig
+from fedge.secagg import wire
+from fedge.secagg.config import SecAggConfig
 from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine, ring_neighbours
 from server.secagg.protocol import run_secagg
 
@@ -216,7 +216,7 @@ def test_capacity_check_names_the_overflow() -> None:
 @pytest.mark.parametrize("threshold", [1, 3, 5])
 def test_shamir_shares_rebuild_only_from_threshold_many(threshold: int) -> None:
     # Prepare
-    from server.secagg.crypto import combine_secret, split_secret
+    from fedge.secagg.crypto import combine_secret, split_secret
 
     secret = bytes(range(32))
     shares = split_secret(secret, threshold, 5)

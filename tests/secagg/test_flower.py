@@ -18,13 +18,13 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
 from clients.mods import dispatch_mods
+from fedge import keys
+from fedge.secagg.config import SecAggConfig
 from server.aggregation import PlainAggregator
 from server.grid import ReplyHookGrid
 from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
 from server.privacy.config import DPConfig
 from server.secagg.aggregator import SecAggPlusAggregator
-from server.secagg.config import SecAggConfig
-from strategies import keys
 
 NUM_NODES = 5
 SIZE = 3000

@@ -8,7 +8,7 @@ import torch
 from flwr.app import RecordDict
 
 from clients.state import ContextStore, DiskStore, MemoryStore
-from strategies import keys
+from fedge import keys
 from strategies.base import (
     ClientResult,
     GlobalState,

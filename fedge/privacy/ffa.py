@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from server.privacy.mechanism import is_sensitive
-from server.privacy.wire import KEY_DP_ACTIVE
-from strategies.base import Arrays
+from fedge.privacy.mechanism import is_sensitive
+from fedge.privacy.wire import KEY_DP_ACTIVE
+from fedge.types import Arrays
 
 KEY_FFA = "dp-ffa-lora"  # auto (on under any DP) | on | off
 KEY_DPSGD_NOISE = "dp-sgd-noise-multiplier"  # > 0 turns DP-SGD on (clients.privacy.local)

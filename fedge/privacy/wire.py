@@ -1,4 +1,4 @@
-"""Config keys the DP aggregators add to the train message for the client-side DP mod."""
+"""Wire keys of differential privacy: what DP aggregators send clients, and what clients report."""
 
 from __future__ import annotations
 
@@ -10,3 +10,4 @@ KEY_DP_NOISE_STD: Final = (
 )
 DDP_CLIENT_MOD: Final = "clients.privacy.mods:distributed_dp_mod"
 KEY_DP_ACTIVE: Final = "dp-active"  # bool: a DP aggregator runs this round (turns FFA-LoRA on)
+MET_DPSGD_EPSILON: Final = "dp-sgd-epsilon"  # metric: the client's DP-SGD epsilon spent so far

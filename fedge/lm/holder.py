@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clients.trainer import TrainConfig
+from fedge import keys
 from fedge.data import FederatedCorpus, build_federated_corpus
-from strategies import keys
-from strategies.base import Arrays, ConfigValue
+from fedge.lm.config import TrainConfig
+from fedge.types import Arrays, ConfigValue
 
 STATS = {"model_loads": 0, "calls": 0, "corpus_loads": 0}
 _MODELS: dict[tuple[object, ...], LoraModel] = {}

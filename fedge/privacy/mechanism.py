@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from strategies import keys
-from strategies.base import Arrays
+from fedge import keys
+from fedge.types import Arrays
 
 
 def is_sensitive(name: str) -> bool:

@@ -1,0 +1,63 @@
+"""Held-out evaluation of a causal LM: evenly spaced windows, next-token loss, bf16 autocast."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from fedge.lm.config import TrainConfig
+
+MIN_WINDOW = 8  # shortest usable window: below this a client has too little text to learn from
+
+
+def autocast_context(
+    device: torch.device, precision: str
+) -> contextlib.AbstractContextManager[None]:
+    """bf16 autocast when asked for (CPU or CUDA), else a no-op context."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> Iterator[torch.Tensor]:
+    """Yield up to ``max_windows`` evenly spaced, non-overlapping (1, L + 1) windows, L <= seq_len."""
+    length = min(seq_len, len(tokens) - 1)
+    if length < 1:
+        raise ValueError(f"a held-out stream of {len(tokens)} tokens has nothing to score")
+    n_full = (len(tokens) - 1) // length
+    picks = np.unique(np.linspace(0, n_full - 1, num=min(n_full, max_windows)).astype(int))
+    for i in picks:
+        start = int(i) * length
+        window = np.asarray(tokens[start : start + length + 1], dtype=np.int64)
+        yield torch.from_numpy(window)[None]
+
+
+def lm_batch_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (B, T+1) batch: inputs [:, :-1], targets [:, 1:]."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(input_ids=inputs).logits  # (B, T, V)
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    )
+
+
+@torch.no_grad()
+def evaluate_tokens(
+    model: torch.nn.Module, tokens: np.ndarray, cfg: TrainConfig, device: torch.device
+) -> tuple[float, int]:
+    """Return (mean token loss, tokens scored) on evenly spaced held-out windows."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with autocast_context(device, cfg.precision):
+        for window in eval_windows(tokens, cfg.seq_len, cfg.eval_batches):
+            w = window.to(device)
+            loss = lm_batch_loss(model, w)
+            n = w.shape[1] - 1
+            total += float(loss) * n
+            count += n
+    model.train(was_training)
+    return total / count, count

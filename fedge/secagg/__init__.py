@@ -1,0 +1,1 @@
+"""The SecAgg+ protocol both sides speak: key agreement and Shamir shares, wire names, vector masking."""

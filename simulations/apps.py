@@ -1,0 +1,19 @@
+"""The ClientApp as simulations run it: fedge's ClientApp wrapped by the device-behaviour mod.
+
+The handlers are the deployed ones (``clients.app``); only the mods differ, so a real
+device runs ``clients.app:app`` and a simulation runs ``simulations.apps:clientapp``.
+It lives in an importable module so Ray actors keep its module-level model cache.
+"""
+
+from __future__ import annotations
+
+from flwr.clientapp import ClientApp
+
+from clients import app as deployed
+from clients.mods import dispatch_mods
+from simulations.devices import device_mod
+
+clientapp = ClientApp(mods=[device_mod, dispatch_mods])
+clientapp.query()(deployed.query)
+clientapp.train()(deployed.train)
+clientapp.evaluate()(deployed.evaluate)
