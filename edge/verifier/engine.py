@@ -10,12 +10,14 @@ per-session position ids. Each session then gets its own verdict
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +38,8 @@ from edge.verifier.requests import (
     sampling_draft,
 )
 from edge.verifier.sessions import Session, SessionStore
+
+LOG = logging.getLogger("fedge.verifier")
 
 __all__ = [
     "EngineConfig",
@@ -94,6 +98,8 @@ class EngineObserver(Protocol):
 
     def on_evict(self, reason: str) -> None: ...
 
+    def on_abandoned(self, kind: str) -> None: ...
+
 
 class _NullObserver:
     """Observer that records nothing."""
@@ -110,6 +116,9 @@ class _NullObserver:
     def on_evict(self, reason: str) -> None:
         return None
 
+    def on_abandoned(self, kind: str) -> None:
+        return None
+
 
 @dataclass
 class _PrefillJob:
@@ -123,6 +132,21 @@ class _VerifyJob:
     session: Session
     draft: Draft
     future: Future[VerifyResult]
+
+
+_Job = _PrefillJob | _VerifyJob
+
+
+def _resolve(future: Future[Any], result: object) -> None:
+    """Hand `result` to a future; a future nobody waits on any more (cancelled) is skipped."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(result)
+
+
+def _reject(future: Future[Any], error: BaseException) -> None:
+    """Hand `error` to a future; a future nobody waits on any more (cancelled) is skipped."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_exception(error)
 
 
 class VerifierEngine:
@@ -158,9 +182,11 @@ class VerifierEngine:
         )
         self._clock = clock
         self._threads = self.config.torch_threads or torch.get_num_threads()
-        self._queue: queue.Queue[_PrefillJob | _VerifyJob] = queue.Queue(self.config.max_queue)
+        self._queue: queue.Queue[_Job] = queue.Queue(self.config.max_queue)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.death: BaseException | None = None  # what ended the worker, when it died
+        self._on_death: list[Callable[[BaseException], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> VerifierEngine:
@@ -177,17 +203,32 @@ class VerifierEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._fail_queued(NotReady("verifier is shutting down; retry elsewhere"))
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` from the worker thread if the worker ever dies."""
+        self._on_death.append(callback)
+
+    @property
+    def running(self) -> bool:
+        """True while the worker thread is alive and accepting work."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for the worker."""
+        return self._queue.qsize()
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Fail every queued request with `error`, releasing their sessions."""
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
-                break
-            job.future.set_exception(NotReady("verifier is shutting down; retry elsewhere"))
-
-    @property
-    def running(self) -> bool:
-        """True while the worker thread is accepting work."""
-        return self._thread is not None and not self._stop.is_set()
+                return
+            if isinstance(job, _VerifyJob):
+                job.session.busy = False
+            _reject(job.future, error)
 
     # ------------------------------------------------------------------ requests
     def submit_open(self, prompt_ids: Sequence[int], sampling: Sampling) -> Future[SessionInfo]:
@@ -276,7 +317,7 @@ class VerifierEngine:
                 )
             session.busy = True
 
-    def _enqueue(self, job: _PrefillJob | _VerifyJob) -> None:
+    def _enqueue(self, job: _Job) -> None:
         """Put a job on the queue; NotReady if stopped, Overloaded if the queue is full."""
         if not self.running:
             raise NotReady("verifier engine is not running (loading or draining); retry shortly")
@@ -289,23 +330,62 @@ class VerifierEngine:
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
-        """Worker loop: take a job, gather a batch of verifies, run it, repeat."""
+        """Worker loop: take a job, gather a batch of verifies, run it, repeat; report death."""
         # OpenMP thread counts are per calling thread: a new thread does not inherit its creator's
         torch.set_num_threads(self._threads)
-        while not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                if self.sessions.expire():
-                    self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
-                continue
-            if isinstance(first, _PrefillJob):
-                self._guarded(first, self._prefill)
-                continue
-            batch, deferred = self._gather(first)
-            self._run_batch(batch)
-            for job in deferred:
-                self._guarded(job, self._prefill)
+        try:
+            while not self._stop.is_set():
+                in_hand: list[_Job] = []
+                try:
+                    self._step(in_hand)
+                except Exception as exc:  # a bug must cost its own requests, not the worker
+                    LOG.exception("verifier engine step failed; failing its requests")
+                    self._abort_jobs(in_hand, exc)
+        except BaseException as exc:  # anything that gets here ends the worker: say so
+            self._died(exc)
+
+    def _abort_jobs(self, jobs: list[_Job], error: BaseException) -> None:
+        """Fail jobs whose step broke, releasing their sessions."""
+        for job in jobs:
+            if isinstance(job, _VerifyJob):
+                job.session.busy = False
+            _reject(job.future, error)
+
+    def _died(self, error: BaseException) -> None:
+        """Record the worker's death, fail queued work, tell the server (health, exit)."""
+        LOG.critical("verifier engine worker died: %r", error)
+        self.death = error
+        self._fail_queued(NotReady(f"verifier engine worker died ({error!r}); use another replica"))
+        for callback in self._on_death:
+            with contextlib.suppress(Exception):
+                callback(error)
+
+    def _step(self, in_hand: list[_Job]) -> None:
+        """One turn of the worker: a prefill, or a batch of verifies plus deferred prefills."""
+        try:
+            first = self._queue.get(timeout=0.05)
+        except queue.Empty:
+            if self.sessions.expire():
+                self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+            return
+        in_hand.append(first)
+        if isinstance(first, _PrefillJob):
+            self._guarded(first, self._prefill)
+            return
+        batch, deferred = self._gather(first)
+        in_hand.extend([*batch[1:], *deferred])
+        self._run_batch([job for job in batch if self._take(job)])
+        for job in deferred:
+            self._guarded(job, self._prefill)
+
+    def _take(self, job: _Job) -> bool:
+        """Claim a job for running; False (and its session released) if its caller is gone."""
+        if job.future.set_running_or_notify_cancel():
+            return True
+        if isinstance(job, _VerifyJob):
+            job.session.busy = False
+        self.observer.on_abandoned("verify" if isinstance(job, _VerifyJob) else "open")
+        return False
 
     def _gather(self, first: _VerifyJob) -> tuple[list[_VerifyJob], list[_PrefillJob]]:
         """Collect verifies arriving within the batching window; prefills wait for the next turn."""
@@ -328,11 +408,13 @@ class VerifierEngine:
         return batch, deferred
 
     def _guarded(self, job: _PrefillJob, fn: Callable[[_PrefillJob], SessionInfo]) -> None:
-        """Run a prefill, routing any error to its future instead of the worker."""
+        """Run a prefill unless its caller is gone, routing any error to its future."""
+        if not self._take(job):
+            return
         try:
-            job.future.set_result(fn(job))
+            _resolve(job.future, fn(job))
         except Exception as exc:  # the future carries it to the caller
-            job.future.set_exception(exc)
+            _reject(job.future, exc)
 
     @torch.no_grad()
     def _prefill(self, job: _PrefillJob) -> SessionInfo:
@@ -366,6 +448,8 @@ class VerifierEngine:
 
     def _run_batch(self, batch: list[_VerifyJob]) -> None:
         """Verify a batch in one forward; every job's future gets a result or an error."""
+        if not batch:
+            return
         started = time.monotonic()
         try:
             keep = {job.session.session_id for job in batch}
@@ -380,7 +464,7 @@ class VerifierEngine:
         except Exception as exc:
             for job in batch:
                 job.session.busy = False
-                job.future.set_exception(exc)
+                _reject(job.future, exc)
             return
         choices = logits.argmax(dim=-1).tolist()  # [B, T]: all greedy sessions need
         for row, job in enumerate(batch):
@@ -388,10 +472,10 @@ class VerifierEngine:
                 result = self._commit(job, row, logits, choices[row], new_kv)
             except Exception as exc:
                 job.session.busy = False
-                job.future.set_exception(exc)
+                _reject(job.future, exc)
             else:
                 job.session.busy = False  # before the reply: the caller may verify again at once
-                job.future.set_result(result)
+                _resolve(job.future, result)
         self.observer.on_batch(len(batch), time.monotonic() - started)
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
 

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Watched(Protocol):
+    """What the metrics read from a live engine."""
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -59,6 +72,26 @@ class VerifierMetrics:
             registry=self.registry,
         )
 
+        self.abandoned = Counter(
+            "fedge_verifier_abandoned",
+            "Queued requests skipped because their caller was gone (cancelled, deadline), by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "fedge_verifier_queue_depth", "Requests waiting for the engine", registry=self.registry
+        )
+        self.worker_alive = Gauge(
+            "fedge_verifier_worker_alive",
+            "1 while the engine's worker thread runs, 0 before it starts or after it died",
+            registry=self.registry,
+        )
+
+    def watch(self, engine: Watched) -> None:
+        """Read queue depth and worker liveness from `engine` at every scrape."""
+        self.queue_depth.set_function(lambda: engine.queue_depth)
+        self.worker_alive.set_function(lambda: 1.0 if engine.running else 0.0)
+
     # EngineObserver hooks
     def on_batch(self, size: int, seconds: float) -> None:
         """Record one batched pass."""
@@ -78,3 +111,7 @@ class VerifierMetrics:
     def on_evict(self, reason: str) -> None:
         """Record one eviction."""
         self.evictions.labels(reason=reason).inc()
+
+    def on_abandoned(self, kind: str) -> None:
+        """Record one queued request dropped because its caller had gone."""
+        self.abandoned.labels(kind=kind).inc()

@@ -10,13 +10,15 @@ runs one on its own event loop thread, for tests, the demo and benchmarks.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,11 +30,13 @@ from edge.verifier.engine import EngineConfig, VerifierEngine
 from edge.verifier.metrics import VerifierMetrics
 from edge.verifier.service import VerifierService
 
+T = TypeVar("T")
 LOG = logging.getLogger("fedge.verifier")
 SERVICE_NAME = "fedge.edge.v1.Verifier"
 AUTH_HEADER = "authorization"
 BEARER = "Bearer "
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+EXIT_ENGINE_DIED = 3  # `serve` exits with this when the engine's worker dies, for a supervisor
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,11 @@ class VerifierServer:
         self.port = 0
         self.metrics_port: int | None = None
         self._metrics_http: object | None = None
+        self.engine_died: asyncio.Event | None = (
+            None  # set (on the server's loop) if the worker dies
+        )
+        self._health_task: asyncio.Future[None] | None = None
+        self._stopped = False
 
     def _bind(self) -> int:
         """Bind the configured address (TLS when configured); returns the port."""
@@ -171,9 +180,37 @@ class VerifierServer:
             model = await asyncio.to_thread(
                 load_verifier_model, self.config.model_dir, self.config.adapter_dir
             )
-        self.engine = VerifierEngine(model, self.config.engine, observer=self.metrics).start()
+        loop = asyncio.get_running_loop()
+        self.engine_died = asyncio.Event()
+        engine = VerifierEngine(model, self.config.engine, observer=self.metrics)
+        engine.on_death(lambda error: _call_soon(loop, self._engine_dead))
+        self.metrics.watch(engine)
+        self.engine = engine.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         LOG.info("verifier serving %s on %s:%d", self.config.model_dir, self.config.host, self.port)
+
+    def _engine_dead(self) -> None:
+        """On the loop: report NOT_SERVING for good and wake whoever waits in `serve`."""
+        if self.engine_died is not None:
+            self.engine_died.set()
+        self._health_task = asyncio.ensure_future(
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+
+    async def wait(self, stopping: asyncio.Event) -> int:
+        """Until `stopping` is set or the engine dies; drains, then returns the exit status."""
+        died = self.engine_died or asyncio.Event()
+        waits = [asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(died.wait())]
+        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if died.is_set():
+            LOG.critical("engine worker died; stopping with exit status %d", EXIT_ENGINE_DIED)
+            await self.stop(grace_s=0.0)
+            return EXIT_ENGINE_DIED
+        LOG.info("draining for up to %.1f s", self.config.grace_s)
+        await self.stop()
+        return 0
 
     async def start(self, model: PreTrainedModel | None = None) -> int:
         """`listen` then `load`; returns the port."""
@@ -183,6 +220,9 @@ class VerifierServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING for `drain_notice_s` (calls still served), then a grace period, then stop."""
+        if self._stopped:
+            return
+        self._stopped = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.sleep(self.config.drain_notice_s)
         await self.grpc.stop(self.config.grace_s if grace_s is None else grace_s)
@@ -191,6 +231,12 @@ class VerifierServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
             self._metrics_http = None
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """Schedule `callback` on `loop` from another thread (nothing if the loop is closed)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
 
 
 async def create_server(
@@ -203,9 +249,13 @@ async def create_server(
 
 
 def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
-    """Run a verifier until SIGINT or SIGTERM, then drain for `config.grace_s` and exit."""
+    """Run a verifier until SIGINT or SIGTERM, then drain for `config.grace_s` and exit.
 
-    async def main() -> None:
+    If the engine's worker dies, health turns NOT_SERVING and the process exits with
+    EXIT_ENGINE_DIED so that a supervisor restarts it.
+    """
+
+    async def main() -> int:
         server, port = await create_server(config)
         if on_ready is not None:
             on_ready(port)
@@ -213,11 +263,11 @@ def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
-        await stopping.wait()
-        LOG.info("draining for up to %.1f s", config.grace_s)
-        await server.stop()
+        return await server.wait(stopping)
 
-    asyncio.run(main())
+    status = asyncio.run(main())
+    if status:
+        raise SystemExit(status)
 
 
 class BackgroundServer:
@@ -241,6 +291,10 @@ class BackgroundServer:
         )
         self.server, self.port = future.result()
         return self.port
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run `coroutine` on the server's loop (e.g. `server.wait(...)`); returns its future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def stop(self, grace_s: float = 0.5) -> None:
         """Drain and stop the server, then the loop thread."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import NoReturn
 
 import grpc
 
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.engine import Sampling, VerifierEngine
+from edge.verifier.engine import Sampling, SessionInfo, VerifierEngine
 from edge.verifier.errors import (
     InvalidRequest,
     NotReady,
@@ -82,7 +83,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         try:
             engine = self._engine()
             future = engine.submit_open(list(request.prompt_ids), sampling_from(request.sampling))
-            info = await asyncio.wrap_future(future)
+            info = await _opened(engine, future)
         except VerifierError as error:
             await self._abort(context, "OpenSession", error)
         self._ok("OpenSession", started)
@@ -143,8 +144,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                     "max_new_tokens",
                     f"{request.max_new_tokens} is outside 1 .. {room} for a {len(prompt)}-token prompt",
                 )
-            info = await asyncio.wrap_future(
-                engine.submit_open(prompt, sampling_from(request.sampling))
+            info = await _opened(
+                engine, engine.submit_open(prompt, sampling_from(request.sampling))
             )
             session_id = info.session_id
             for _ in range(request.max_new_tokens):
@@ -158,6 +159,21 @@ class VerifierService(pb_grpc.VerifierServicer):
             if session_id:
                 _close_quietly(self._engine_ref(), session_id)
         self._ok("Generate", started)
+
+
+async def _opened(engine: VerifierEngine, future: Future[SessionInfo]) -> SessionInfo:
+    """Await a session open; if the caller goes first, close the session once it exists."""
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(lambda done: _close_orphan(engine, done))
+        raise
+
+
+def _close_orphan(engine: VerifierEngine, future: Future[SessionInfo]) -> None:
+    """Close the session an abandoned open created (nothing if the open never ran)."""
+    if not future.cancelled() and future.exception() is None:
+        _close_quietly(engine, future.result().session_id)
 
 
 def _close_quietly(engine: VerifierEngine | None, session_id: str) -> None:

@@ -168,11 +168,16 @@ def test_second_verify_in_flight_is_refused(micro_target: PreTrainedModel) -> No
 def test_full_queue_is_backpressure(micro_target: PreTrainedModel) -> None:
     # Prepare: a stand-in worker that never consumes, so the bounded queue fills deterministically
     engine = VerifierEngine(micro_target, EngineConfig(max_queue=2))
-    engine._thread = threading.Thread(target=lambda: None)
-    engine.submit_open([1], Sampling())
-    engine.submit_open([2], Sampling())
-    with pytest.raises(Overloaded, match=r"queue is full"):
-        engine.submit_open([3], Sampling())
+    release = threading.Event()
+    engine._thread = threading.Thread(target=release.wait, daemon=True)
+    engine._thread.start()
+    try:
+        engine.submit_open([1], Sampling())
+        engine.submit_open([2], Sampling())
+        with pytest.raises(Overloaded, match=r"queue is full"):
+            engine.submit_open([3], Sampling())
+    finally:
+        release.set()
 
 
 def test_sessions_expire_after_the_ttl(micro_target: PreTrainedModel) -> None:
