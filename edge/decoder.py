@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from edge.draftlen import SpeculationEstimator
 from edge.runtime import DraftRuntime
 from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 
@@ -45,8 +46,8 @@ class DecodeConfig:
     seed: int = 0  # edge sampling RNG; the verifier's is seeded per session
     draft_len: int = 4  # initial draft length
     min_draft: int = 1
-    max_draft: int = 12
-    adaptive: bool = True  # +2 after a fully accepted draft, -1 otherwise (HF assisted generation)
+    max_draft: int = 16  # the verifier's own max_draft caps it too
+    adaptive: bool = True  # draft length from the tokens/s objective (edge.draftlen), else fixed
     draft_top_k: int = 32  # draft samples from its top-k when sampling: bounds bytes up per token
     stop_token_id: int | None = None
 
@@ -93,12 +94,6 @@ class DecodeStats:
         return self.rounds / self.tokens if self.tokens else 0.0
 
 
-def adapt_draft_len(current: int, accepted: int, drafted: int, lo: int, hi: int) -> int:
-    """Next draft length: +2 after a fully accepted draft, -1 after a rejection, within [lo, hi]."""
-    step = 2 if accepted == drafted else -1
-    return max(lo, min(hi, current + step))
-
-
 class DraftSampler:
     """Turns draft logits into a token plus what the verifier needs to judge it."""
 
@@ -123,11 +118,25 @@ class DraftSampler:
 class SpeculativeDecoder:
     """Draft on the device, verify in the cloud, stream accepted tokens as they land."""
 
-    def __init__(self, runtime: DraftRuntime, link: VerifierLink, config: DecodeConfig) -> None:
+    def __init__(
+        self,
+        runtime: DraftRuntime,
+        link: VerifierLink,
+        config: DecodeConfig,
+        estimator: SpeculationEstimator | None = None,
+    ) -> None:
         self.runtime = runtime
         self.link = link
         self.config = config
+        self.estimator = estimator or SpeculationEstimator()  # shared across requests by callers
         self.stats = DecodeStats()
+
+    def _next_draft_len(self) -> int:
+        """The objective's draft length once a verify was measured, else the configured start."""
+        cfg = self.config
+        if not cfg.adaptive or not self.estimator.verifies:
+            return cfg.draft_len
+        return self.estimator.best_draft_len(cfg.min_draft, cfg.max_draft)
 
     def stream(self, prompt_ids: Sequence[int]) -> Iterator[list[int]]:
         """Yield each verify's tokens (accepted drafts plus the target's next token)."""
@@ -139,17 +148,18 @@ class SpeculativeDecoder:
         try:
             self.runtime.reset()
             committed = list(prompt_ids)
-            draft_len = cfg.draft_len
             limit = min(info.max_context, self.runtime.max_context)
             while stats.tokens < cfg.max_new_tokens and len(committed) < limit:
                 room = min(cfg.max_new_tokens - stats.tokens, limit - len(committed)) - 1
-                k = max(0, min(draft_len, room, info.max_draft))
+                k = max(0, min(self._next_draft_len(), room, info.max_draft))
                 tick = time.perf_counter()
                 drafts, probs, dists = self._draft(committed, k, sampler)
                 tock = time.perf_counter()
                 result = self.link.verify(info.session_id, drafts, probs, dists)
+                called = time.perf_counter() - tock
                 stats.draft_seconds += tock - tick
-                stats.verify_seconds += time.perf_counter() - tock
+                stats.verify_seconds += called
+                self.estimator.observe(k, result.accepted, tock - tick, called)
                 # the draft cache holds committed + drafts[:k-1]; keep what the target accepted
                 self.runtime.truncate(min(self.runtime.length, len(committed) + result.accepted))
                 new = [*drafts[: result.accepted], result.next_token]
@@ -163,10 +173,6 @@ class SpeculativeDecoder:
                 yield new
                 if cfg.stop_token_id is not None and new[-1] == cfg.stop_token_id:
                     break
-                if cfg.adaptive and k:
-                    draft_len = adapt_draft_len(
-                        draft_len, result.accepted, k, cfg.min_draft, cfg.max_draft
-                    )
         finally:
             stats.seconds = time.perf_counter() - started
             self.link.close(info.session_id)

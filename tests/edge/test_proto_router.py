@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from edge.decoder import adapt_draft_len
 from edge.proto import codegen
 from edge.router import LinkEstimates, Route, Router, RouterConfig, predict
 
@@ -15,16 +14,6 @@ def test_regenerating_the_stubs_gives_the_committed_files(tmp_path: Path) -> Non
     for generated in codegen.generate(tmp_path):
         committed = codegen.PROTO_DIR / generated.name
         assert generated.read_text() == committed.read_text(), f"{generated.name}: run `make proto`"
-
-
-@pytest.mark.parametrize(
-    ("current", "accepted", "drafted", "expected"),
-    [(4, 4, 4, 6), (4, 2, 4, 3), (1, 0, 1, 1), (11, 11, 11, 12)],
-)
-def test_draft_length_grows_by_two_and_shrinks_by_one(
-    current: int, accepted: int, drafted: int, expected: int
-) -> None:
-    assert adapt_draft_len(current, accepted, drafted, lo=1, hi=12) == expected
 
 
 def measured(rtt: float, acceptance: float = 0.8) -> Router:

@@ -1,0 +1,155 @@
+"""Draft length from an objective: the length that maximises expected accepted tokens per second.
+
+One draft-and-verify round of draft length g costs
+
+    T(g) = g * t_draft + c0 + c1 * g          (drafting, then one verify call)
+
+where c0 is the verify call's fixed cost (network round trip plus one target pass) and c1 what
+each extra drafted token adds to it (bytes and the verifier's extra compute). It yields
+
+    E(a, g) = (1 - a^(g+1)) / (1 - a)          (Leviathan et al. 2023, i.i.d. acceptance a)
+
+tokens, so the rate is R(g) = E(a, g) / T(g). When c0 dominates (a 100 ms round trip against a
+1 ms draft step) R keeps rising until a^g is small, so drafts grow long; on a fast link with a
+slow draft, short drafts win. `SpeculationEstimator` learns t_draft, c0, c1 and a online, one
+verify at a time, with exponential forgetting, and answers `best_draft_len(lo, hi)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge.speculative import expected_tokens_per_pass
+
+
+def round_seconds(g: int, draft_step_s: float, call_s: float, call_per_token_s: float) -> float:
+    """Wall time of one round: g draft steps, then a verify call costing c0 + c1 * g."""
+    return g * draft_step_s + call_s + call_per_token_s * g
+
+
+def tokens_per_second(
+    g: int, acceptance: float, draft_step_s: float, call_s: float, call_per_token_s: float = 0.0
+) -> float:
+    """Expected committed tokens per second at draft length g: E(a, g) / T(g)."""
+    seconds = round_seconds(g, draft_step_s, call_s, call_per_token_s)
+    if seconds <= 0:
+        raise ValueError(f"a round must take time; got T({g}) = {seconds} s")
+    return expected_tokens_per_pass(acceptance, g) / seconds
+
+
+def best_draft_len(
+    acceptance: float,
+    draft_step_s: float,
+    call_s: float,
+    call_per_token_s: float = 0.0,
+    lo: int = 1,
+    hi: int = 16,
+) -> int:
+    """The g in [lo, hi] with the highest expected tokens per second (the shortest on ties)."""
+    if not 0 <= lo <= hi:
+        raise ValueError(f"best_draft_len needs 0 <= lo <= hi, got lo={lo}, hi={hi}")
+    rates = {
+        g: tokens_per_second(g, acceptance, draft_step_s, call_s, call_per_token_s)
+        for g in range(lo, hi + 1)
+    }
+    return max(rates, key=lambda g: (rates[g], -g))
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """Priors and forgetting of the online estimates."""
+
+    decay: float = 0.9  # weight kept by past verifies at each new one (about 10 verifies of memory)
+    prior_acceptance: float = 0.6  # before any verify: a typical distilled draft
+    prior_trials: float = 4.0  # weight of that prior, in drafted-token trials
+    prior_draft_step_s: float = 0.002
+    prior_call_s: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"EstimatorConfig.decay must lie in (0, 1], got {self.decay}")
+        if not 0.0 <= self.prior_acceptance < 1.0:
+            raise ValueError(
+                f"EstimatorConfig.prior_acceptance must lie in [0, 1), got {self.prior_acceptance}"
+            )
+        for name in ("prior_trials", "prior_draft_step_s", "prior_call_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EstimatorConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+class SpeculationEstimator:
+    """Online estimates of acceptance, draft step time and verify call cost, updated per verify.
+
+    Acceptance is the maximum-likelihood rate of a truncated geometric: each round adds its
+    accepted tokens as successes and one failure if the target rejected a drafted token
+    (accepted/drafted would count the tokens after a rejection, never tried, as failures).
+    The call cost is a decayed least-squares line c0 + c1 * g over the draft lengths seen.
+    """
+
+    def __init__(self, config: EstimatorConfig | None = None) -> None:
+        self.config = config or EstimatorConfig()
+        c = self.config
+        self._successes = c.prior_acceptance * c.prior_trials
+        self._failures = (1 - c.prior_acceptance) * c.prior_trials
+        self._steps = 0.0  # decayed drafted tokens and their seconds
+        self._step_seconds = 0.0
+        self._n = self._sg = self._sc = self._sgg = self._sgc = 0.0  # sums for the call-cost line
+        self.verifies = 0
+
+    # ---- updates ------------------------------------------------------------------------------
+    def observe(
+        self, drafted: int, accepted: int, draft_seconds: float, call_seconds: float
+    ) -> None:
+        """One verify: k drafted, `accepted` kept, time spent drafting and waiting on the call."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"need 0 <= accepted <= drafted, got {accepted} of {drafted}")
+        if draft_seconds < 0 or call_seconds < 0:
+            raise ValueError(f"times must be >= 0, got {draft_seconds}, {call_seconds}")
+        d = self.config.decay
+        self._successes = d * self._successes + accepted
+        self._failures = d * self._failures + (1.0 if accepted < drafted else 0.0)
+        if drafted:
+            self._steps = d * self._steps + drafted
+            self._step_seconds = d * self._step_seconds + draft_seconds
+        g = float(drafted)
+        self._n = d * self._n + 1
+        self._sg = d * self._sg + g
+        self._sc = d * self._sc + call_seconds
+        self._sgg = d * self._sgg + g * g
+        self._sgc = d * self._sgc + g * call_seconds
+        self.verifies += 1
+
+    # ---- estimates ----------------------------------------------------------------------------
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance a (kept below 1 so E stays finite)."""
+        return min(0.99, self._successes / (self._successes + self._failures))
+
+    @property
+    def draft_step_s(self) -> float:
+        """Seconds per drafted token."""
+        if self._steps <= 0:
+            return self.config.prior_draft_step_s
+        return self._step_seconds / self._steps
+
+    @property
+    def call_line(self) -> tuple[float, float]:
+        """(c0, c1): the verify call's fixed seconds and seconds per drafted token (c1 >= 0)."""
+        if self._n <= 0:
+            return self.config.prior_call_s, 0.0
+        mean_g, mean_c = self._sg / self._n, self._sc / self._n
+        var = self._sgg / self._n - mean_g * mean_g
+        slope = 0.0
+        if var > 0.25:  # draft lengths varied enough to tell the slope from noise
+            slope = max(0.0, (self._sgc / self._n - mean_g * mean_c) / var)
+        return max(0.0, mean_c - slope * mean_g), slope
+
+    def rate(self, g: int) -> float:
+        """Expected tokens per second at draft length g under the current estimates."""
+        c0, c1 = self.call_line
+        return tokens_per_second(g, self.acceptance, self.draft_step_s, max(c0, 1e-6), c1)
+
+    def best_draft_len(self, lo: int, hi: int) -> int:
+        """The draft length in [lo, hi] that maximises expected tokens per second now."""
+        c0, c1 = self.call_line
+        return best_draft_len(self.acceptance, self.draft_step_s, max(c0, 1e-6), c1, lo, hi)
