@@ -10,6 +10,7 @@ Flower's ``run_simulation`` gives the ServerApp an empty run config.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flwr.app import Context
@@ -34,13 +35,19 @@ def make_server_app(
     resume: bool = False,
     on_row: RowCallback | None = None,
     box: OutcomeBox | None = None,
+    wrap_grid: Callable[[Grid], Grid] | None = None,
 ) -> ServerApp:
-    """Return a ServerApp running the federation with ``cfg`` (None: read the run config)."""
+    """Return a ServerApp running the federation with ``cfg`` (None: read the run config).
+
+    ``wrap_grid`` puts a Grid wrapper between the loop and Flower's Grid (simulated devices).
+    """
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         config = cfg if cfg is not None else RunConfig.from_mapping(dict(context.run_config))
+        if wrap_grid is not None:
+            grid = wrap_grid(grid)
         outcome = run_federation(grid, config, resume=resume, on_row=on_row)
         if box is not None:
             box.outcome = outcome

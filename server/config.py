@@ -38,6 +38,8 @@ class RunConfig:
     min_train_nodes: int = 2
     min_available_nodes: int = 2
     round_timeout: float = 900.0  # seconds to wait for train replies
+    target_reports: int = 0  # K, reports a round wants; 0: max(min-train-nodes, fraction x N)
+    over_selection: float = 0.0  # sample K (1 + x) nodes for K reports (Bonawitz et al.: 0.3)
     seed: int = 0
     model: str = "zoo:micro"  # a model dir, a hub id, or "zoo:<preset>"
     partition_scheme: str = "natural"
@@ -77,6 +79,11 @@ class RunConfig:
             )
         if self.server_lr <= 0 or self.proximal_mu < 0 or self.round_timeout <= 0:
             raise ValueError("server-lr and round-timeout must be > 0 and proximal-mu >= 0")
+        if self.over_selection < 0 or self.target_reports < 0:
+            raise ValueError(
+                f"over-selection and target-reports must be >= 0, got {self.over_selection} "
+                f"and {self.target_reports}"
+            )
         if self.max_epsilon < 0:
             raise ValueError(f"max-epsilon must be >= 0, got {self.max_epsilon}")
 

@@ -131,13 +131,18 @@ def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 
 
 def train_content(
-    state: GlobalState, strategy: Strategy, cfg: RunConfig, server_round: int
+    state: GlobalState, strategy: Strategy, cfg: RunConfig, server_round: int, target: int = 0
 ) -> RecordDict:
-    """The train message: global adapter, strategy record, and the full client config."""
+    """The train message: global adapter, strategy record, and the full client config.
+
+    ``target`` (K, the reports the round wants) rides along for Grid wrappers that close a
+    round at the first K reports (the simulated devices' grid); clients ignore it.
+    """
     config: dict[str, ConfigValue] = {
         **client_config(cfg),
         **strategy.client_config(server_round),
         keys.CFG_SERVER_ROUND: server_round,
+        keys.CFG_TARGET_REPORTS: target,
     }
     return RecordDict(
         {
@@ -184,11 +189,30 @@ def query_partitions(grid: Grid, nodes: Sequence[int], cfg: RunConfig) -> dict[i
     return out
 
 
-def sample_nodes(rng: np.random.Generator, ordered: Sequence[int], cfg: RunConfig) -> list[int]:
-    """Sample max(min-train-nodes, ceil(fraction-train * N)) nodes, in partition order."""
-    n = min(len(ordered), max(cfg.min_train_nodes, math.ceil(cfg.fraction_train * len(ordered))))
-    picks = sorted(int(i) for i in rng.choice(len(ordered), size=n, replace=False))
-    return [ordered[i] for i in picks]
+def sample_nodes(
+    rng: np.random.Generator, candidates: Sequence[int], population: int, cfg: RunConfig
+) -> tuple[int, list[int]]:
+    """Return (K, sampled): K reports wanted (``target-reports``, else max(min-train-nodes,
+    ceil(fraction-train * population))) and ceil(K * (1 + over-selection)) of the connected
+    ``candidates``, in their order."""
+    wanted = cfg.target_reports or max(
+        cfg.min_train_nodes, math.ceil(cfg.fraction_train * population)
+    )
+    target = min(len(candidates), wanted)
+    n = min(len(candidates), math.ceil(target * (1.0 + cfg.over_selection)))
+    picks = sorted(int(i) for i in rng.choice(len(candidates), size=n, replace=False))
+    return target, [candidates[i] for i in picks]
+
+
+def connected_nodes(grid: Grid, partitions: dict[int, int], cfg: RunConfig) -> list[int]:
+    """The nodes connected now, in partition order; nodes seen for the first time are queried."""
+    nodes = sorted(grid.get_node_ids())
+    new = [n for n in nodes if n not in partitions]
+    if new and cfg.fraction_train < 1.0:
+        partitions.update(query_partitions(grid, new, cfg))
+    elif new:
+        partitions.update({n: len(partitions) + i for i, n in enumerate(new)})
+    return sorted((n for n in nodes if n in partitions), key=lambda n: (partitions[n], n))
 
 
 def client_evaluate(
@@ -259,8 +283,7 @@ def _run(
         if cfg.fraction_train < 1.0
         else {n: i for i, n in enumerate(nodes)}
     )
-    ordered = sorted(partitions, key=lambda n: (partitions[n], n))
-    population = len(ordered)
+    population = len(partitions)
 
     # Start fresh or resume from the newest checkpoint.
     last = latest_round(run_dir) if resume else None
@@ -289,11 +312,13 @@ def _run(
             status = "budget"
             message = f"stopped before round {server_round}: it would exceed max-epsilon={cfg.max_epsilon} (spent {budget.epsilon():.3f})"
             break
-        # 2. Sample nodes
+        # 2. Sample K (1 + over-selection) of the nodes connected now
         t0 = time.perf_counter()
-        sampled = sample_nodes(rng, ordered, cfg)
+        candidates = connected_nodes(grid, partitions, cfg)
+        population = len(partitions)  # every node seen so far (devices join as they connect)
+        target, sampled = sample_nodes(rng, candidates, population, cfg)
         # 3. Train and aggregate
-        content = train_content(state, strategy, cfg, server_round)
+        content = train_content(state, strategy, cfg, server_round, target)
         t_train = time.perf_counter()
         result = aggregator.aggregate(
             grid,
