@@ -22,11 +22,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.mods import dispatch_mods
-from clients.privacy.local import apply_ffa, dpsgd_config, ffa_enabled, train_dpsgd_round
+from clients.privacy.ledger import node_ledger
+from clients.privacy.local import (
+    ERROR_BUDGET,
+    BudgetExhausted,
+    apply_ffa,
+    dpsgd_config,
+    ffa_enabled,
+    train_dpsgd_round,
+)
 from clients.state import ContextStore, DiskStore
 from clients.trainer import build_optimizer, random_windows, run_local_steps
 from fedge import keys
@@ -119,7 +127,8 @@ def train(msg: Message, context: Context) -> Message:
     holder.set_adapter(lm, global_adapter)
     tokens = holder.get_corpus(config).client(pid).train
 
-    # Strategy hook, then the local loop: everything random is seeded by (seed, round, partition).
+    # Strategy hook, then the local loop: everything random is seeded by (seed, round, partition),
+    # except DP-SGD's batches and noise, which must be secret and come from the OS.
     strategy = build_strategy(config)
     anchor = {k: p.detach().clone() for k, p in lm.params.items()}
     hook = strategy.client_hook(
@@ -136,19 +145,22 @@ def train(msg: Message, context: Context) -> Message:
     dp = dpsgd_config(config)
     t_train = time.perf_counter()
     privacy_metrics: dict[str, float] = {}
-    if dp is not None:  # sample-level DP-SGD with Opacus (clients.privacy.local)
-        losses, privacy_metrics = train_dpsgd_round(
-            lm.model,
-            np.asarray(tokens),
-            dp=dp,
-            steps=steps,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            lr=cfg.lr,
-            hook=hook,
-            state=context.state,
-            seed=derive_seed(seed, "dp-sgd", server_round, pid),
-        )
+    if dp is not None:  # sample-level DP-SGD with Opacus, noise from the OS (clients.privacy)
+        try:
+            losses, privacy_metrics = train_dpsgd_round(
+                lm.model,
+                np.asarray(tokens),
+                dp=dp,
+                steps=steps,
+                batch_size=cfg.batch_size,
+                seq_len=cfg.seq_len,
+                lr=cfg.lr,
+                hook=hook,
+                ledger=node_ledger(context),
+                max_epsilon=float(config.get(keys.CFG_MAX_EPSILON, 0.0)),
+            )
+        except BudgetExhausted as exc:  # this client stops contributing, the server hears why
+            return Message(Error(code=ERROR_BUDGET, reason=str(exc)), reply_to=msg)
     else:
         model, optimizer = build_optimizer(lm.model, list(lm.params.values()), cfg)
         model.train()

@@ -144,6 +144,7 @@ class RunConfig:
             keys.CFG_SEED,
             keys.CFG_CLIENT_MODS,
             keys.CFG_CLIENT_STATE_DIR,
+            keys.CFG_MAX_EPSILON,  # clients' DP-SGD accountants stop before passing it
         ):
             out[key] = self.to_mapping()[key]
         out.update(self.extra)

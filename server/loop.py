@@ -32,10 +32,12 @@ from fedge import keys
 from fedge.lm import holder
 from fedge.lm.evaluate import evaluate_tokens
 from fedge.plugins import load_dotted
-from server.aggregation import AggregateResult, build_aggregator, reply_metrics
-from server.budget import NoBudget, PrivacyBudget
+from fedge.privacy.wire import REFUSAL_BUDGET
+from server.aggregation import AggregateResult, Aggregator, build_aggregator, reply_metrics
+from server.budget import PrivacyBudget
 from server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
 from server.config import RunConfig
+from server.privacy.factories import default_budget
 from server.privacy.plots import dpsgd_epsilon, plot_privacy
 from server.rundir import MetricsLog, plot_perplexity, write_config
 from strategies.base import Arrays, ConfigValue, GlobalState, Strategy, replace_state
@@ -63,10 +65,10 @@ def default_run_dir() -> Path:
     return Path("runs") / datetime.now(UTC).strftime("flwr-%Y%m%d-%H%M%S")
 
 
-def build_budget(cfg: RunConfig) -> PrivacyBudget:
-    """The accountant named by ``privacy-budget`` (a dotted factory taking the config), or none."""
+def build_budget(cfg: RunConfig, aggregator: Aggregator) -> PrivacyBudget:
+    """The accountant named by ``privacy-budget`` (a dotted factory), else the aggregator's own."""
     if not cfg.privacy_budget:
-        return NoBudget()
+        return default_budget(cfg, aggregator)
     return load_dotted(cfg.privacy_budget, what="config key 'privacy-budget'")(cfg)  # type: ignore[return-value]
 
 
@@ -268,7 +270,7 @@ def _run(
 ) -> LoopOutcome:
     strategy = build_strategy(cfg.to_mapping())
     aggregator = build_aggregator(cfg.aggregator, cfg)
-    budget = build_budget(cfg)
+    budget = build_budget(cfg, aggregator)
     server_model = ServerModel(cfg)
     write_config(run_dir, cfg.to_mapping())
     metrics = MetricsLog(run_dir)
@@ -300,7 +302,7 @@ def _run(
         state = GlobalState(adapter, strategy.init_extras(adapter), 0)
         metrics.truncate_after(-1)
         loss = server_model.evaluate(state.adapter)
-        row = _row(0, "ok", strategy, loss=loss, sampled=0, epsilon=budget.epsilon())
+        row = _row(0, "ok", strategy, loss=loss, sampled=0, epsilon=budget.epsilon(), budget=budget)
         metrics.append(row)
         on_row(row)
         _checkpoint(run_dir, state, rng, budget, strategy)
@@ -330,6 +332,13 @@ def _run(
         )
         train_phase = time.perf_counter() - t_train
         if result.summed is None or len(result.accepted) < cfg.min_train_nodes:
+            if _budget_spent(result.rejected):
+                status = "budget"
+                message = (
+                    f"stopped at round {server_round}: the sampled clients refused to train, their "
+                    f"own privacy budgets spent ({_describe(result.rejected)})"
+                )
+                break
             message = (
                 f"round {server_round} failed: {len(result.accepted)} of {len(sampled)} sampled clients "
                 f"returned valid updates, min-train-nodes is {cfg.min_train_nodes}; rejected: "
@@ -374,6 +383,7 @@ def _run(
             result=result,
             seconds=time.perf_counter() - t0,
             epsilon=budget.epsilon(),
+            budget=budget,
             train_phase=train_phase,
         )
         metrics.append(row)
@@ -399,6 +409,11 @@ def _checkpoint(
     )
 
 
+def _budget_spent(rejected: Mapping[int, str]) -> bool:
+    """Whether every refusal of a failed round is a client's exhausted privacy budget."""
+    return bool(rejected) and all(REFUSAL_BUDGET in why for why in rejected.values())
+
+
 def _describe(rejected: Mapping[int, str]) -> str:
     if not rejected:
         return "none"
@@ -415,6 +430,7 @@ def _row(
     result: AggregateResult | None = None,
     seconds: float = 0.0,
     epsilon: float = 0.0,
+    budget: PrivacyBudget | None = None,
     train_phase: float = 0.0,
 ) -> dict[str, Any]:
     """One metrics row (NaN becomes null in JSON)."""
@@ -443,6 +459,7 @@ def _row(
         "train_seconds_max": round(max(train_secs), 4) if train_secs else 0.0,
         "train_seconds_sum": round(sum(train_secs), 4),
         "epsilon": epsilon,
+        "epsilon_accountant": getattr(budget, "method", None),  # rdp | pld | None (no DP)
         "dp_sgd_epsilon": _num(dpsgd_epsilon(per_client)),
         "model_loads_max": max((m.get(keys.MET_MODEL_LOADS, 0.0) for m in per_client), default=0.0),
         "worker_calls_max": max((m.get(keys.MET_CALLS, 0.0) for m in per_client), default=0.0),

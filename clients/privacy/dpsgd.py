@@ -3,29 +3,33 @@
 One record is one disjoint window of ``seq_len + 1`` tokens of the client's training
 stream; Opacus' DPDataLoader draws every batch by Poisson sampling with rate
 ``batch_size / records``, which is what its RDP accountant assumes, so the amplification
-it claims is real. The accountant's history lives in a ConfigRecord the caller keeps in
-the client's ``Context.state``, so epsilon accumulates over every round the client
-trains in (the PrivacyEngine object itself is rebuilt around it each round because the
-model object the engine hooks is rebuilt per round).
+it claims is real, and both the batches and the noise are drawn from a generator seeded
+from the OS CSPRNG every round, never from the run's seed (the server knows that seed,
+and with it could replay the noise and the batch membership). The accountant's history
+is a mapping the caller persists (``clients.privacy.ledger``, on the node's disk), so
+epsilon accumulates over every round the client trains in, across restarts (the
+PrivacyEngine object itself is rebuilt around it each round because the model object the
+engine hooks is rebuilt per round).
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import warnings
+from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord
 from opacus import PrivacyEngine
 from opacus.accountants import RDPAccountant
 
 from strategies.base import ClientHook
 
-# ConfigRecord in Context.state holding the accountant history of this client.
-STATE_RECORD = "fedge.dpsgd.accountant"
-_NOISE, _RATE, _STEPS = "noise-multipliers", "sample-rates", "steps"
+_NOISE, _RATE, _STEPS = "noise-multipliers", "sample-rates", "steps"  # accountant history
+State = MutableMapping[str, Any]  # the persisted accountant history (three parallel lists)
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,22 @@ def token_records(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(rows)
 
 
-def load_accountant(state: ConfigRecord) -> RDPAccountant:
+def secure_generator() -> torch.Generator:
+    """A torch generator seeded with 64 fresh bits from the OS CSPRNG (noise and sampling).
+
+    Opacus' own secure mode needs ``torchcsprng``, which has no build for this torch; a
+    seed drawn from the OS every round and recorded nowhere is the substitute: nothing in
+    the run's config or files replays the stream.
+    """
+    return torch.Generator().manual_seed(secrets.randbits(64))
+
+
+def load_accountant(state: State) -> RDPAccountant:
     """Rebuild the client's RDP accountant from its persisted history."""
     accountant = RDPAccountant()
     columns = [state.get(key, []) for key in (_NOISE, _RATE, _STEPS)]
     if not all(isinstance(c, list) for c in columns):
-        raise ValueError(f"context state record {STATE_RECORD!r} is corrupt; delete it to reset")
+        raise ValueError("the DP-SGD accountant history is corrupt; this client refuses to train")
     noises, rates, steps = (np.asarray(c, dtype=np.float64) for c in columns)
     accountant.history = [
         (float(z), float(q), int(s)) for z, q, s in zip(noises, rates, steps, strict=True)
@@ -92,7 +106,7 @@ def load_accountant(state: ConfigRecord) -> RDPAccountant:
     return accountant
 
 
-def save_accountant(accountant: RDPAccountant, state: ConfigRecord) -> None:
+def save_accountant(accountant: RDPAccountant, state: State) -> None:
     """Write the accountant history into ``state`` (three parallel lists)."""
     state[_NOISE] = [float(z) for z, _, _ in accountant.history]
     state[_RATE] = [float(q) for _, q, _ in accountant.history]
@@ -116,9 +130,8 @@ def train_dpsgd(
     seq_len: int,
     lr: float,
     dp: DPSGDConfig,
-    state: ConfigRecord,
+    state: State,
     hook: ClientHook | None = None,
-    seed: int | None = None,
 ) -> DPSGDOutcome:
     """Run ``steps`` DP-SGD steps on the trainable (LoRA) parameters of ``model``.
 
@@ -134,14 +147,16 @@ def train_dpsgd(
         raise ValueError("the model has no trainable parameters; apply LoRA before DP-SGD")
     records = token_records(tokens, seq_len)
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(records),
-        batch_size=min(batch_size, len(records)),
-        generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+        torch.utils.data.TensorDataset(records), batch_size=min(batch_size, len(records))
     )
     optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus warns that secure_mode (a CSPRNG) is off
+        warnings.simplefilter("ignore")  # Opacus warns that secure_mode is off at construction
         engine = PrivacyEngine(accountant="rdp")
+        # Opacus' secure path (Poisson batches and noise from one generator, the noise summed
+        # from four draws against floating-point attacks) with an OS-seeded generator.
+        engine.secure_mode = True
+        engine.secure_rng = secure_generator()
         engine.accountant = load_accountant(state)
         private, dp_optimizer, dp_loader = engine.make_private(
             module=model,
@@ -197,10 +212,20 @@ def _run_steps(
         private._close()  # type: ignore[operator]  # remove Opacus' hooks; the model is reused
 
 
-def cumulative_epsilon(state: ConfigRecord, delta: float) -> float:
+def cumulative_epsilon(state: State, delta: float) -> float:
     """Epsilon this client has spent over every round so far (0.0 before its first step)."""
     accountant = load_accountant(state)
     return float(accountant.get_epsilon(delta)) if accountant.history else 0.0
+
+
+def projected_epsilon(
+    state: State, dp: DPSGDConfig, *, records: int, batch_size: int, steps: int
+) -> float:
+    """Epsilon this client would have spent after ``steps`` more DP-SGD steps (none taken)."""
+    accountant = load_accountant(state)
+    rate = 1.0 / math.ceil(records / min(batch_size, records))  # Opacus' DPDataLoader rate
+    accountant.history.append((dp.noise_multiplier, rate, steps))
+    return float(accountant.get_epsilon(dp.target_delta))
 
 
 def _empty_batch_grad_samples(named: dict[str, torch.nn.Parameter]) -> None:

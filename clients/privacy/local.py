@@ -15,16 +15,28 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, RecordDict
 
-from clients.privacy.dpsgd import STATE_RECORD, DPSGDConfig, train_dpsgd
-from fedge.privacy.ffa import KEY_DPSGD_NOISE, KEY_FFA, ffa_enabled
-from fedge.privacy.wire import MET_DPSGD_EPSILON
+from clients.privacy.dpsgd import (
+    DPSGDConfig,
+    cumulative_epsilon,
+    projected_epsilon,
+    token_records,
+    train_dpsgd,
+)
+from clients.privacy.ledger import DPSGD, Ledger
+from fedge.errors import FedgeError
+from fedge.privacy.ffa import KEY_FFA, ffa_enabled
+from fedge.privacy.wire import (
+    KEY_DPSGD_CLIP,
+    KEY_DPSGD_DELTA,
+    KEY_DPSGD_NOISE,
+    MET_DPSGD_EPSILON,
+    REFUSAL_BUDGET,
+)
 from strategies.base import ClientHook, ConfigValue
 
 __all__ = ["KEY_FFA", "apply_ffa", "dpsgd_config", "ffa_enabled", "train_dpsgd_round"]
-KEY_DPSGD_CLIP = "dp-sgd-max-grad-norm"
-KEY_DPSGD_DELTA = "dp-sgd-delta"
+ERROR_BUDGET = 643  # error code of a round refused for an exhausted budget
 
 
 def dpsgd_config(config: Mapping[str, ConfigValue]) -> DPSGDConfig | None:
@@ -50,6 +62,10 @@ def apply_ffa(model: torch.nn.Module, enabled: bool) -> None:
             param.requires_grad_(not enabled)
 
 
+class BudgetExhausted(FedgeError):
+    """One more round would take this client's epsilon past its budget; it does not train."""
+
+
 def train_dpsgd_round(
     model: torch.nn.Module,
     tokens: np.ndarray,
@@ -60,17 +76,28 @@ def train_dpsgd_round(
     seq_len: int,
     lr: float,
     hook: ClientHook,
-    state: RecordDict,
-    seed: int,
+    ledger: Ledger,
+    max_epsilon: float = 0.0,
 ) -> tuple[list[float], dict[str, float]]:
     """Run one round of DP-SGD; return the step losses and the metrics to report.
 
-    The accountant history lives in ``state`` (the node's ``Context.state``) under
-    ``fedge.dpsgd.accountant``, so the reported ``dp-sgd-epsilon`` is cumulative.
+    The accountant history lives in this node's ledger on disk, so the reported
+    ``dp-sgd-epsilon`` is cumulative across rounds and restarts. With ``max_epsilon`` > 0
+    the round is refused (:class:`BudgetExhausted`) before a step when it would pass it.
     """
-    records = state.config_records
-    if STATE_RECORD not in records:
-        records[STATE_RECORD] = ConfigRecord()
+    data = ledger.load()
+    state: dict[str, object] = dict(data.get(DPSGD, {}))
+    if max_epsilon > 0:
+        records = len(token_records(tokens, seq_len))
+        projected = projected_epsilon(
+            state, dp, records=records, batch_size=batch_size, steps=steps
+        )
+        if projected > max_epsilon:
+            raise BudgetExhausted(
+                f"{REFUSAL_BUDGET}: {steps} more DP-SGD steps would bring this client's epsilon "
+                f"from {cumulative_epsilon(state, dp.target_delta):.3f} to {projected:.3f}, above "
+                f"max-epsilon {max_epsilon}; it stops contributing"
+            )
     outcome = train_dpsgd(
         model,
         tokens,
@@ -79,10 +106,10 @@ def train_dpsgd_round(
         seq_len=seq_len,
         lr=lr,
         dp=dp,
-        state=records[STATE_RECORD],
+        state=state,
         hook=hook,
-        seed=seed,
     )
+    ledger.save({**data, DPSGD: state})
     losses = [x for x in outcome.losses if math.isfinite(x)] or [math.nan]
     metrics = {
         MET_DPSGD_EPSILON: outcome.epsilon,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
@@ -21,7 +20,7 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     C and std come from the ``config`` record (``dp-clip-norm``, ``dp-noise-std``) that
     ``server.privacy.aggregators.DistributedDPAggregator`` adds. Listed after the SecAgg+ mod
     in ``client-mods``, it runs before masking, so the server never sees an un-noised update.
-    The noise is drawn from OS entropy, never from a seed the server could know.
+    The noise is drawn from the OS CSPRNG, never from a seed the server could know.
     """
     if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
         return call_next(msg, context)
@@ -45,6 +44,6 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     if ffa_enabled(config):  # FFA-LoRA: lora_A deltas are public zeros, no noise
         arrays, skip = zero_frozen(arrays), frozenset(frozen_keys(arrays))
     clipped, _ = clip_contribution(arrays, clip)
-    noised = add_gaussian_noise(clipped, std, np.random.default_rng(), skip)
+    noised = add_gaussian_noise(clipped, std, skip)
     reply.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in noised.items()})
     return reply

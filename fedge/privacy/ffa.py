@@ -13,11 +13,10 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from fedge.privacy.mechanism import is_sensitive
-from fedge.privacy.wire import KEY_DP_ACTIVE
+from fedge.privacy.wire import KEY_DP_ACTIVE, KEY_DPSGD_NOISE
 from fedge.types import Arrays
 
 KEY_FFA = "dp-ffa-lora"  # auto (on under any DP) | on | off
-KEY_DPSGD_NOISE = "dp-sgd-noise-multiplier"  # > 0 turns DP-SGD on (clients.privacy.local)
 
 
 def ffa_enabled(config: Mapping[str, object]) -> bool:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from fedge import keys
+from fedge.privacy.randomness import secure_normal
 from fedge.types import Arrays
 
 
@@ -42,20 +43,18 @@ def clip_contribution(contribution: Arrays, clip_norm: float) -> tuple[Arrays, f
     return out, norm
 
 
-def add_gaussian_noise(
-    summed: Arrays, std: float, rng: np.random.Generator, skip: frozenset[str] = frozenset()
-) -> Arrays:
+def add_gaussian_noise(summed: Arrays, std: float, skip: frozenset[str] = frozenset()) -> Arrays:
     """Add i.i.d. N(0, std^2) noise to every sensitive array of a sum, except ``skip`` keys.
 
-    ``skip`` holds keys known to be zero for every client (FFA-LoRA's frozen lora_A): they
-    carry no data, so they need no noise. Output is float32.
+    The noise comes from the OS CSPRNG (:func:`fedge.privacy.randomness.secure_normal`), so
+    no seed, config or file reproduces it. ``skip`` holds keys known to be zero for every
+    client (FFA-LoRA's frozen lora_A): they carry no data, so they need no noise. Output is
+    float32.
     """
     if std < 0:
         raise ValueError(f"noise std must be >= 0, got {std}")
     return {
-        k: (np.asarray(v, dtype=np.float64) + rng.normal(0.0, std, size=np.shape(v))).astype(
-            np.float32
-        )
+        k: (np.asarray(v, dtype=np.float64) + secure_normal(np.shape(v), std)).astype(np.float32)
         if is_sensitive(k) and k not in skip
         else v
         for k, v in summed.items()

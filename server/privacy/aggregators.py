@@ -13,7 +13,13 @@ from flwr.serverapp import Grid
 from fedge import keys
 from fedge.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
 from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution
-from fedge.privacy.wire import DDP_CLIENT_MOD, KEY_DP_ACTIVE, KEY_DP_CLIP, KEY_DP_NOISE_STD
+from fedge.privacy.wire import (
+    DDP_CLIENT_MOD,
+    KEY_DP_ACTIVE,
+    KEY_DP_CLIP,
+    KEY_DP_MIN_CLIENTS,
+    KEY_DP_NOISE_STD,
+)
 from server.aggregation import AggregateResult, Aggregator, ContributionSpec
 from server.grid import ReplyHookGrid
 from server.privacy.config import DPConfig
@@ -27,7 +33,7 @@ class CentralDPAggregator:
 
     The server sees individual (clipped) contributions: use it with the plain aggregator.
     Pair it with ``strategies.base.UniformWeighting`` so a client's weight is 1 and the
-    clipped contribution bounds its influence; the budget is ``server.privacy.RdpBudget``.
+    clipped contribution bounds its influence; the budget is ``server.privacy.accountant.DPBudget``.
     """
 
     def __init__(self, inner: Aggregator, cfg: DPConfig) -> None:
@@ -37,7 +43,6 @@ class CentralDPAggregator:
             )
         self.inner = inner
         self.cfg = cfg
-        self.rng = np.random.default_rng(cfg.seed)
         self.last_norms: dict[int, float] = {}
 
     def aggregate(
@@ -58,7 +63,7 @@ class CentralDPAggregator:
         if result.summed is not None:
             std = self.cfg.noise_multiplier * self.cfg.clip_norm
             skip = frozenset(frozen_keys(spec)) if ffa else frozenset()
-            result.summed = add_gaussian_noise(result.summed, std, self.rng, skip)
+            result.summed = add_gaussian_noise(result.summed, std, skip)
         return result
 
 
@@ -89,10 +94,11 @@ class DistributedDPAggregator:
     ) -> AggregateResult:
         """Add the clip norm and the per-client noise std to the train config, then run SecAgg+."""
         n = len(node_ids)
-        extra: dict[str, float | str | bool] = {
+        extra: dict[str, float | int | str | bool] = {
             KEY_DP_ACTIVE: True,
             KEY_DP_CLIP: float(self.cfg.clip_norm),
             KEY_DP_NOISE_STD: float(self.cfg.client_noise_std(n)),
+            KEY_DP_MIN_CLIENTS: self.cfg.min_clients(n),
         }
         self.inner.min_contributors = self.cfg.min_clients(n)
         return self.inner.aggregate(
@@ -101,7 +107,7 @@ class DistributedDPAggregator:
 
 
 def with_config(
-    content: RecordDict, extra: dict[str, float | str | bool], mod: str | None
+    content: RecordDict, extra: dict[str, float | int | str | bool], mod: str | None
 ) -> RecordDict:
     """Copy ``content`` with keys added to its ``config`` record and ``mod`` in ``client-mods``.
 

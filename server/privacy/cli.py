@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from server.privacy.accountant import RdpBudget
+from fedge.privacy.accounting import gaussian_epsilon
 from server.privacy.config import DPConfig
 
 app = typer.Typer(help="Differential-privacy budget: plan epsilon, report a run's spending.")
@@ -23,27 +23,26 @@ def plan(
         float, typer.Option(help="z: noise std in units of the clip C.")
     ] = 1.0,
     rounds: Annotated[int, typer.Option(help="Rounds to account.")] = 10,
-    sampled: Annotated[int, typer.Option(help="Clients per round.")] = 4,
-    population: Annotated[int, typer.Option(help="Clients in the federation.")] = 4,
     delta: Annotated[float, typer.Option(help="Target delta.")] = 1e-5,
-    sampling: Annotated[str, typer.Option(help="none | poisson | without-replacement.")] = "none",
 ) -> None:
-    """Print cumulative user-level epsilon per round for the given mechanism (no training)."""
+    """Print cumulative user-level epsilon per round, RDP and PLD side by side (no training).
+
+    Every round is one full Gaussian release (no amplification by sampling: fedge's
+    round loop does not sample secretly), so the number of clients does not enter.
+    """
     try:
-        cfg = DPConfig(noise_multiplier=noise_multiplier, target_delta=delta, sampling=sampling)  # type: ignore[arg-type]
+        DPConfig(noise_multiplier=noise_multiplier, target_delta=delta)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if rounds <= 0 or sampled <= 0 or population < sampled:
-        raise typer.BadParameter("need rounds > 0 and 0 < sampled <= population")
-    budget = RdpBudget(cfg)
-    table = Table(
-        title=f"z={noise_multiplier}, {sampled}/{population} per round, delta={delta}, sampling={sampling}"
-    )
-    table.add_column("round")
-    table.add_column("epsilon")
+    if rounds <= 0:
+        raise typer.BadParameter(f"--rounds must be > 0, got {rounds}")
+    table = Table(title=f"z={noise_multiplier}, delta={delta}, one release per round")
+    for column in ("round", "epsilon (RDP)", "epsilon (PLD)"):
+        table.add_column(column)
     for r in range(1, rounds + 1):
-        budget.record(r, sampled, population)
-        table.add_row(str(r), f"{budget.epsilon():.3f}")
+        releases = [noise_multiplier] * r
+        rdp, pld = (gaussian_epsilon(releases, delta, m) for m in ("rdp", "pld"))  # type: ignore[arg-type]
+        table.add_row(str(r), f"{rdp:.3f}", f"{pld:.3f}")
     Console().print(table)
 
 

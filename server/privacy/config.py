@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from fedge.privacy.accounting import METHODS, Method
+
 DPMode = Literal["central", "distributed"]
-Sampling = Literal["none", "poisson", "without-replacement"]
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,10 @@ class DPConfig:
     noise_multiplier: float = 1.0
     target_delta: float = 1e-5
     max_epsilon: float = 0.0  # 0 disables the budget stop
-    # "none" accounts every round as a full-population release (always valid); the others
-    # claim amplification and are only correct when the round loop samples that way.
-    sampling: Sampling = "none"
+    # Every round is accounted as one full Gaussian release, no amplification by sampling:
+    # the round loop samples with a seeded generator the server knows.
+    accountant: Method = "rdp"  # "pld" is tighter (dp-accounting's privacy loss distributions)
     min_survival: float = 0.8  # distributed: a round needs this fraction of its clients
-    seed: int | None = None  # noise seed; None draws from the OS (never fix it in production)
 
     def __post_init__(self) -> None:
         """Reject settings that break the mechanism or the accounting, naming the field."""
@@ -43,10 +43,8 @@ class DPConfig:
             raise ValueError(f"target_delta={self.target_delta}: must be in (0, 1)")
         if self.max_epsilon < 0:
             raise ValueError(f"max_epsilon={self.max_epsilon}: must be >= 0 (0 disables it)")
-        if self.sampling not in ("none", "poisson", "without-replacement"):
-            raise ValueError(
-                f"sampling={self.sampling!r}: use 'none', 'poisson' or 'without-replacement'"
-            )
+        if self.accountant not in METHODS:
+            raise ValueError(f"accountant={self.accountant!r}: use one of {', '.join(METHODS)}")
         if not 0 < self.min_survival <= 1:
             raise ValueError(f"min_survival={self.min_survival}: must be in (0, 1]")
 

@@ -8,7 +8,7 @@ key                         default    meaning
 ``dp-clip-norm``            1.0        C: L2 bound of one client's update (delta + ctrl)
 ``dp-noise-multiplier``     1.0        z: the round's sum carries N(0, (z C)^2)
 ``dp-target-delta``         1e-5       delta at which epsilon is reported and budgeted
-``dp-sampling``             none       none | poisson | without-replacement (amplification)
+``dp-accountant``           rdp        rdp | pld: how epsilon is computed (PLD is tighter)
 ``dp-min-survival``         0.8        distributed DP: fraction of sampled clients a round needs
 ``secagg-num-shares``       0          0: 2 ceil(log2 n) + 1; <= 1: fraction of n; else a count
 ``secagg-threshold``        0.667      <= 1: fraction of the shares; else a count
@@ -17,18 +17,22 @@ key                         default    meaning
 ``secagg-stage-timeout``    60         seconds each protocol stage waits for replies
 ==========================  =========  ==================================================
 
-``max-epsilon`` (a RunConfig field) is the budget; 0 disables the stop.
+``max-epsilon`` (a RunConfig field) is the budget; 0 disables the stop. It applies whenever it
+is set: to the server's accountant and to every client's DP-SGD accountant.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from fedge import keys
+from fedge.privacy.wire import KEY_ACCOUNTANT, KEY_DPSGD_NOISE
 from fedge.secagg.config import SecAggConfig
 from server.aggregation import PlainAggregator
+from server.budget import NoBudget, PrivacyBudget
 from server.config import RunConfig
-from server.privacy.accountant import RdpBudget
+from server.privacy.accountant import DPBudget
 from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
 from server.privacy.config import DPConfig, DPMode
 from server.secagg.aggregator import SecAggPlusAggregator
@@ -73,13 +77,19 @@ def dp_config(cfg: RunConfig, mode: DPMode) -> DPConfig:
         )
     x = cfg.extra
     sampling = str(x.get("dp-sampling", "none"))
+    if sampling != "none":
+        raise ValueError(
+            f"dp-sampling={sampling!r} is not supported: amplification by sampling needs clients "
+            "sampled with randomness the adversary cannot know, and fedge's round loop samples "
+            "with the run's seed; every round is accounted as a full release (remove the key)"
+        )
     return DPConfig(
         mode=mode,
         clip_norm=_num(x, "dp-clip-norm", 1.0),
         noise_multiplier=_num(x, "dp-noise-multiplier", 1.0),
         target_delta=_num(x, "dp-target-delta", 1e-5),
         max_epsilon=cfg.max_epsilon,
-        sampling=sampling,  # type: ignore[arg-type]  # validated by DPConfig
+        accountant=str(x.get(KEY_ACCOUNTANT, "rdp")),  # type: ignore[arg-type]  # validated
         min_survival=_num(x, "dp-min-survival", 0.8),
     )
 
@@ -101,6 +111,32 @@ def secagg_distributed_dp(cfg: RunConfig) -> DistributedDPAggregator:
     )
 
 
-def rdp_budget(cfg: RunConfig) -> RdpBudget:
-    """``privacy-budget = "server.privacy.factories:rdp_budget"``: epsilon per round, max-epsilon stop."""
-    return RdpBudget(dp_config(cfg, "central"))
+def rdp_budget(cfg: RunConfig) -> DPBudget:
+    """``privacy-budget = "server.privacy.factories:rdp_budget"``: RDP epsilon, max-epsilon stop."""
+    return DPBudget(dataclasses.replace(dp_config(cfg, "central"), accountant="rdp"))
+
+
+def pld_budget(cfg: RunConfig) -> DPBudget:
+    """``privacy-budget = "server.privacy.factories:pld_budget"``: the tighter PLD epsilon."""
+    return DPBudget(dataclasses.replace(dp_config(cfg, "central"), accountant="pld"))
+
+
+def default_budget(cfg: RunConfig, aggregator: object) -> PrivacyBudget:
+    """The budget of a run that names no ``privacy-budget``.
+
+    A DP aggregator's releases are always accounted (``dp-accountant``, RDP by default),
+    so epsilon is reported and ``max-epsilon`` stops the run. Without one, ``max-epsilon``
+    can only be enforced by the clients' DP-SGD accountants; set anywhere else it would
+    silently do nothing, so it is an error.
+    """
+    dp = getattr(aggregator, "cfg", None)
+    if isinstance(dp, DPConfig):
+        return DPBudget(dp)
+    dpsgd = _num(cfg.extra, KEY_DPSGD_NOISE, 0.0) > 0
+    if cfg.max_epsilon > 0 and not dpsgd:
+        raise ValueError(
+            f"max-epsilon={cfg.max_epsilon} is set, but this run applies no differential privacy "
+            "to account: use a DP aggregator (server.privacy.factories:central_dp or "
+            "secagg_distributed_dp) or DP-SGD (dp-sgd-noise-multiplier > 0), or remove max-epsilon"
+        )
+    return NoBudget()

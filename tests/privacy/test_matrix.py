@@ -62,6 +62,11 @@ def federations(root: Path) -> dict[str, RunConfig]:
     out["budget"] = RunConfig.from_mapping(
         {**base_config(root / "budget"), **MODES["central-dp"], "max-epsilon": 8.0}
     )
+    # max-epsilon without privacy-budget still stops DP-SGD: every client's own accountant
+    # refuses a round that would pass it (0.05 is below one step's epsilon)
+    out["dp-sgd-budget"] = RunConfig.from_mapping(
+        {**base_config(root / "dp-sgd-budget"), **MODES["dp-sgd"], "max-epsilon": 0.05}
+    )
     return out
 
 
@@ -127,4 +132,13 @@ def test_budget_stops_the_run_cleanly_with_a_checkpoint(outcomes: dict[str, Any]
     assert "max-epsilon=8.0" in outcome.message
     assert [r["round"] for r in rows] == [1]
     assert rows[0]["epsilon"] <= 8.0
+    assert rows[0]["epsilon_accountant"] == "rdp"
     assert outcome.state is not None and outcome.state.server_round == 1
+
+
+def test_max_epsilon_stops_dp_sgd_clients_without_a_server_budget(outcomes: dict[str, Any]) -> None:
+    outcome = outcomes["dp-sgd-budget"]
+    assert not isinstance(outcome, Exception), repr(outcome)
+    assert outcome.status == "budget", outcome.message
+    assert "privacy budget exhausted" in outcome.message
+    assert rows_of(outcome) == []  # nothing was released

@@ -117,7 +117,7 @@ def main(grid: Grid, context: Context) -> None:
     failing = SecAggPlusAggregator(secagg_cfg)
     RESULTS["drop3"] = failing.aggregate(grid, 4, nodes, crash, SPEC, 60)
     RESULTS["drop3_message"] = failing.last_failure
-    dp = DPConfig(mode="central", clip_norm=0.01, noise_multiplier=1.0, seed=0)
+    dp = DPConfig(mode="central", clip_norm=0.01, noise_multiplier=1.0)
     RESULTS["central"] = CentralDPAggregator(PlainAggregator(), dp).aggregate(
         grid, 5, nodes, content(), SPEC, 60
     )

@@ -1,0 +1,82 @@
+"""This node's privacy ledger on its own disk: what it has released, per run, across restarts.
+
+The DP-SGD accountant history and the distributed-DP releases a node contributed
+to live in one JSON file per run and partition, written atomically after each
+release, so a SuperNode that restarts in the same run continues its epsilon
+instead of starting again at 0. Directory: node config ``privacy-state-dir``, else
+``FEDGE_PRIVACY_STATE_DIR``, else ``$FEDGE_HOME/privacy-ledger``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+
+from fedge import keys
+from fedge.paths import fedge_home
+
+NODE_STATE_DIR_KEY = "privacy-state-dir"
+STATE_DIR_ENV = "FEDGE_PRIVACY_STATE_DIR"
+DPSGD = "dp-sgd"  # Opacus accountant history: noise-multipliers, sample-rates, steps
+RELEASES = "user-level"  # noise multiplier of every distributed-DP round this node noised
+
+
+def ledger_root(node_config: Mapping[str, object]) -> Path:
+    """Where this node keeps its ledgers."""
+    configured = str(node_config.get(NODE_STATE_DIR_KEY, "") or os.environ.get(STATE_DIR_ENV, ""))
+    return Path(configured).expanduser() if configured else fedge_home() / "privacy-ledger"
+
+
+class Ledger:
+    """One JSON document per (run, partition); ``load`` then ``save`` around each release."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def for_node(cls, node_config: Mapping[str, object], run_id: int, partition: int) -> Ledger:
+        """The ledger of ``partition`` in run ``run_id`` under this node's ledger directory."""
+        return cls(ledger_root(node_config) / f"run-{run_id}" / f"partition-{partition:05d}.json")
+
+    def load(self) -> dict[str, Any]:
+        """The ledger's content ({} before the first release); a corrupt file is an error."""
+        if not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(
+                f"privacy ledger {self.path} is unreadable ({exc}); this node cannot know what it "
+                "already spent, so it refuses to train: restore the file or delete it knowingly"
+            ) from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"privacy ledger {self.path} does not hold a JSON object")
+        return data
+
+    def save(self, data: Mapping[str, Any]) -> None:
+        """Write atomically (temp file + rename), so a crash leaves the old or the new ledger."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, self.path)
+
+    def releases(self) -> list[float]:
+        """Noise multipliers of the user-level releases recorded so far."""
+        return [float(z) for z in self.load().get(RELEASES, [])]
+
+    def record_release(self, noise_multiplier: float) -> None:
+        """Append one user-level release."""
+        data = self.load()
+        data[RELEASES] = [*data.get(RELEASES, []), float(noise_multiplier)]
+        self.save(data)
+
+
+def node_ledger(context: Context) -> Ledger:
+    """The ledger of this node for the current run (keyed by partition, else by node id)."""
+    pid = int(str(context.node_config.get(keys.NODE_PARTITION_ID, context.node_id)))
+    return Ledger.for_node(context.node_config, context.run_id, pid)
