@@ -17,7 +17,23 @@ edge_app = typer.Typer(
 verifier_app = typer.Typer(help="Cloud side: the gRPC verifier service.", no_args_is_help=True)
 
 TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+TRACING_ENV = "FEDGE_TRACING"  # = edge.tracing.TRACING_ENV (kept import-free: --help stays fast)
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _console = Console(stderr=True)
+TracingOption = Annotated[
+    str,
+    typer.Option(
+        envvar=TRACING_ENV,
+        help=f"OpenTelemetry span exporter: none, console or otlp (or ${TRACING_ENV}).",
+    ),
+]
+OtlpEndpointOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar=OTLP_ENDPOINT_ENV,
+        help=f"OTLP gRPC collector for --tracing otlp (or ${OTLP_ENDPOINT_ENV}).",
+    ),
+]
 
 
 @edge_app.command("export")
@@ -103,13 +119,21 @@ def generate_command(
     added_rtt_ms: Annotated[
         float, typer.Option(help="Simulated network round trip per call, ms.")
     ] = 0.0,
+    device_id: Annotated[
+        str | None, typer.Option(help="This device's id: the key of the verifier's rate limits.")
+    ] = None,
+    tracing: TracingOption = "none",
+    otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:
     """Stream a completion of PROMPT as tokens are accepted; print a JSON report to stderr."""
     from edge.client import ClientConfig, EdgeClient, VerifierClient
     from edge.decoder import DecodeConfig
     from edge.export import TOKENIZER_DIR, load_export_tokenizer
     from edge.runtime import load_draft_runtime
+    from edge.tracing import TracingConfig, shutdown, tracer_provider
     from fedge.models import load_tokenizer
+
+    provider = tracer_provider(TracingConfig(tracing, "fedge-edge", otlp_endpoint))
 
     runtime = load_draft_runtime(draft, backend)
     tokenizer = (
@@ -118,7 +142,14 @@ def generate_command(
     client = None
     if verifier is not None:
         client = VerifierClient(
-            ClientConfig(verifier, token=token, root_cert=root_cert, added_rtt_s=added_rtt_ms / 1e3)
+            ClientConfig(
+                verifier,
+                token=token,
+                root_cert=root_cert,
+                added_rtt_s=added_rtt_ms / 1e3,
+                device_id=device_id,
+            ),
+            tracer_provider=provider,
         )
     decode = DecodeConfig(
         max_new_tokens=max_new_tokens,
@@ -137,6 +168,7 @@ def generate_command(
         _console.print_json(json.dumps({"draft_runtime": runtime.name, **vars(edge.last)}))
     if client is not None:
         client.close_channel()
+    shutdown(provider)
 
 
 @verifier_app.command("serve")
@@ -170,9 +202,27 @@ def serve_command(
     torch_threads: Annotated[
         int, typer.Option(help="torch intra-op threads; 0 = torch's default.")
     ] = 0,
+    verify_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="Per-device verify tokens (draft + 1 per Verify) per second; off if unset."
+        ),
+    ] = None,
+    verify_burst: Annotated[int, typer.Option(help="Per-device verify token bucket size.")] = 256,
+    generate_rate: Annotated[
+        float | None,
+        typer.Option(help="Per-device Generate tokens (max_new_tokens) per second; off if unset."),
+    ] = None,
+    generate_burst: Annotated[
+        int, typer.Option(help="Per-device Generate token bucket size (largest max_new_tokens).")
+    ] = 512,
+    tracing: TracingOption = "none",
+    otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:
     """Serve MODEL (plus ADAPTER) over gRPC until SIGINT/SIGTERM; health is NOT_SERVING while loading and draining."""
+    from edge.tracing import TracingConfig, shutdown, tracer_provider
     from edge.verifier.engine import EngineConfig
+    from edge.verifier.limits import RateLimitConfig
     from edge.verifier.server import ServerConfig, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -195,10 +245,20 @@ def serve_command(
             max_batch=max_batch,
             torch_threads=torch_threads,
         ),
+        rate_limits=RateLimitConfig(
+            verify_rate=verify_rate,
+            verify_burst=verify_burst,
+            generate_rate=generate_rate,
+            generate_burst=generate_burst,
+        ),
     )
+    provider = tracer_provider(TracingConfig(tracing, "fedge-verifier", otlp_endpoint))
 
     def ready(bound: int) -> None:
         sys.stdout.write(f"verifier listening on {host}:{bound}\n")
         sys.stdout.flush()
 
-    serve(config, on_ready=ready)
+    try:
+        serve(config, on_ready=ready, tracer_provider=provider)
+    finally:
+        shutdown(provider)

@@ -5,11 +5,14 @@ protobuf payload bytes it sends and receives (HTTP/2 framing and headers
 excluded). For experiments it can add a round-trip time: it sleeps `added_rtt_s`
 before each unary call and once before a stream's first message, which is what
 a network of that round-trip time costs a call that waits for its reply.
-RESOURCE_EXHAUSTED replies are retried with exponential backoff.
+RESOURCE_EXHAUSTED replies are retried: after the server's `fedge-retry-after-ms`
+when it sends one (a per-device rate limit; beyond `max_wait_s` the call raises
+`RateLimited` so the caller can take another route), else with exponential backoff.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,10 +22,13 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import TracerProvider
 
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
+from edge.tracing import REQUEST_SPAN, VERIFY_SPAN, Tracing, traced_channel
 from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
+from edge.verifier.limits import DEVICE_KEY, retry_after_ms
 
 T = TypeVar("T", bound=Message)
 
@@ -38,28 +44,45 @@ class ClientConfig:
     timeout_s: float = 30.0  # per call
     added_rtt_s: float = 0.0  # simulated network round trip added to every call
     max_retries: int = 5  # on RESOURCE_EXHAUSTED
-    backoff_s: float = 0.01  # first retry delay; doubles each retry
+    backoff_s: float = 0.01  # first retry delay when the server names none; doubles each retry
+    device_id: str | None = None  # sent as `fedge-device` metadata: the key of per-device limits
+    max_wait_s: float = (
+        2.0  # longest server-asked retry-after waited out; longer raises RateLimited
+    )
 
     def __post_init__(self) -> None:
         host, _, port = self.target.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"ClientConfig.target must be HOST:PORT, got {self.target!r}")
-        for name in ("timeout_s", "added_rtt_s", "backoff_s"):
+        for name in ("timeout_s", "added_rtt_s", "backoff_s", "max_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ClientConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
 
 
+class RateLimited(Exception):
+    """The verifier refused a call for this device's rate limit and asked for a longer wait than allowed."""
+
+    def __init__(self, retry_after_s: float, details: str) -> None:
+        super().__init__(f"rate limited for {retry_after_s:.3f} s: {details}")
+        self.retry_after_s = retry_after_s
+
+
 class VerifierClient:
     """Blocking Verifier client; also the `VerifierLink` the speculative decoder drives."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, tracer_provider: TracerProvider | None = None) -> None:
         self.config = config
         self.bytes_up = 0
         self.bytes_down = 0
         self.calls = 0
-        self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        self.rate_limited_waits = 0  # retries after a server-named retry-after
+        self.tracing = Tracing(tracer_provider)
+        metadata = [("authorization", f"Bearer {config.token}")] if config.token else []
+        if config.device_id:
+            metadata.append((DEVICE_KEY, config.device_id))
+        self._metadata = tuple(metadata)
         if config.root_cert is not None:
             credentials = grpc.ssl_channel_credentials(config.root_cert.read_bytes())
             options = (
@@ -70,7 +93,7 @@ class VerifierClient:
             self._channel = grpc.secure_channel(config.target, credentials, options=options)
         else:
             self._channel = grpc.insecure_channel(config.target)
-        self._stub = pb_grpc.VerifierStub(self._channel)
+        self._stub = pb_grpc.VerifierStub(traced_channel(self._channel, tracer_provider))
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close_channel(self) -> None:
@@ -83,9 +106,23 @@ class VerifierClient:
     def __exit__(self, *exc: object) -> None:
         self.close_channel()
 
+    def _retry_delay(self, err: grpc.RpcError, attempt: int, backoff_s: float) -> float:
+        """Seconds to wait before retrying `err`; re-raises what must not be retried."""
+        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+            raise err
+        asked_ms = retry_after_ms(err.trailing_metadata())  # type: ignore[attr-defined]
+        if asked_ms is not None and asked_ms / 1e3 > self.config.max_wait_s:
+            raise RateLimited(asked_ms / 1e3, err.details()) from err  # type: ignore[attr-defined]
+        if attempt == self.config.max_retries:
+            raise err
+        if asked_ms is None:
+            return backoff_s
+        self.rate_limited_waits += 1
+        return asked_ms / 1e3
+
     def _unary(self, method: Any, request: Message, reply_type: type[T]) -> T:
-        """One unary call with the added RTT, byte counting and backoff on overload."""
-        delay = self.config.backoff_s
+        """One unary call with the added RTT, byte counting and retries on overload."""
+        backoff = self.config.backoff_s
         for attempt in range(self.config.max_retries + 1):
             if self.config.added_rtt_s:
                 time.sleep(self.config.added_rtt_s)
@@ -94,13 +131,8 @@ class VerifierClient:
             try:
                 reply = method(request, timeout=self.config.timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
-                if (
-                    err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
-                    or attempt == self.config.max_retries
-                ):  # type: ignore[attr-defined]
-                    raise
-                time.sleep(delay)
-                delay *= 2
+                time.sleep(self._retry_delay(err, attempt, backoff))
+                backoff *= 2
                 continue
             self.bytes_down += reply.ByteSize()
             return reply  # type: ignore[no-any-return]
@@ -142,7 +174,12 @@ class VerifierClient:
                 for ids, probs in draft_dists
             ],
         )
-        reply = self._unary(self._stub.Verify, request, pb.VerifyReply)
+        with self.tracing.span(
+            VERIFY_SPAN, **{"fedge.draft_tokens": len(request.draft_ids)}
+        ) as span:
+            reply = self._unary(self._stub.Verify, request, pb.VerifyReply)
+            if span is not None:
+                span.set_attribute("fedge.accepted_tokens", reply.accepted)
         return VerifyResult(reply.accepted, reply.next_token, reply.session_length)
 
     def close(self, session_id: str) -> int:
@@ -177,16 +214,25 @@ class VerifierClient:
             sampling=pb.Sampling(temperature=sampling.temperature, seed=sampling.seed),
             stop_token_id=stop_token_id,
         )
-        if self.config.added_rtt_s:
-            time.sleep(self.config.added_rtt_s)
-        self.calls += 1
-        self.bytes_up += request.ByteSize()
-        stream = self._stub.Generate(
-            request, timeout=self.config.timeout_s, metadata=self._metadata
-        )
-        for reply in stream:
-            self.bytes_down += reply.ByteSize()
-            yield int(reply.token_id)
+        backoff = self.config.backoff_s
+        for attempt in range(self.config.max_retries + 1):
+            if self.config.added_rtt_s:
+                time.sleep(self.config.added_rtt_s)
+            self.calls += 1
+            self.bytes_up += request.ByteSize()
+            stream = self._stub.Generate(
+                request, timeout=self.config.timeout_s, metadata=self._metadata
+            )
+            try:
+                first = next(stream, None)  # a refusal (rate limit, overload) arrives here
+            except grpc.RpcError as err:
+                time.sleep(self._retry_delay(err, attempt, backoff))
+                backoff *= 2
+                continue
+            for reply in itertools.chain([] if first is None else [first], stream):
+                self.bytes_down += reply.ByteSize()
+                yield int(reply.token_id)
+            return
 
 
 # ---------------------------------------------------------------------- edge client library
@@ -209,6 +255,9 @@ class EdgeClient:
 
     `stream_text(prompt)` yields text pieces as tokens are accepted; each request's
     route comes from the router (or is forced), and its measurements feed the router.
+    A request the verifier rate-limits (`RateLimited`) before its first token is
+    decoded on the device instead, and the cloud routes are skipped until the
+    verifier's retry-after has passed.
     """
 
     def __init__(
@@ -227,20 +276,58 @@ class EdgeClient:
         self.decode = decode
         self.router = router or Router()
         self.last: RequestReport | None = None
+        self._cloud_after = 0.0  # monotonic time before which the verifier asked us to stay away
         if verifier is None:
             self.router.verifier_down()
 
     def stream_ids(
         self, prompt_ids: Sequence[int], route: str | None = None
     ) -> Iterator[list[int]]:
-        """Yield generated token chunks on the chosen (or forced) route."""
-        from edge.decoder import SpeculativeDecoder, edge_only
+        """Yield generated token chunks on the chosen (or forced) route, as one traced request."""
+        tracing = self.verifier.tracing if self.verifier is not None else Tracing(None)
+        return tracing.iterate(
+            REQUEST_SPAN,
+            self._stream_ids(prompt_ids, route),
+            self._describe,
+            prompt_tokens=len(prompt_ids),
+        )
+
+    def _describe(self, span: Any) -> None:
+        """Put the request report on its span."""
+        if self.last is not None:
+            for key, value in vars(self.last).items():
+                span.set_attribute(f"fedge.{key}", value)
+
+    def _stream_ids(self, prompt_ids: Sequence[int], route: str | None) -> Iterator[list[int]]:
+        """The request: route, decode, measure; falls back to the device when rate limited."""
         from edge.router import Route
 
         rtt = self._measure_rtt()
         decision = self.router.choose()
         chosen = Route(route) if route else decision.route
         reason = "forced by caller" if route else decision.reason
+        wait_s = self._cloud_after - time.monotonic()
+        if chosen != Route.EDGE_ONLY and wait_s > 0:
+            chosen, reason = Route.EDGE_ONLY, f"verifier rate limit: {wait_s:.2f} s left"
+        streamed = 0
+        try:
+            for chunk in self._decode(prompt_ids, chosen, reason, rtt):
+                streamed += len(chunk)
+                yield chunk
+        except RateLimited as limited:
+            if streamed:
+                raise  # part of the answer came from the cloud already: the caller decides
+            self._cloud_after = time.monotonic() + limited.retry_after_s
+            reason = f"verifier rate limit ({limited.retry_after_s:.2f} s): finished on the device"
+            yield from self._decode(prompt_ids, Route.EDGE_ONLY, reason, rtt)
+
+    def _decode(
+        self, prompt_ids: Sequence[int], chosen: Any, reason: str, rtt: float
+    ) -> Iterator[list[int]]:
+        """Decode on one route, filling `self.last` and feeding the router."""
+        from edge.decoder import SpeculativeDecoder, edge_only
+        from edge.router import Route
+
         if chosen != Route.EDGE_ONLY and self.verifier is None:
             raise ValueError(f"route {chosen.value} needs a verifier; pass --verifier HOST:PORT")
         report = RequestReport(chosen.value, reason)

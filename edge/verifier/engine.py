@@ -11,6 +11,7 @@ per-session position ids. Each session then gets its own verdict
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ from transformers import PreTrainedModel
 
 from edge import _hf
 from edge.speculative import greedy_choices_verdict, sampling_verdict
+from edge.tracing import NO_TRACING, Tracing
 from edge.verifier.batching import KVGeometry, batched_forward
 from edge.verifier.errors import InvalidRequest, NotReady, Overloaded, SessionBusy
 from edge.verifier.requests import (
@@ -132,6 +134,8 @@ class _VerifyJob:
     session: Session
     draft: Draft
     future: Future[VerifyResult]
+    trace: Any = None  # the caller's OpenTelemetry context (edge.tracing), None when off
+    queued_ns: int = 0
 
 
 _Job = _PrefillJob | _VerifyJob
@@ -158,10 +162,13 @@ class VerifierEngine:
         config: EngineConfig | None = None,
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or _NullObserver()
+        self.tracing = tracing
+        self._batch_ids = itertools.count(1)
         model_cfg: Any = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         limit = int(getattr(model_cfg, "max_position_embeddings", 0) or 0)
@@ -258,7 +265,9 @@ class VerifierEngine:
         self._claim(session)
         future: Future[VerifyResult] = Future()
         try:
-            self._enqueue(_VerifyJob(session, draft, future))
+            trace = self.tracing.capture()
+            queued = time.time_ns() if trace is not None else 0
+            self._enqueue(_VerifyJob(session, draft, future, trace, queued))
         except Exception:
             session.busy = False
             raise
@@ -451,22 +460,26 @@ class VerifierEngine:
         if not batch:
             return
         started = time.monotonic()
+        times_ns = [time.time_ns()]  # batch start, forward start, forward end, verdicts start
         try:
             keep = {job.session.session_id for job in batch}
             growth = sum(len(job.draft.ids) + 1 for job in batch) * self.bytes_per_position
             self.sessions.reserve(growth, keep)
+            times_ns.append(time.time_ns())
             logits, new_kv = batched_forward(
                 self.model,
                 self.geometry,
                 [job.session.kv for job in batch],
                 [[job.session.pending, *job.draft.ids] for job in batch],
             )
+            times_ns.append(time.time_ns())
         except Exception as exc:
             for job in batch:
                 job.session.busy = False
                 _reject(job.future, exc)
             return
         choices = logits.argmax(dim=-1).tolist()  # [B, T]: all greedy sessions need
+        times_ns.append(time.time_ns())  # before any caller can have its reply
         for row, job in enumerate(batch):
             try:
                 result = self._commit(job, row, logits, choices[row], new_kv)
@@ -477,6 +490,13 @@ class VerifierEngine:
                 job.session.busy = False  # before the reply: the caller may verify again at once
                 _resolve(job.future, result)
         self.observer.on_batch(len(batch), time.monotonic() - started)
+        if self.tracing.tracer is not None:
+            self.tracing.record_batch(
+                [job.trace for job in batch],
+                next(self._batch_ids),
+                (times_ns[0], times_ns[1], times_ns[2], times_ns[3]),
+                [job.queued_ns for job in batch],
+            )
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
 
     def _commit(

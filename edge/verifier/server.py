@@ -22,11 +22,14 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import TracerProvider
 from prometheus_client import start_http_server
 from transformers import PreTrainedModel
 
 from edge.proto import verifier_pb2_grpc as pb_grpc
+from edge.tracing import Tracing, server_interceptors
 from edge.verifier.engine import EngineConfig, VerifierEngine
+from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 from edge.verifier.metrics import VerifierMetrics
 from edge.verifier.service import VerifierService
 
@@ -54,6 +57,9 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = any
     drain_notice_s: float = 1.0  # NOT_SERVING but still serving, so health checkers move traffic
     grace_s: float = 5.0  # then in-flight calls get this long to finish; new ones are refused
+    rate_limits: RateLimitConfig = field(
+        default_factory=RateLimitConfig
+    )  # per device; off by default
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -68,6 +74,15 @@ class ServerConfig:
         for name in ("grace_s", "drain_notice_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        longest_verify = self.engine.max_draft + 1
+        if (
+            self.rate_limits.verify_rate is not None
+            and self.rate_limits.verify_burst < longest_verify
+        ):
+            raise ValueError(
+                f"ServerConfig.rate_limits.verify_burst={self.rate_limits.verify_burst} is below "
+                f"the cost of the longest verify (max_draft + 1 = {longest_verify}); raise it"
+            )
 
 
 def load_verifier_model(model_dir: Path, adapter_dir: Path | None = None) -> PreTrainedModel:
@@ -118,14 +133,24 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
 
 
 class VerifierServer:
-    """A bound, started grpc.aio server plus its engine, health servicer and metrics."""
+    """A bound, started grpc.aio server plus its engine, health servicer and metrics.
 
-    def __init__(self, config: ServerConfig) -> None:
+    Interceptors, outermost first: tracing (when a tracer provider is given), bearer
+    auth (when a token is set), per-device rate limits (when a rate is set).
+    """
+
+    def __init__(self, config: ServerConfig, tracer_provider: TracerProvider | None = None) -> None:
         self.config = config
         self.metrics = VerifierMetrics()
         self.engine: VerifierEngine | None = None
         self.health = health.aio.HealthServicer()
-        interceptors = [_BearerAuth(config.token)] if config.token else []
+        self.tracing = Tracing(tracer_provider)
+        interceptors: list[grpc.aio.ServerInterceptor] = server_interceptors(tracer_provider)
+        if config.token:
+            interceptors.append(_BearerAuth(config.token))
+        if config.rate_limits.enabled:
+            limiter = RateLimiter(config.rate_limits)
+            interceptors.append(RateLimitInterceptor(limiter, SERVICE_NAME))
         self.grpc = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_VerifierServicer_to_server(
             VerifierService(lambda: self.engine, self.metrics), self.grpc
@@ -182,7 +207,9 @@ class VerifierServer:
             )
         loop = asyncio.get_running_loop()
         self.engine_died = asyncio.Event()
-        engine = VerifierEngine(model, self.config.engine, observer=self.metrics)
+        engine = VerifierEngine(
+            model, self.config.engine, observer=self.metrics, tracing=self.tracing
+        )
         engine.on_death(lambda error: _call_soon(loop, self._engine_dead))
         self.metrics.watch(engine)
         self.engine = engine.start()
@@ -240,15 +267,21 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
 
 
 async def create_server(
-    config: ServerConfig, model: PreTrainedModel | None = None
+    config: ServerConfig,
+    model: PreTrainedModel | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> tuple[VerifierServer, int]:
     """Build, bind and start a verifier; returns it and its port. `model` skips loading from disk."""
-    server = VerifierServer(config)
+    server = VerifierServer(config, tracer_provider)
     port = await server.start(model)
     return server, port
 
 
-def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
+def serve(
+    config: ServerConfig,
+    on_ready: Callable[[int], None] | None = None,
+    tracer_provider: TracerProvider | None = None,
+) -> None:
     """Run a verifier until SIGINT or SIGTERM, then drain for `config.grace_s` and exit.
 
     If the engine's worker dies, health turns NOT_SERVING and the process exits with
@@ -256,7 +289,7 @@ def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -
     """
 
     async def main() -> int:
-        server, port = await create_server(config)
+        server, port = await create_server(config, tracer_provider=tracer_provider)
         if on_ready is not None:
             on_ready(port)
         stopping = asyncio.Event()
@@ -273,9 +306,15 @@ def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -
 class BackgroundServer:
     """A verifier on its own event-loop thread: `start()` returns the port, `stop()` drains it."""
 
-    def __init__(self, config: ServerConfig, model: PreTrainedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        model: PreTrainedModel | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
         self.config = config
         self._model = model
+        self._tracer_provider = tracer_provider
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="verifier-loop", daemon=True
@@ -287,7 +326,7 @@ class BackgroundServer:
         """Start the loop thread and the server on it; blocks until it serves."""
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(
-            create_server(self.config, self._model), self._loop
+            create_server(self.config, self._model, self._tracer_provider), self._loop
         )
         self.server, self.port = future.result()
         return self.port

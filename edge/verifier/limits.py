@@ -1,0 +1,233 @@
+"""Per-device rate limits: a token bucket per device for verify tokens and for Generate tokens.
+
+A device is named by the `fedge-device` request metadata when it sends one, else
+by its bearer token (hashed), else by its peer address. Each device has one
+bucket per kind: a Verify costs `len(draft_ids) + 1` verify tokens (the target
+positions it computes), a Generate costs `max_new_tokens` generate tokens up
+front, and what a stop token leaves unused is refunded when the stream ends.
+Over the limit the call ends RESOURCE_EXHAUSTED with trailing metadata
+`fedge-retry-after-ms`: whole milliseconds until the bucket holds the cost.
+
+A small bucket of our own rather than a library: `limits` offers only window
+strategies, `token-bucket` has no retry-after, no refund and an unbounded key
+store, `aiolimiter` has one bucket and no keys. The store here keeps at most
+`max_devices` buckets (least recently used dropped), so rotating device ids
+cannot grow the server's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+DEVICE_KEY = "fedge-device"  # request metadata: the device's id (asserted by the client)
+RETRY_AFTER_KEY = "fedge-retry-after-ms"  # trailing metadata on a rate-limited call
+VERIFY, GENERATE = "verify", "generate"
+BEARER = "bearer "
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    """Per-device budgets; a rate of None leaves that kind unlimited."""
+
+    verify_rate: float | None = None  # verify tokens (draft + 1 per Verify) per second per device
+    verify_burst: int = 256  # bucket size: the most verify tokens one device spends at once
+    generate_rate: float | None = None  # Generate tokens (max_new_tokens) per second per device
+    generate_burst: int = 512  # bucket size; also the largest max_new_tokens one call may ask
+    max_devices: int = 100_000  # buckets kept; the least recently used is dropped beyond it
+
+    def __post_init__(self) -> None:
+        for name in ("verify_rate", "generate_rate"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"RateLimitConfig.{name} must be > 0 or None, got {value}")
+        for name in ("verify_burst", "generate_burst", "max_devices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RateLimitConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any kind is limited."""
+        return self.verify_rate is not None or self.generate_rate is not None
+
+
+class DeviceBuckets:
+    """Token buckets of one rate and burst, one per device, at most `max_devices` of them."""
+
+    def __init__(
+        self, rate: float, burst: int, max_devices: int, clock: Callable[[], float]
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._max = max_devices
+        self._clock = clock
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # device -> [tokens, stamp]
+        self._lock = threading.Lock()
+
+    def _refill(self, device: str, now: float) -> list[float]:
+        """The device's bucket, topped up for the time since it was last touched."""
+        bucket = self._buckets.get(device)
+        if bucket is None:
+            bucket = self._buckets[device] = [float(self.burst), now]
+            if len(self._buckets) > self._max:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(device)
+            bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
+            bucket[1] = now
+        return bucket
+
+    def take(self, device: str, cost: int) -> float:
+        """Spend `cost` tokens: 0.0 when granted, else the seconds until they would be there."""
+        with self._lock:
+            bucket = self._refill(device, self._clock())
+            if bucket[0] >= cost:
+                bucket[0] -= cost
+                return 0.0
+            return (cost - bucket[0]) / self.rate
+
+    def refund(self, device: str, amount: int) -> None:
+        """Give back tokens a call reserved but did not use (never above the burst)."""
+        with self._lock:
+            bucket = self._refill(device, self._clock())
+            bucket[0] = min(float(self.burst), bucket[0] + amount)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class RateLimiter:
+    """The verify and generate buckets of every device."""
+
+    def __init__(
+        self, config: RateLimitConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.buckets: dict[str, DeviceBuckets] = {}
+        for kind, rate, burst in (
+            (VERIFY, config.verify_rate, config.verify_burst),
+            (GENERATE, config.generate_rate, config.generate_burst),
+        ):
+            if rate is not None:
+                self.buckets[kind] = DeviceBuckets(rate, burst, config.max_devices, clock)
+
+
+def device_of(metadata: Sequence[tuple[str, Any]], peer: str) -> str:
+    """The caller's device key: `fedge-device` metadata, else its bearer token's hash, else its host."""
+    values = {key: value for key, value in metadata}
+    device = values.get(DEVICE_KEY)
+    if device:
+        return f"device:{device}"
+    auth = str(values.get("authorization", ""))
+    if auth.lower().startswith(BEARER):
+        return "token:" + hashlib.sha256(auth[len(BEARER) :].encode()).hexdigest()[:16]
+    return "peer:" + peer.rsplit(":", 1)[0]  # ipv4:10.0.0.7:53412 -> ipv4:10.0.0.7
+
+
+def retry_after_ms(metadata: Sequence[tuple[str, Any]] | None) -> int | None:
+    """The server's retry-after in milliseconds, when a RESOURCE_EXHAUSTED reply carries one."""
+    for key, value in metadata or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return None
+    return None
+
+
+# --------------------------------------------------------------------------- gRPC interceptor
+Handler = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+
+class RateLimitInterceptor(grpc.aio.ServerInterceptor):
+    """Charges Verify and Generate to the caller's buckets; over budget they end RESOURCE_EXHAUSTED."""
+
+    def __init__(self, limiter: RateLimiter, service: str) -> None:
+        self._limiter = limiter
+        self._verify = f"/{service}/Verify"
+        self._generate = f"/{service}/Generate"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        buckets = self._limiter.buckets
+        if handler is None:
+            return handler
+        if method == self._verify and VERIFY in buckets:
+            return grpc.unary_unary_rpc_method_handler(
+                self._limited_unary(handler.unary_unary, buckets[VERIFY]),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if method == self._generate and GENERATE in buckets:
+            return grpc.unary_stream_rpc_method_handler(
+                self._limited_stream(handler.unary_stream, buckets[GENERATE]),  # type: ignore[arg-type]
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    @staticmethod
+    async def _admit(
+        context: grpc.aio.ServicerContext, buckets: DeviceBuckets, cost: int, field: str
+    ) -> str:
+        """Charge the caller `cost` tokens or end the call; returns the device key."""
+        device = device_of(tuple(context.invocation_metadata() or ()), context.peer())
+        if cost > buckets.burst:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}: {cost} tokens exceed the per-device burst of {buckets.burst}; "
+                f"ask for at most {buckets.burst} per call",
+            )
+        wait_s = buckets.take(device, cost)
+        if wait_s > 0:
+            wait_ms = math.ceil(wait_s * 1000)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"rate limit: {cost} tokens over this device's budget of {buckets.rate:g}/s "
+                f"(burst {buckets.burst}); retry after {wait_ms} ms",
+                trailing_metadata=((RETRY_AFTER_KEY, str(wait_ms)),),
+            )
+        return device
+
+    def _limited_unary(self, behavior: Handler, buckets: DeviceBuckets) -> Handler:
+        """A Verify that first pays `len(draft_ids) + 1` tokens."""
+
+        async def verify(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._admit(context, buckets, len(request.draft_ids) + 1, "draft_ids")
+            return await behavior(request, context)
+
+        return verify
+
+    def _limited_stream(
+        self,
+        behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
+        buckets: DeviceBuckets,
+    ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        """A Generate that reserves `max_new_tokens` and refunds what it did not stream."""
+
+        async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            cost = max(1, int(request.max_new_tokens))
+            device = await self._admit(context, buckets, cost, "max_new_tokens")
+            sent = 0
+            try:
+                async for reply in behavior(request, context):
+                    sent += 1
+                    yield reply
+            finally:
+                if sent < cost:
+                    buckets.refund(device, cost - sent)
+
+        return generate
