@@ -13,10 +13,12 @@ the manifest on purpose and expects the check to name the fault.
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import click
 import kubernetes_validate
@@ -26,6 +28,7 @@ import yaml
 
 from edge.cli import TOKEN_ENV, verifier_app
 from edge.proto import verifier_pb2
+from edge.verifier.server import ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -128,15 +131,28 @@ def deployment_problems(deployment: Obj) -> list[str]:
     return problems + pod_problems(deployment["spec"]["template"])
 
 
-def serve_params(container: Obj) -> dict[str, Any]:
-    """The container's `fedge verifier serve` arguments as the real CLI parses them (raises on bad ones)."""
+def serve_config(container: Obj) -> ServerConfig:
+    """The ServerConfig the real `fedge verifier serve` builds from the container's args and env.
+
+    Runs the command itself with `serve` replaced by a recorder, so every check the CLI
+    and ServerConfig make applies (unknown flags, bad values, inconsistent limits).
+    """
     if container.get("command", [])[:3] != ["fedge", "verifier", "serve"]:
         raise click.UsageError(f"command {container.get('command')} is not `fedge verifier serve`")
     command: click.Command | None = typer.main.get_command(verifier_app)
     if isinstance(command, click.Group):  # a lone command is collapsed into the app by Typer
         command = command.get_command(click.Context(command), "serve")
     assert command is not None and command.name == "serve"
-    return command.make_context("serve", list(container.get("args", []))).params
+    built: list[ServerConfig] = []
+
+    def record(config: ServerConfig, **_: object) -> None:
+        built.append(config)
+
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    with mock.patch.dict(os.environ, env), mock.patch("edge.verifier.server.serve", record):
+        command.main(list(container.get("args", [])), prog_name="serve", standalone_mode=False)
+    (config,) = built
+    return config
 
 
 def verifier_problems(deployment: Obj) -> list[str]:
@@ -144,21 +160,19 @@ def verifier_problems(deployment: Obj) -> list[str]:
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     try:
-        params = serve_params(container)
+        config = serve_config(container)
     except click.ClickException as err:
         return [f"container args rejected by `fedge verifier serve`: {err.format_message()}"]
+    except ValueError as err:
+        return [f"`fedge verifier serve` refuses the container's settings: {err}"]
     problems = []
-    if params["host"] in LOOPBACK:
-        problems.append(
-            f"--host={params['host']} is loopback: probes and the Service cannot reach it"
-        )
+    if config.host in LOOPBACK:
+        problems.append(f"--host={config.host} is loopback: probes and the Service cannot reach it")
     grpc_ports = {p["containerPort"] for p in container["ports"] if p.get("name") == "grpc"}
-    if grpc_ports != {params["port"]}:
-        problems.append(f"--port={params['port']} but the container's grpc port is {grpc_ports}")
-    if not any(
-        probe.get("grpc", {}).get("port") == params["port"] for _, probe in _probes(container)
-    ):
-        problems.append(f"no gRPC probe on the verifier's port {params['port']}")
+    if grpc_ports != {config.port}:
+        problems.append(f"--port={config.port} but the container's grpc port is {grpc_ports}")
+    if not any(probe.get("grpc", {}).get("port") == config.port for _, probe in _probes(container)):
+        problems.append(f"no gRPC probe on the verifier's port {config.port}")
     readiness = container.get("readinessProbe", {}).get("grpc", {}).get("service")
     if readiness != SERVICE_NAME:
         problems.append(f"readinessProbe must check service {SERVICE_NAME!r}, got {readiness!r}")
@@ -166,7 +180,7 @@ def verifier_problems(deployment: Obj) -> list[str]:
     ref = env.get(TOKEN_ENV, {}).get("valueFrom", {}).get("secretKeyRef")
     if ref != documented_secret():
         problems.append(f"{TOKEN_ENV} must come from the Secret docs/fleet.md creates, got {ref}")
-    drain_s = 1.0 + params["grace_s"]  # ServerConfig.drain_notice_s, then the grace period
+    drain_s = config.drain_notice_s + config.grace_s  # NOT_SERVING notice, then in-flight grace
     if pod.get("terminationGracePeriodSeconds", 30) <= drain_s:
         problems.append(f"terminationGracePeriodSeconds must exceed the {drain_s:.0f} s drain")
     return problems
@@ -213,8 +227,9 @@ def test_model_volume_is_the_documented_claim() -> None:
         v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v
     ]
     assert claims == [claim["metadata"]["name"]]
-    params = serve_params(deployment["spec"]["template"]["spec"]["containers"][0])
-    assert str(params["model"]).startswith("/models/")
+    config = serve_config(deployment["spec"]["template"]["spec"]["containers"][0])
+    assert config.model_dir.is_relative_to("/models")
+    assert config.rate_limits.enabled
 
 
 def test_image_user_is_the_manifests_user() -> None:
@@ -271,6 +286,14 @@ BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "listening on loopback": (_set_arg("--host", "127.0.0.1"), "is loopback"),
     "flag serve does not have": (_set_arg("--max-batches", "8"), "No such option"),
     "--port differs from the container port": (_set_arg("--port", "50070"), "--port=50070"),
+    "verify burst below the longest draft": (
+        _set_arg("--verify-burst", "8"),
+        "verify_burst=8 is below the cost of the longest verify",
+    ),
+    "unknown tracing exporter": (
+        lambda o: _container(o)["env"].append({"name": "FEDGE_TRACING", "value": "jaeger"}),
+        "TracingConfig.exporter",
+    ),
     "mount of an undeclared volume": (
         lambda o: _container(o)["volumeMounts"][0].update(name="model"),
         "mounts volume 'model'",

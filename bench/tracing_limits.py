@@ -1,0 +1,157 @@
+"""What tracing and per-device rate limits cost a verify round trip, against the same server without them.
+
+One in-process verifier (micro zoo, loopback gRPC) per configuration, the same
+sequential workload on each (a session per round, drafts of 4 tokens), rounds
+interleaved across configurations so machine noise hits them alike:
+
+- baseline: tracing off, no rate limit (the default);
+- tracing: server and client traced, spans batched to an in-memory exporter;
+- limits: a per-device verify bucket that never refuses (the check's cost only).
+
+Reported: p50/p99 verify round trip per configuration and its ratio to the baseline;
+and, since "off" cannot be compared against code without the hooks, the measured cost
+of the hooks' off path (the `is None` checks, the no-op context capture and the
+pass-through request iterator) per verify, as a fraction of the baseline p50.
+Usage: ``python bench/tracing_limits.py [--rounds 8] [--verifies 40]``. The last line is
+one JSON object, also written to ``bench/results/tracing_limits.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import timeit
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# `python bench/x.py` puts bench/ first on sys.path, where edge.py would shadow the `edge` package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+RESULTS_FILE = Path(__file__).resolve().parent / "results" / "tracing_limits.json"
+DRAFT = 4
+
+
+def in_memory_provider() -> Any:
+    """A tracer provider batching spans to memory (export cost without a network)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
+    return provider
+
+
+def start(name: str, zoo: Any, model: Any) -> tuple[Any, Any]:
+    """A verifier and its client for one configuration."""
+    from edge.client import ClientConfig, VerifierClient
+    from edge.verifier.engine import EngineConfig
+    from edge.verifier.limits import RateLimitConfig
+    from edge.verifier.server import BackgroundServer, ServerConfig
+
+    limits = RateLimitConfig(verify_rate=1e9, verify_burst=10**9) if name == "limits" else None
+    provider = in_memory_provider() if name == "tracing" else None
+    config = ServerConfig(
+        zoo.target_dir,
+        drain_notice_s=0.0,
+        engine=EngineConfig(max_draft=8, batch_window_s=0.0, torch_threads=1),
+        rate_limits=limits or RateLimitConfig(),
+    )
+    server = BackgroundServer(config, model, tracer_provider=provider)
+    port = server.start()
+    client = VerifierClient(
+        ClientConfig(f"127.0.0.1:{port}", device_id="bench"), tracer_provider=provider
+    )
+    return server, client
+
+
+def one_round(client: Any, prompt: list[int], verifies: int) -> list[float]:
+    """Seconds of each verify round trip of one session."""
+    session = client.open(prompt).session_id
+    seconds = []
+    for _ in range(verifies):
+        started = time.perf_counter()
+        client.verify(session, prompt[:DRAFT])
+        seconds.append(time.perf_counter() - started)
+    client.close(session)
+    return seconds
+
+
+def off_path_ns() -> float:
+    """ns per verify spent in the hooks when tracing and limits are off."""
+    from edge.tracing import NO_TRACING
+
+    items = iter(range(10**7))
+    passthrough = NO_TRACING.iterate("x", items)
+    per_call = {
+        "capture": timeit.timeit(NO_TRACING.capture, number=200_000) / 200_000,
+        "tracer_check": timeit.timeit(lambda: NO_TRACING.tracer is not None, number=200_000)
+        / 200_000,
+        "iterate_step": timeit.timeit(lambda: next(passthrough), number=200_000) / 200_000,
+    }
+    # per verify: one capture, two `tracer is None` checks (client span, engine batch), one step
+    return 1e9 * (per_call["capture"] + 2 * per_call["tracer_check"] + per_call["iterate_step"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--verifies", type=int, default=40)
+    args = parser.parse_args()
+
+    from edge.prompts import heldout_prompts
+    from fedge.models import load_causal_lm, load_tokenizer
+    from fedge.zoo import ensure_zoo
+
+    zoo = ensure_zoo("micro")
+    model = load_causal_lm(zoo.target_dir)
+    prompt = heldout_prompts(load_tokenizer(zoo.target_dir), 1, 32)[0]
+    names = ("baseline", "tracing", "limits")
+    running = {name: start(name, zoo, model) for name in names}
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    load_before = os.getloadavg()
+    for name in names:  # warm-up
+        one_round(running[name][1], prompt, 5)
+    for _ in range(args.rounds):
+        for name in names:
+            samples[name] += one_round(running[name][1], prompt, args.verifies)
+    for server, client in running.values():
+        client.close_channel()
+        server.stop(grace_s=0.2)
+    stats = {
+        name: {
+            "p50_ms": float(np.percentile(values, 50)) * 1e3,
+            "p99_ms": float(np.percentile(values, 99)) * 1e3,
+        }
+        for name, values in samples.items()
+    }
+    base = stats["baseline"]
+    for name in ("tracing", "limits"):
+        stats[name]["p50_ratio"] = stats[name]["p50_ms"] / base["p50_ms"]
+        stats[name]["p99_ratio"] = stats[name]["p99_ms"] / base["p99_ms"]
+    off_ns = off_path_ns()
+    result = {
+        "bench": "tracing_limits",
+        "model": "micro",
+        "verifies_per_config": args.rounds * args.verifies,
+        "draft_tokens": DRAFT,
+        "configs": stats,
+        "off_path_ns_per_verify": off_ns,
+        "off_path_fraction_of_p50": off_ns / (base["p50_ms"] * 1e6),
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+    }
+    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_FILE.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
