@@ -78,6 +78,7 @@ class VerifierClient:
         self.bytes_down = 0
         self.calls = 0
         self.rate_limited_waits = 0  # retries after a server-named retry-after
+        self.overloads = 0  # RESOURCE_EXHAUSTED replies seen (the router reads them)
         self.tracing = Tracing(tracer_provider)
         metadata = [("authorization", f"Bearer {config.token}")] if config.token else []
         if config.device_id:
@@ -110,6 +111,7 @@ class VerifierClient:
         """Seconds to wait before retrying `err`; re-raises what must not be retried."""
         if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
             raise err
+        self.overloads += 1
         asked_ms = retry_after_ms(err.trailing_metadata())  # type: ignore[attr-defined]
         if asked_ms is not None and asked_ms / 1e3 > self.config.max_wait_s:
             raise RateLimited(asked_ms / 1e3, err.details()) from err  # type: ignore[attr-defined]
@@ -244,7 +246,9 @@ class RequestReport:
     reason: str
     tokens: int = 0
     seconds: float = 0.0
+    ttft_s: float = 0.0
     rounds: int = 0
+    round_trips: int = 0
     acceptance: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
@@ -254,7 +258,7 @@ class EdgeClient:
     """The device side as a library: tokenizer, draft runtime, verifier link and offload router.
 
     `stream_text(prompt)` yields text pieces as tokens are accepted; each request's
-    route comes from the router (or is forced), and its measurements feed the router.
+    route comes from the router (or is forced), and its outcome feeds the router.
     A request the verifier rate-limits (`RateLimited`) before its first token is
     decoded on the device instead, and the cloud routes are skipped until the
     verifier's retry-after has passed.
@@ -267,15 +271,20 @@ class EdgeClient:
         verifier: VerifierClient | None,
         decode: Any,
         router: Any | None = None,
+        objective: Any | None = None,
+        rtt_max_age_s: float = 5.0,  # a health-check ping is reused this long: it costs an RTT
     ) -> None:
-        from edge.router import Router
+        from edge.router import Objective, Router
 
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.verifier = verifier
         self.decode = decode
         self.router = router or Router()
+        self.objective = objective or Objective()
+        self.rtt_max_age_s = rtt_max_age_s
         self.last: RequestReport | None = None
+        self._rtt: tuple[float, float] | None = None  # (measured at, seconds)
         self._cloud_after = 0.0  # monotonic time before which the verifier asked us to stay away
         if verifier is None:
             self.router.verifier_down()
@@ -303,7 +312,7 @@ class EdgeClient:
         from edge.router import Route
 
         rtt = self._measure_rtt()
-        decision = self.router.choose()
+        decision = self.router.choose(self.objective)
         chosen = Route(route) if route else decision.route
         reason = "forced by caller" if route else decision.reason
         wait_s = self._cloud_after - time.monotonic()
@@ -318,6 +327,7 @@ class EdgeClient:
             if streamed:
                 raise  # part of the answer came from the cloud already: the caller decides
             self._cloud_after = time.monotonic() + limited.retry_after_s
+            self.router.observe_overload()
             reason = f"verifier rate limit ({limited.retry_after_s:.2f} s): finished on the device"
             yield from self._decode(prompt_ids, Route.EDGE_ONLY, reason, rtt)
 
@@ -326,51 +336,71 @@ class EdgeClient:
     ) -> Iterator[list[int]]:
         """Decode on one route, filling `self.last` and feeding the router."""
         from edge.decoder import SpeculativeDecoder, edge_only
-        from edge.router import Route
+        from edge.router import Outcome, Route
 
         if chosen != Route.EDGE_ONLY and self.verifier is None:
             raise ValueError(f"route {chosen.value} needs a verifier; pass --verifier HOST:PORT")
         report = RequestReport(chosen.value, reason)
         self.last = report
-        up0 = self.verifier.bytes_up if self.verifier else 0
-        down0 = self.verifier.bytes_down if self.verifier else 0
-        started = time.perf_counter()
         verifier = self.verifier  # not None on the two verifier routes (checked above)
+        calls0, up0, down0, overloads0 = (
+            (verifier.calls, verifier.bytes_up, verifier.bytes_down, verifier.overloads)
+            if verifier
+            else (0, 0, 0, 0)
+        )
+        started = time.perf_counter()
+        drafted, cloud_s = 0, 0.0
+
+        def tick(chunk: list[int]) -> list[int]:
+            if not report.tokens:
+                report.ttft_s = time.perf_counter() - started
+            report.tokens += len(chunk)
+            return chunk
+
         if chosen == Route.SPECULATIVE and verifier is not None:
-            decoder = SpeculativeDecoder(self.runtime, verifier, self.decode)
-            yield from decoder.stream(prompt_ids)
+            decoder = SpeculativeDecoder(
+                self.runtime, verifier, self.decode, self.router.speculation
+            )
+            for chunk in decoder.stream(prompt_ids):
+                yield tick(chunk)
             s = decoder.stats
-            report.rounds, report.acceptance, report.tokens = s.rounds, s.acceptance, s.tokens
-            if s.rounds:
-                steps = max(1, s.drafted)
-                self.router.observe_speculative(
-                    s.draft_seconds / steps,
-                    max(0.0, s.verify_seconds / s.rounds - rtt),
-                    s.acceptance,
-                    s.draft_lengths[-1] if s.draft_lengths else 1,
-                )
+            report.rounds, report.acceptance = s.rounds, s.acceptance
+            drafted, cloud_s = s.drafted, s.verify_seconds
         elif chosen == Route.CLOUD_ONLY and verifier is not None:
             sampling = Sampling(self.decode.temperature, self.decode.seed)
-            stream_started = time.perf_counter()
             for token in verifier.generate(
                 prompt_ids, self.decode.max_new_tokens, sampling, self.decode.stop_token_id
             ):
-                report.tokens += 1
-                yield [token]
+                yield tick([token])
             report.rounds = report.tokens
-            if report.tokens:
-                spent = time.perf_counter() - stream_started - rtt
-                self.router.observe_cloud(max(0.0, spent) / report.tokens)
         else:
             for token in edge_only(self.runtime, prompt_ids, self.decode):
-                report.tokens += 1
-                yield [token]
-            if report.tokens:
-                self.router.observe_edge((time.perf_counter() - started) / report.tokens)
+                yield tick([token])
+            drafted = report.tokens
         report.seconds = time.perf_counter() - started
-        if self.verifier is not None:
-            report.bytes_up = self.verifier.bytes_up - up0
-            report.bytes_down = self.verifier.bytes_down - down0
+        if verifier is not None:
+            report.round_trips = verifier.calls - calls0
+            report.bytes_up = verifier.bytes_up - up0
+            report.bytes_down = verifier.bytes_down - down0
+            if verifier.overloads > overloads0:
+                self.router.observe_overload()
+        if chosen == Route.CLOUD_ONLY:
+            cloud_s = report.seconds
+        self.router.observe(
+            Outcome(
+                chosen,
+                report.tokens,
+                report.seconds,
+                report.ttft_s,
+                passes=report.rounds,
+                bytes=report.bytes_up + report.bytes_down,
+                round_trips=report.round_trips,
+                drafted=drafted,
+                cloud_seconds=cloud_s,
+                rtt_s=rtt,
+            ),
+            self.objective,
+        )
 
     def stream_text(self, prompt: str, route: str | None = None) -> Iterator[str]:
         """Yield decoded text pieces as tokens arrive."""
@@ -387,13 +417,18 @@ class EdgeClient:
                 shown = text
 
     def _measure_rtt(self) -> float:
-        """Probe the round trip with a health check; marks the verifier down when unreachable."""
+        """The round trip from a health check, reused for `rtt_max_age_s`; down when unreachable."""
         if self.verifier is None:
             return 0.0
+        now = time.monotonic()
+        if self._rtt is not None and now - self._rtt[0] < self.rtt_max_age_s:
+            return self._rtt[1]
         try:
             rtt = self.verifier.ping()
         except grpc.RpcError:
+            self._rtt = None
             self.router.verifier_down()
             return 0.0
+        self._rtt = (now, rtt)
         self.router.observe_rtt(rtt)
         return rtt

@@ -1,212 +1,392 @@
-"""Adaptive offload: per request, decode on the edge only, speculatively, or in the cloud only.
+"""Offload router: per request, the cheapest route (edge-only, speculative, cloud-only) that meets
+the request's service objective, learnt online from every request's outcome.
 
-The router keeps running estimates (exponentially weighted) of the network
-round trip, the draft's step time, the verifier's time per pass, the cloud's
-time per streamed token and the acceptance rate, and predicts each route's
-tokens per second for the next request:
+Each request has an `Objective`: end-to-end tokens per second and time to first token (TTFT).
+Each route has a cost per token, in units of one target pass in the cloud:
 
-    speculative  E(a, g) / (g * t_draft + rtt + t_verify),  E = (1 - a^(g+1)) / (1 - a)
-    cloud-only   n / (rtt + n * t_cloud)   (one round trip, then a stream of n tokens)
-    edge-only    1 / t_draft               (the draft's own output: a different distribution)
+    cost = pass_cost * load * passes/token + byte_cost * bytes/token
+           + joule_cost * battery_factor * thermal_factor * device joules/token
 
-Policies are tried in order, first match wins, the default last (see POLICIES).
-Speculation always saves cloud capacity (about 1/E target passes per token);
-under the "capacity" objective the router keeps speculating unless that would
-be more than `capacity_slack` times slower than cloud-only.
+where `load` grows with the verifier's queue depth and after RESOURCE_EXHAUSTED, the battery
+factor is 1/battery when not charging, and device joules are the draft steps and radio bytes
+the route spends (`DeviceState` gives joules per draft token and per byte: inputs measured on
+the device). Per route the router keeps running estimates of seconds per token, TTFT, passes,
+bytes, draft steps and round trips per token, the share of time spent waiting on the cloud,
+and the RTT they were measured at; a prediction moves them to the current RTT (each round trip
+costs the RTT difference) and load. Policies, tried in order (ordered dispatch, default last):
+
+1. network down -> edge-only (the only way to answer; the report says so);
+2. a feasible route never measured -> measure it;
+3. a cheaper feasible route that looked too slow, not tried for `remeasure_after` requests
+   (doubling each time it is still too slow) -> re-measure it;
+4. the cheapest feasible route predicted to meet the objective (with `margin`);
+5. default: the feasible route closest to the objective.
+
+Edge-only is feasible only when the draft suffices (`Objective.draft_ok`) or the network is
+down; thermal state `critical` rules out drafting while the cloud is reachable.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from edge.speculative import expected_tokens_per_pass
+from edge.draftlen import SpeculationEstimator
 
 
 class Route(str, enum.Enum):
-    """Where the next request is decoded."""
+    """Where a request is decoded."""
 
     EDGE_ONLY = "edge-only"
     SPECULATIVE = "speculative"
     CLOUD_ONLY = "cloud-only"
 
 
-OBJECTIVES = ("latency", "capacity")
+EXPLORE_ORDER = (Route.EDGE_ONLY, Route.SPECULATIVE, Route.CLOUD_ONLY)  # cheapest first, a priori
+
+
+class Thermal(str, enum.Enum):
+    """The device's thermal state (the four levels phones report)."""
+
+    NOMINAL = "nominal"
+    FAIR = "fair"
+    SERIOUS = "serious"
+    CRITICAL = "critical"
+
+
+THERMAL_FACTOR = {
+    Thermal.NOMINAL: 1.0,
+    Thermal.FAIR: 1.5,
+    Thermal.SERIOUS: 3.0,
+}  # critical: no drafting
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A request's service objective."""
+
+    tokens_per_s: float = 15.0  # end to end; faster than people read code (about 5-8 tokens/s)
+    ttft_s: float = 1.0  # an interactive answer starts within a second
+    draft_ok: bool = False  # the draft's own output suffices (e.g. autocomplete), not the target's
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_s", "ttft_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Objective.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """What the device reports about itself; energies are inputs measured on the device."""
+
+    battery: float = 1.0  # 0..1
+    charging: bool = False
+    thermal: Thermal = Thermal.NOMINAL
+    joules_per_draft_token: float = 0.003  # about 1 ms of a 3 W phone SoC
+    joules_per_byte: float = 1e-6  # radio energy, about 1 J per MB
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.battery <= 1.0:
+            raise ValueError(f"DeviceState.battery must lie in [0, 1], got {self.battery}")
+        for name in ("joules_per_draft_token", "joules_per_byte"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DeviceState.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def energy_weight(self) -> float:
+        """How dear a joule is now: 1 when charging, 1/battery otherwise (floored at 5%)."""
+        return 1.0 if self.charging else 1.0 / max(self.battery, 0.05)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The router's objective and its smoothing."""
+    """Cost weights, learning and exploration of the router."""
 
-    objective: str = "latency"  # latency: fastest exact route; capacity: spare the cloud's passes
-    allow_edge_only: bool = False  # edge-only output is the draft's, not the target's
-    capacity_slack: float = 1.5
-    smoothing: float = 0.3  # weight of the newest observation in each running estimate
-    new_tokens: int = 64  # request length the cloud-only estimate assumes
+    pass_cost: float = 1.0  # one target pass in the cloud: the unit of cost
+    byte_cost: float = 1e-5  # 100 kB moved cost as much as one pass
+    joule_cost: float = 10.0  # per device joule at full battery (3 mJ/token -> 0.03 passes)
+    smoothing: float = 0.3  # weight of the newest outcome in each running estimate
+    margin: float = 1.1  # a prediction must beat the objective by 10% to count as meeting it
+    remeasure_after: int = 16  # requests before a cheaper, too-slow route is tried again
+    queue_capacity: int = 8  # verifier queue depth at which the cloud counts as twice as slow
+    overload_factor: float = 4.0  # load multiplier right after RESOURCE_EXHAUSTED
+    overload_cooldown_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(
-                f"RouterConfig.objective must be one of {OBJECTIVES}, got {self.objective!r}"
-            )
-        if self.capacity_slack < 1.0:
-            raise ValueError(f"RouterConfig.capacity_slack must be >= 1, got {self.capacity_slack}")
+        for name in ("pass_cost", "byte_cost", "joule_cost", "overload_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"RouterConfig.smoothing must lie in (0, 1], got {self.smoothing}")
-        if self.new_tokens < 1:
-            raise ValueError(f"RouterConfig.new_tokens must be >= 1, got {self.new_tokens}")
+        if self.margin < 1.0 or self.overload_factor < 1.0:
+            raise ValueError(
+                "RouterConfig.margin and overload_factor must be >= 1, got "
+                f"{self.margin}, {self.overload_factor}"
+            )
+        if self.remeasure_after < 1 or self.queue_capacity < 1:
+            raise ValueError(
+                "RouterConfig.remeasure_after and queue_capacity must be >= 1, got "
+                f"{self.remeasure_after}, {self.queue_capacity}"
+            )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one request cost on its route: the client reports it after every request."""
+
+    route: Route
+    tokens: int
+    seconds: float
+    ttft_s: float
+    passes: int = 0  # target forward passes in the cloud
+    bytes: int = 0  # up + down
+    round_trips: int = 0  # network round trips the edge waited on
+    drafted: int = 0  # draft steps on the device
+    cloud_seconds: float = 0.0  # time spent waiting on the verifier, network included
+    rtt_s: float = 0.0  # the RTT when the request ran
 
 
 @dataclass
-class LinkEstimates:
-    """Running measurements the policies read; None = not measured yet."""
+class RouteStats:
+    """Running estimates of one route, per token unless named otherwise."""
 
-    rtt_s: float | None = None
-    draft_step_s: float | None = None
-    verify_s: float | None = None  # verifier time per pass, network excluded
-    cloud_token_s: float | None = None  # cloud streaming time per token, network excluded
-    acceptance: float | None = None
-    draft_len: int = 4
-    verifier_up: bool = True
+    n: int = 0
+    last_request: int = -1
+    seconds: float = 0.0
+    ttft_s: float = 0.0
+    passes: float = 0.0
+    bytes: float = 0.0
+    drafted: float = 0.0
+    round_trips: float = 0.0
+    cloud_share: float = 0.0
+    rtt_s: float = 0.0
+    backoff: int = 1  # re-measurement period multiplier: doubles while the route stays too slow
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A route's expected tokens/s, TTFT and cost per token now."""
+
+    tokens_per_s: float
+    ttft_s: float
+    cost: float
+
+    def meets(self, objective: Objective, margin: float = 1.0) -> bool:
+        """Whether the prediction clears the objective by `margin`."""
+        return (
+            self.tokens_per_s >= objective.tokens_per_s * margin
+            and self.ttft_s * margin <= objective.ttft_s
+        )
+
+    def attainment(self, objective: Objective) -> float:
+        """The worse of the two ratios to the objective (>= 1 means met)."""
+        return min(self.tokens_per_s / objective.tokens_per_s, objective.ttft_s / self.ttft_s)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A route, why it was chosen, and the predicted tokens/s of each route."""
+    """A route, why it was chosen, and the predictions it was chosen from."""
 
     route: Route
     reason: str
-    predicted: dict[str, float]
+    predicted: dict[Route, Prediction]
 
 
-def predict(est: LinkEstimates, new_tokens: int) -> dict[str, float]:
-    """Predicted tokens/s per route from the estimates (routes lacking a measurement are absent)."""
-    out: dict[str, float] = {}
-    rtt = est.rtt_s or 0.0
-    if est.draft_step_s:
-        out[Route.EDGE_ONLY.value] = 1.0 / est.draft_step_s
-    if est.draft_step_s is not None and est.verify_s is not None and est.acceptance is not None:
-        g = est.draft_len
-        round_s = g * est.draft_step_s + rtt + est.verify_s
-        out[Route.SPECULATIVE.value] = expected_tokens_per_pass(est.acceptance, g) / round_s
-    if est.cloud_token_s is not None:
-        out[Route.CLOUD_ONLY.value] = new_tokens / (rtt + new_tokens * est.cloud_token_s)
-    return out
+@dataclass
+class RouterState:
+    """Everything the policies read: estimates, the network, the verifier and the device."""
+
+    config: RouterConfig
+    stats: dict[Route, RouteStats] = field(default_factory=lambda: {r: RouteStats() for r in Route})
+    rtt_s: float = 0.0
+    verifier_up: bool = True
+    queue_depth: int = 0
+    overloaded_at: float = -math.inf
+    requests: int = 0
+    clock: Callable[[], float] = time.monotonic
+
+    def load(self) -> float:
+        """Cloud slowdown and dearness: 1 idle, +1 per `queue_capacity` queued, more when overloaded."""
+        load = 1.0 + self.queue_depth / self.config.queue_capacity
+        if self.clock() - self.overloaded_at < self.config.overload_cooldown_s:
+            load *= self.config.overload_factor
+        return load
 
 
-Policy = Callable[[LinkEstimates, RouterConfig, dict[str, float]], Decision | None]
-
-
-def policy_offline(
-    est: LinkEstimates, cfg: RouterConfig, pred: dict[str, float]
-) -> Decision | None:
-    """No verifier reachable: the draft alone is the only way to answer."""
-    if not est.verifier_up:
-        return Decision(Route.EDGE_ONLY, "verifier unreachable", pred)
-    return None
-
-
-def policy_explore(
-    est: LinkEstimates, cfg: RouterConfig, pred: dict[str, float]
-) -> Decision | None:
-    """Measure an unmeasured exact route before comparing: speculative first, then cloud-only."""
-    if Route.SPECULATIVE.value not in pred:
-        return Decision(Route.SPECULATIVE, "measuring speculative decoding", pred)
-    if Route.CLOUD_ONLY.value not in pred:
-        return Decision(Route.CLOUD_ONLY, "measuring cloud-only decoding", pred)
-    return None
-
-
-def policy_edge_allowed(
-    est: LinkEstimates, cfg: RouterConfig, pred: dict[str, float]
-) -> Decision | None:
-    """When the draft's own output is acceptable and it is the fastest, stay on the device."""
-    edge = pred.get(Route.EDGE_ONLY.value)
-    if cfg.allow_edge_only and edge is not None and edge >= max(pred.values()):
-        return Decision(Route.EDGE_ONLY, "edge-only allowed and fastest", pred)
-    return None
-
-
-def policy_capacity(
-    est: LinkEstimates, cfg: RouterConfig, pred: dict[str, float]
-) -> Decision | None:
-    """Spare cloud passes: speculate unless more than `capacity_slack` times slower than the cloud."""
-    if cfg.objective != "capacity":
+def predict(state: RouterState, route: Route, device: DeviceState) -> Prediction | None:
+    """The route's tokens/s, TTFT and cost at the current RTT, load and device state."""
+    s = state.stats[route]
+    if s.n == 0:
         return None
-    spec, cloud = pred[Route.SPECULATIVE.value], pred[Route.CLOUD_ONLY.value]
-    if spec * cfg.capacity_slack >= cloud:
-        return Decision(Route.SPECULATIVE, "capacity objective: speculation within slack", pred)
-    return Decision(Route.CLOUD_ONLY, "capacity objective: speculation too slow", pred)
+    cfg = state.config
+    shift = state.rtt_s - s.rtt_s  # each round trip costs the RTT difference
+    slow = 1.0 + (state.load() - 1.0) * s.cloud_share
+    seconds = max(1e-6, s.seconds + shift * s.round_trips) * slow
+    ttft = max(1e-6, s.ttft_s + (shift if s.round_trips else 0.0)) * slow
+    joules = s.bytes * device.joules_per_byte
+    if s.drafted:  # drafting heats the device: dearer when warm, ruled out (inf) when critical
+        joules += (
+            s.drafted * device.joules_per_draft_token * THERMAL_FACTOR.get(device.thermal, math.inf)
+        )
+    cost = (
+        cfg.pass_cost * state.load() * s.passes
+        + cfg.byte_cost * s.bytes
+        + cfg.joule_cost * device.energy_weight * joules
+    )
+    return Prediction(1.0 / seconds, ttft, cost)
 
 
-def policy_latency(
-    est: LinkEstimates, cfg: RouterConfig, pred: dict[str, float]
-) -> Decision | None:
-    """The faster of the two exact routes."""
-    spec, cloud = pred[Route.SPECULATIVE.value], pred[Route.CLOUD_ONLY.value]
-    if cloud > spec:
-        return Decision(Route.CLOUD_ONLY, "cloud-only predicted faster", pred)
-    return Decision(Route.SPECULATIVE, "speculative predicted faster", pred)
+def feasible(state: RouterState, objective: Objective, device: DeviceState) -> list[Route]:
+    """Routes allowed now: edge-only only when the draft suffices, no drafting when critical."""
+    hot = device.thermal == Thermal.CRITICAL
+    routes = [Route.CLOUD_ONLY] if hot else [Route.SPECULATIVE, Route.CLOUD_ONLY]
+    if objective.draft_ok and not hot:
+        routes.insert(0, Route.EDGE_ONLY)
+    return routes
+
+
+@dataclass(frozen=True)
+class Context:
+    """One routing question: the state, the request's objective, the device, the predictions."""
+
+    state: RouterState
+    objective: Objective
+    device: DeviceState
+    routes: list[Route]
+    predicted: dict[Route, Prediction]
+
+    def meeting(self) -> list[Route]:
+        """Feasible routes predicted to meet the objective, cheapest first."""
+        margin = self.state.config.margin
+        ok = [r for r in self.routes if r in self.predicted]
+        ok = [r for r in ok if self.predicted[r].meets(self.objective, margin)]
+        return sorted(ok, key=lambda r: self.predicted[r].cost)
+
+
+Policy = Callable[[Context], tuple[Route, str] | None]
+
+
+def policy_network_down(ctx: Context) -> tuple[Route, str] | None:
+    """No verifier reachable: the draft alone answers."""
+    if not ctx.state.verifier_up:
+        return Route.EDGE_ONLY, "verifier unreachable: decoding on the device"
+    return None
+
+
+def policy_untried(ctx: Context) -> tuple[Route, str] | None:
+    """Measure a feasible route that has no estimate yet, cheapest a priori first."""
+    for route in EXPLORE_ORDER:
+        if route in ctx.routes and route not in ctx.predicted:
+            return route, f"measuring {route.value}"
+    return None
+
+
+def policy_remeasure(ctx: Context) -> tuple[Route, str] | None:
+    """Try again a route cheaper than the best meeting one that looked too slow a while ago."""
+    meeting = ctx.meeting()
+    ceiling = ctx.predicted[meeting[0]].cost if meeting else math.inf
+    for route in sorted(ctx.routes, key=lambda r: ctx.predicted[r].cost):
+        s = ctx.state.stats[route]
+        stale = ctx.state.requests - s.last_request >= ctx.state.config.remeasure_after * s.backoff
+        if route not in meeting and ctx.predicted[route].cost < ceiling and stale:
+            return route, f"re-measuring {route.value} (not tried for a while)"
+    return None
+
+
+def policy_cheapest_meeting(ctx: Context) -> tuple[Route, str] | None:
+    """The cheapest feasible route predicted to meet the objective."""
+    meeting = ctx.meeting()
+    if meeting:
+        return meeting[0], "cheapest route meeting the objective"
+    return None
+
+
+def policy_closest(ctx: Context) -> tuple[Route, str] | None:
+    """Default: no route meets the objective; take the one closest to it."""
+    best = max(ctx.routes, key=lambda r: ctx.predicted[r].attainment(ctx.objective))
+    return best, "no route meets the objective: closest one"
 
 
 POLICIES: tuple[Policy, ...] = (
-    policy_offline,
-    policy_explore,
-    policy_edge_allowed,
-    policy_capacity,
-    policy_latency,  # default: always decides
+    policy_network_down,
+    policy_untried,
+    policy_remeasure,
+    policy_cheapest_meeting,
+    policy_closest,  # default: always decides
 )
 
 
 class Router:
-    """Chooses a route per request and learns from each request's measurements."""
+    """Chooses a route per request and learns from each request's outcome."""
 
     def __init__(
-        self, config: RouterConfig | None = None, policies: tuple[Policy, ...] = POLICIES
+        self,
+        config: RouterConfig | None = None,
+        policies: tuple[Policy, ...] = POLICIES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config or RouterConfig()
+        self.state = RouterState(config or RouterConfig(), clock=clock)
         self.policies = policies
-        self.estimates = LinkEstimates()
+        self.speculation = SpeculationEstimator()  # shared by every request's decoder
+        self.device = DeviceState()
 
-    def choose(self) -> Decision:
+    def choose(self, objective: Objective | None = None) -> Decision:
         """First policy that decides wins."""
-        pred = predict(self.estimates, self.config.new_tokens)
+        objective = objective or Objective()
+        routes = feasible(self.state, objective, self.device)
+        predicted = {r: p for r in Route if (p := predict(self.state, r, self.device)) is not None}
+        ctx = Context(self.state, objective, self.device, routes, predicted)
         for policy in self.policies:
-            decision = policy(self.estimates, self.config, pred)
-            if decision is not None:
-                return decision
+            decided = policy(ctx)
+            if decided is not None:
+                return Decision(decided[0], decided[1], predicted)
         names = [p.__name__ for p in self.policies]
         raise RuntimeError(f"no routing policy decided; the chain {names} needs a default last")
 
-    def _blend(self, old: float | None, new: float) -> float:
-        """Exponentially weighted running estimate."""
-        a = self.config.smoothing
-        return new if old is None else (1 - a) * old + a * new
+    def observe(self, outcome: Outcome, objective: Objective | None = None) -> None:
+        """Fold one request's outcome into its route's estimates."""
+        state, s = self.state, self.state.stats[outcome.route]
+        state.requests += 1
+        if outcome.tokens < 1 or outcome.seconds <= 0:
+            return  # nothing was decoded: no rate to learn
+        n = outcome.tokens
+        per_token = {
+            "seconds": outcome.seconds / n,
+            "passes": outcome.passes / n,
+            "bytes": outcome.bytes / n,
+            "drafted": outcome.drafted / n,
+            "round_trips": outcome.round_trips / n,
+        }
+        a = 1.0 if s.n == 0 else state.config.smoothing
+        for name, value in per_token.items():
+            setattr(s, name, (1 - a) * getattr(s, name) + a * value)
+        s.ttft_s = (1 - a) * s.ttft_s + a * outcome.ttft_s
+        s.cloud_share = (1 - a) * s.cloud_share + a * min(
+            1.0, outcome.cloud_seconds / outcome.seconds
+        )
+        s.rtt_s = (1 - a) * s.rtt_s + a * outcome.rtt_s
+        s.n += 1
+        s.last_request = state.requests
+        goal = objective or Objective()
+        met = n / outcome.seconds >= goal.tokens_per_s and outcome.ttft_s <= goal.ttft_s
+        s.backoff = 1 if met else min(64, s.backoff * 2)
 
     def observe_rtt(self, seconds: float) -> None:
-        """A measured network round trip."""
-        self.estimates.rtt_s = self._blend(self.estimates.rtt_s, seconds)
-        self.estimates.verifier_up = True
+        """A measured round trip (health check): the verifier is reachable."""
+        self.state.rtt_s = seconds
+        self.state.verifier_up = True
 
-    def observe_speculative(
-        self, draft_step_s: float, verify_s: float, acceptance: float, draft_len: int
-    ) -> None:
-        """One speculative request: draft step time, verifier time per pass, acceptance, last draft length."""
-        e = self.estimates
-        e.draft_step_s = self._blend(e.draft_step_s, draft_step_s)
-        e.verify_s = self._blend(e.verify_s, verify_s)
-        e.acceptance = self._blend(e.acceptance, acceptance)
-        e.draft_len = max(1, draft_len)
+    def observe_queue_depth(self, depth: int) -> None:
+        """The verifier's queue depth, as its replies or metrics report it."""
+        self.state.queue_depth = max(0, depth)
 
-    def observe_cloud(self, token_s: float) -> None:
-        """One cloud-only request: streaming time per token, network excluded."""
-        self.estimates.cloud_token_s = self._blend(self.estimates.cloud_token_s, token_s)
-
-    def observe_edge(self, draft_step_s: float) -> None:
-        """One edge-only request: the draft's time per token."""
-        self.estimates.draft_step_s = self._blend(self.estimates.draft_step_s, draft_step_s)
+    def observe_overload(self) -> None:
+        """The verifier answered RESOURCE_EXHAUSTED: the cloud is dear for a cooldown."""
+        self.state.overloaded_at = self.state.clock()
 
     def verifier_down(self) -> None:
-        """The verifier could not be reached."""
-        self.estimates.verifier_up = False
+        """The verifier could not be reached (or health says NOT_SERVING)."""
+        self.state.verifier_up = False
