@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +31,7 @@ from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 from edge.verifier.limits import DEVICE_KEY, retry_after_ms
 
 T = TypeVar("T", bound=Message)
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ class VerifierClient:
         self.rate_limited_waits += 1
         return asked_ms / 1e3
 
-    def _unary(self, method: Any, request: Message, reply_type: type[T]) -> T:
-        """One unary call with the added RTT, byte counting and retries on overload."""
+    def _attempt(self, request: Message, rpc: Callable[[], R]) -> R:
+        """Run `rpc` with the added RTT and byte counting, retrying RESOURCE_EXHAUSTED refusals."""
         backoff = self.config.backoff_s
         for attempt in range(self.config.max_retries + 1):
             if self.config.added_rtt_s:
@@ -131,14 +132,20 @@ class VerifierClient:
             self.calls += 1
             self.bytes_up += request.ByteSize()
             try:
-                reply = method(request, timeout=self.config.timeout_s, metadata=self._metadata)
+                return rpc()
             except grpc.RpcError as err:
                 time.sleep(self._retry_delay(err, attempt, backoff))
                 backoff *= 2
-                continue
-            self.bytes_down += reply.ByteSize()
-            return reply  # type: ignore[no-any-return]
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _unary(self, method: Any, request: Message, reply_type: type[T]) -> T:
+        """One unary call (see `_attempt`); counts the reply's bytes."""
+        reply: T = self._attempt(
+            request,
+            lambda: method(request, timeout=self.config.timeout_s, metadata=self._metadata),
+        )
+        self.bytes_down += reply.ByteSize()
+        return reply
 
     def open(self, prompt_ids: Sequence[int], sampling: Sampling | None = None) -> SessionInfo:
         """Open a session (the verifier prefills the prompt)."""
@@ -216,25 +223,17 @@ class VerifierClient:
             sampling=pb.Sampling(temperature=sampling.temperature, seed=sampling.seed),
             stop_token_id=stop_token_id,
         )
-        backoff = self.config.backoff_s
-        for attempt in range(self.config.max_retries + 1):
-            if self.config.added_rtt_s:
-                time.sleep(self.config.added_rtt_s)
-            self.calls += 1
-            self.bytes_up += request.ByteSize()
+
+        def start() -> tuple[Iterator[pb.GenerateReply], pb.GenerateReply | None]:
             stream = self._stub.Generate(
                 request, timeout=self.config.timeout_s, metadata=self._metadata
             )
-            try:
-                first = next(stream, None)  # a refusal (rate limit, overload) arrives here
-            except grpc.RpcError as err:
-                time.sleep(self._retry_delay(err, attempt, backoff))
-                backoff *= 2
-                continue
-            for reply in itertools.chain([] if first is None else [first], stream):
-                self.bytes_down += reply.ByteSize()
-                yield int(reply.token_id)
-            return
+            return stream, next(stream, None)  # a refusal (rate limit, overload) arrives here
+
+        stream, first = self._attempt(request, start)
+        for reply in itertools.chain([] if first is None else [first], stream):
+            self.bytes_down += reply.ByteSize()
+            yield int(reply.token_id)
 
 
 # ---------------------------------------------------------------------- edge client library
