@@ -80,6 +80,9 @@ def simulate(
             code = _run_one(loaded, resume, True, console)
             raise typer.Exit(code)
         strategies = [s.strip() for s in (strategy or "").split(",") if s.strip()]
+        if not strategies:  # the scenario may name strategies to compare (phones: all three)
+            default = load_scenario(scenario, overrides, population).strategies
+            strategies = [s.strip() for s in default.split(",") if s.strip()]
         base = out or Path("runs") / f"{scenario}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
         if len(strategies) <= 1:
             if strategies:
@@ -99,6 +102,7 @@ def simulate(
             {s: MetricsLog(base / s).rows() for s in strategies}, base / "perplexity_compare.png"
         )
         console.print(f"comparison plot: {plot}")
+        _compare_devices(base, strategies, console)
         raise typer.Exit(max(codes))
     except (ValueError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -134,6 +138,36 @@ def _run_one(scenario: Scenario, run_dir: Path, resume: bool, console: Console) 
     return _report(run_dir, console)
 
 
+def _compare_devices(base: Path, strategies: list[str], console: Console) -> None:
+    """With simulated devices: perplexity against simulated hours, one line per strategy."""
+    from simulations.devicesim.report import plot_perplexity_hours, read_rounds
+
+    runs = {s: read_rounds(base / s) for s in strategies}
+    if not any(runs.values()):
+        return
+    summaries = {s: json.loads((base / s / "devices" / "summary.json").read_text()) for s in runs}
+    target = max(float(v.get("target_perplexity") or 0.0) for v in summaries.values())
+    plot = plot_perplexity_hours(runs, base / "perplexity_hours_compare.png", target)
+    console.print(f"perplexity vs simulated hours: {plot}")
+
+
+def _device_summary(run_dir: Path, console: Console) -> None:
+    """One line about the simulated devices of a run, when it had any."""
+    path = run_dir / "devices" / "summary.json"
+    if not path.is_file():
+        return
+    s = json.loads(path.read_text())
+    to_target = s["hours_to_target"]
+    console.print(
+        f"devices: {s['simulated_hours']:.2f} simulated h, trained {s['trained']:.0f} of "
+        f"{s['selected']:.0f} selected ({s['partial']:.0f} partial); dropped offline "
+        f"{s['dropped']['offline']:.0f}, deadline {s['dropped']['deadline']:.0f}, late "
+        f"{s['dropped']['late']:.0f}; {s['excluded_memory']} excluded (memory); wasted "
+        f"{100 * s['wasted_fraction']:.0f}% of compute; hours to target: "
+        f"{'-' if to_target is None else f'{to_target:.2f}'}"
+    )
+
+
 def _report(run_dir: Path, console: Console) -> int:
     """Print the per-round table and the final status from the run directory."""
     status_file = run_dir / "status.json"
@@ -158,6 +192,7 @@ def _report(run_dir: Path, console: Console) -> int:
             f"{row['round_seconds']:.1f}",
         )
     console.print(table)
+    _device_summary(run_dir, console)
     colour = "green" if status["status"] in ("completed", "budget") else "red"
     console.print(f"[{colour}]{status['status']}[/{colour}]: {status['message']}")
     console.print(f"run directory: {run_dir}")

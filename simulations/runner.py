@@ -2,8 +2,9 @@
 
 A scenario (``simulations/scenarios/<name>.toml``) has two tables: ``[scenario]``
 (the simulated population: ``num-supernodes``, Ray ``client-cpus`` and fractional
-``client-gpus`` per ClientApp) and ``[config]`` (run-config keys, exactly those of
-``[tool.flwr.app.config]``). CLI options override single keys. The resolved config
+``client-gpus`` per ClientApp, ``strategies`` run side by side by default) and ``[config]``
+(run-config keys, exactly those of ``[tool.flwr.app.config]``), and optionally
+``[devices]``: simulated devices on a virtual clock (docs/phones.md). CLI options override single keys. The resolved config
 is written to the run directory, which ``--resume`` reads back, so a run has one
 source of truth.
 """
@@ -21,6 +22,7 @@ import tomllib
 from server.config import RunConfig
 from server.rundir import read_config
 from simulations.devices import DeviceBehaviour
+from simulations.devicesim.config import DeviceConfig
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 _SCENARIO_FILE = "scenario.toml"
@@ -36,6 +38,8 @@ class Scenario:
     client_cpus: float
     client_gpus: float
     config: RunConfig
+    devices: DeviceConfig | None = None  # [devices]: simulated devices on a virtual clock
+    strategies: str = ""  # strategies `fedge simulate` compares when --strategy is not given
 
     def __post_init__(self) -> None:
         """Validate the population, naming the key."""
@@ -58,6 +62,7 @@ class Scenario:
             "num-supernodes": self.num_supernodes,
             "client-cpus": self.client_cpus,
             "client-gpus": self.client_gpus,
+            "strategies": self.strategies,
         }
 
 
@@ -83,11 +88,18 @@ def load_scenario(
     """Read a scenario file and apply config ``overrides`` and ``population`` overrides."""
     path = scenario_path(name_or_path)
     data = tomllib.loads(path.read_text())
-    unknown = sorted(set(data) - {"scenario", "config"})
+    unknown = sorted(set(data) - {"scenario", "config", "devices"})
     if unknown:
-        raise ValueError(f"{path}: unknown table(s) {unknown}; use [scenario] and [config]")
+        raise ValueError(
+            f"{path}: unknown table(s) {unknown}; use [scenario], [config] and [devices]"
+        )
     return _scenario_from_tables(
-        path.stem, data.get("scenario", {}), data.get("config", {}), overrides, population
+        path.stem,
+        data.get("scenario", {}),
+        data.get("config", {}),
+        overrides,
+        population,
+        data.get("devices"),
     )
 
 
@@ -97,6 +109,7 @@ def _scenario_from_tables(
     config: Mapping[str, Any],
     overrides: Mapping[str, Any] | None,
     population: Mapping[str, Any] | None,
+    devices: Mapping[str, Any] | None = None,
 ) -> Scenario:
     table = {**table, **(population or {})}
     return Scenario(
@@ -106,6 +119,8 @@ def _scenario_from_tables(
         client_cpus=float(table.get("client-cpus", 1)),
         client_gpus=float(table.get("client-gpus", 0.0)),
         config=RunConfig.from_mapping({**config, **(overrides or {})}),
+        devices=DeviceConfig.from_table(devices) if devices is not None else None,
+        strategies=str(table.get("strategies", "")),
     )
 
 
@@ -114,7 +129,8 @@ def load_run_scenario(run_dir: Path, overrides: Mapping[str, Any] | None = None)
     config = read_config(run_dir)
     scenario_file = run_dir / _SCENARIO_FILE
     table = tomllib.loads(scenario_file.read_text()) if scenario_file.is_file() else {}
-    return _scenario_from_tables(run_dir.name, table, config, overrides, None)
+    devices = table.pop("devices", None)
+    return _scenario_from_tables(run_dir.name, table, config, overrides, None, devices)
 
 
 def write_scenario_table(run_dir: Path, scenario: Scenario) -> None:
@@ -123,6 +139,9 @@ def write_scenario_table(run_dir: Path, scenario: Scenario) -> None:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"{k} = {json.dumps(v)}" for k, v in scenario.scenario_table().items()]
+    if scenario.devices is not None:
+        lines += ["", "[devices]"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in scenario.devices.to_table().items()]
     (run_dir / _SCENARIO_FILE).write_text("\n".join(lines) + "\n")
 
 
@@ -159,13 +178,59 @@ def run_simulation(
         {"run-dir": str(run_dir), "client-state-dir": str(run_dir / "client-state")}
     )
     write_scenario_table(run_dir, scenario)
+    devices = DeviceRun.start(scenario, cfg) if scenario.devices is not None else None
     concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
     os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
     box = OutcomeBox()
     flwr_run_simulation(
-        server_app=make_server_app(cfg, resume=resume, on_row=on_row, box=box),
+        server_app=make_server_app(
+            cfg,
+            resume=resume,
+            on_row=on_row,
+            box=box,
+            wrap_grid=devices.wrap if devices is not None else None,
+        ),
         client_app=client_app,
         num_supernodes=scenario.num_supernodes,
         backend_config=backend_config(scenario),  # type: ignore[arg-type]
     )
+    if devices is not None:
+        devices.finish(run_dir)
     return box.outcome
+
+
+@dataclass
+class DeviceRun:
+    """A scenario's simulated devices: built (and validated) before the run, reported after it."""
+
+    sim: Any  # simulations.devicesim.grid.DeviceSim
+    config: DeviceConfig
+    run_config: RunConfig
+
+    @classmethod
+    def start(cls, scenario: Scenario, cfg: RunConfig) -> DeviceRun:
+        """Build the population, workload and memory fit; a malformed population fails here."""
+        from simulations.devicesim.setup import build_sim
+
+        assert scenario.devices is not None
+        return cls(build_sim(scenario.devices, cfg, scenario.num_supernodes), scenario.devices, cfg)
+
+    def wrap(self, grid: Any) -> Any:
+        """The Grid the round loop talks to: Flower's, on the devices' virtual clock."""
+        from simulations.devicesim.grid import DeviceGrid, partitions_by_query
+
+        return DeviceGrid(grid, self.sim, partitions_by_query(self.run_config))
+
+    def finish(self, run_dir: Path) -> dict[str, Any]:
+        """Close the last round and write the device reports into ``<run>/devices``."""
+        from server.rundir import MetricsLog
+        from simulations.devicesim.report import write_reports
+
+        self.sim.end_round()
+        return write_reports(
+            self.sim,
+            run_dir,
+            MetricsLog(run_dir).rows(),
+            self.config.start_h * 3600.0,
+            self.config.target_perplexity,
+        )

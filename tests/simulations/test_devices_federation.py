@@ -1,0 +1,142 @@
+"""A real federation on simulated devices (`fedge simulate` with a [devices] table), end to end.
+
+Six devices, each built to exercise one rule (FedProx, K = 3 reports, 50% over-selection,
+deadline 3 s, 4 local steps of batch 4; step = 3 x 4 x ms / 1000 s, links instantaneous):
+
+====== ============ ============= ==========================================================
+device ms/sample    step seconds  round 1 (opens at 0)
+====== ============ ============= ==========================================================
+0      10           0.12          reports at 0.48: kept
+1      20           0.24          reports at 0.96: kept
+2      55           0.66          would report at 2.64, after the 3rd report (2.4): late
+3      100          1.2           4.8 > deadline 3: FedProx runs floor(3 / 1.2) = 2 steps,
+                                  reports at 2.4: kept, partial
+4      50 (0-1.5 s) 0.6           eligible only until 1.5 s: offline mid-round
+5      10, 1 KB     0.12          cannot fit the model: excluded, never selected
+====== ============ ============= ==========================================================
+
+Round 2 opens at 2.4 without device 4 and repeats the pattern; it closes at 4.8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEVICES = """device_id,tier,ms_per_sample,memory_gb,uplink_mbps,downlink_mbps,latency_ms,availability
+0,fast,10,4,1e6,1e6,0,
+1,fast,20,4,1e6,1e6,0,
+2,slow,55,4,1e6,1e6,0,
+3,slower,100,4,1e6,1e6,0,
+4,leaving,50,4,1e6,1e6,0,0-1.5
+5,tiny,10,0.000001,1e6,1e6,0,
+"""
+
+SCENARIO = """
+[scenario]
+num-supernodes = 6
+client-cpus = 1
+
+[config]
+model = "zoo:micro"
+num-server-rounds = 2
+strategy = "fedprox"
+fraction-train = 0.5
+target-reports = 3
+over-selection = 0.5
+min-train-nodes = 1
+min-available-nodes = 2
+max-chars-per-client = 20000
+local-steps = 4
+batch-size = 4
+seq-len = 32
+lora-r = 2
+lora-alpha = 4
+server-eval-batches = 2
+client-eval = false
+save-merged = false
+
+[devices]
+population = "{population}"
+deadline-s = 3
+"""
+
+
+@pytest.fixture(scope="module")
+def run(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    """One two-round FedProx federation on the six devices (Flower's simulation engine)."""
+    root = tmp_path_factory.mktemp("devices")
+    (root / "devices.csv").write_text(DEVICES)
+    (root / "scenario.toml").write_text(SCENARIO.format(population=root / "devices.csv"))
+    out = root / "run"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedge.cli",
+            "simulate",
+            str(root / "scenario.toml"),
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def per_device(run: Path) -> dict[int, dict[str, str]]:
+    import csv
+
+    with (run / "devices" / "per_device.csv").open() as f:
+        return {int(r["device_id"]): r for r in csv.DictReader(f)}
+
+
+def test_first_k_reports_are_kept_on_the_virtual_clock(run: Path) -> None:
+    rounds = [
+        json.loads(line) for line in (run / "devices" / "rounds.jsonl").read_text().splitlines()
+    ]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert [r["target"] for r in rounds] == [3, 3]
+    assert [r["selected"] for r in rounds] == [5, 4]  # ceil(3 x 1.5) capped by eligible devices
+    assert [r["trained"] for r in rounds] == [3, 3]
+    assert [r["dropped_late"] for r in rounds] == [1, 1]
+    assert rounds[0]["end_s"] == pytest.approx(2.4, abs=1e-6)  # closed at the 3rd report
+    assert rounds[1]["end_s"] == pytest.approx(4.8, abs=1e-6)
+    d = per_device(run)
+    assert float(d[2]["dropped_late"]) == 2 and float(d[2]["steps"]) == 0  # never trained here
+    assert float(d[0]["trained"]) == 2 and float(d[0]["steps"]) == 8
+
+
+def test_a_device_leaving_mid_round_drops_out_and_is_not_sampled_again(run: Path) -> None:
+    d = per_device(run)
+    assert float(d[4]["dropped_offline"]) == 1 and float(d[4]["selected"]) == 1
+    assert float(d[4]["wasted_s"]) == pytest.approx(1.5, abs=1e-6)  # computed 0 .. 1.5 s, lost
+
+
+def test_fedprox_keeps_partial_work_cut_by_the_deadline(run: Path) -> None:
+    d = per_device(run)
+    assert float(d[3]["trained"]) == 2 and float(d[3]["partial"]) == 2
+    assert float(d[3]["steps"]) == 4  # the client honoured its step budget: 2 steps a round
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["clients_succeeded"] for m in metrics[1:]] == [3, 3]
+    assert [m["clients_dropped"] for m in metrics[1:]] == [0, 0]  # the partial work counted
+
+
+def test_a_device_that_cannot_fit_the_model_is_never_selected(run: Path) -> None:
+    d = per_device(run)
+    assert d[5]["excluded_memory"] == "True" and float(d[5]["selected"]) == 0
+    summary = json.loads((run / "devices" / "summary.json").read_text())
+    assert summary["excluded_memory"] == 1 and summary["dropped"]["memory"] == 1
+    assert summary["simulated_hours"] == pytest.approx(4.8 / 3600, abs=1e-9)
+    assert (run / "devices" / "perplexity_hours.png").stat().st_size > 0
