@@ -47,13 +47,16 @@ def export_command(
     preset: Annotated[
         str, typer.Option(help="Zoo preset whose draft to export when MODEL_DIR is omitted.")
     ] = "default",
-    int8: Annotated[
-        bool, typer.Option("--int8/--no-int8", help="Also write the int8 quantized model.")
+    quantize: Annotated[
+        bool,
+        typer.Option(
+            "--quantize/--no-quantize", help="Also write the int8 and 4-bit quantized models."
+        ),
     ] = True,
     prompts: Annotated[int, typer.Option(help="Held-out validation prompts.")] = 8,
     prompt_len: Annotated[int, typer.Option(help="Tokens per validation prompt.")] = 32,
 ) -> None:
-    """Export MODEL_DIR to ONNX with KV-cache tensors, quantize to int8, validate, write a manifest."""
+    """Export MODEL_DIR to ONNX with KV-cache tensors, quantize (int8, 4-bit), validate, write a manifest."""
     from edge.export import ExportConfig, ExportValidationError, export_draft
     from edge.prompts import heldout_prompts
     from fedge.models import load_tokenizer
@@ -69,7 +72,7 @@ def export_command(
                 model_dir,
                 out,
                 heldout_prompts(tokenizer, prompts, prompt_len),
-                ExportConfig(quantize=int8),
+                ExportConfig(quantize=quantize),
             )
         except ExportValidationError as err:
             _console.print(f"[red]{err}[/red]")
@@ -110,7 +113,7 @@ def generate_command(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     draft_len: Annotated[int, typer.Option(help="Initial draft length (adapts +2/-1).")] = 4,
     backend: Annotated[
-        str, typer.Option(help="Draft runtime: auto, onnx-int8, onnx-fp32, torch.")
+        str, typer.Option(help="Draft runtime: auto, onnx-int4, onnx-int8, onnx-fp32, torch.")
     ] = "auto",
     token: Annotated[
         str | None, typer.Option(envvar=TOKEN_ENV, help=f"Bearer token (or ${TOKEN_ENV}).")

@@ -2,7 +2,8 @@
 
 `export_draft` writes `draft.fp32.onnx` (torch.onnx dynamo export of a wrapper
 that takes the past keys/values as tensors and returns the presents), then
-`draft.int8.onnx` (`onnxruntime.quantization.quantize_dynamic`), checks each
+`draft.int8.onnx` (`onnxruntime.quantization.quantize_dynamic`) and
+`draft.int4.onnx` (4-bit weight-only `MatMulNBits`), checks each
 against the torch model on held-out prompts (prefill plus cached single-token
 steps: max logit difference and greedy agreement), and writes `manifest.json`
 with hashes and the figures. A variant that misses a threshold is recorded with
@@ -31,6 +32,7 @@ from fedge.errors import FedgeError
 
 FP32_FILE = "draft.fp32.onnx"
 INT8_FILE = "draft.int8.onnx"
+INT4_FILE = "draft.int4.onnx"
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -42,19 +44,21 @@ class ExportValidationError(FedgeError):
 class ExportConfig:
     """What to export and how strictly to validate it."""
 
-    quantize: bool = True
+    quantize: bool = True  # also write the int8 and int4 variants
     fp32_max_logit_diff: float = 1e-3  # same graph, same fp32 math: only kernel rounding differs
     int8_max_logit_diff: float = 2.0  # int8 weights move logits; greedy agreement is the real bar
+    int4_max_logit_diff: float = 3.0  # 16 levels per block of 32 weights move logits further
     fp32_min_agreement: float = 0.99
     int8_min_agreement: float = 0.90
+    int4_min_agreement: float = 0.90
     steps: int = 16  # cached single-token steps after each prompt's prefill
     timing_steps: int = 32  # decode steps timed per variant for the manifest
 
     def __post_init__(self) -> None:
-        for name in ("fp32_max_logit_diff", "int8_max_logit_diff"):
+        for name in ("fp32_max_logit_diff", "int8_max_logit_diff", "int4_max_logit_diff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ExportConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("fp32_min_agreement", "int8_min_agreement"):
+        for name in ("fp32_min_agreement", "int8_min_agreement", "int4_min_agreement"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(
                     f"ExportConfig.{name} must lie in [0, 1], got {getattr(self, name)}"
@@ -128,6 +132,77 @@ def quantize_int8(fp32_path: Path, int8_path: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(fp32_path, int8_path, weight_type=QuantType.QInt8)
+
+
+def quantize_int4(
+    fp32_path: Path, int4_path: Path, block_size: int = 32, accuracy_level: int = 4
+) -> None:
+    """4-bit weight-only quantization: MatMuls with a constant weight become MatMulNBits.
+
+    One fused op per matrix (no run-time activation quantize/dequantize pair as with dynamic
+    int8), so it can pay on matrices narrower than int8 needs; accuracy_level 4 computes with
+    int8 activations on VNNI. Blocks of `block_size` input channels share a scale. A tied
+    output layer reads its weight through a Transpose, which is folded first so its MatMul
+    sees a constant; the embedding lookup gets its own copy and is quantized too.
+    """
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    model = onnx.load(str(fp32_path))
+    _fold_weight_transposes(model.graph)
+    _untie_gathers(model.graph)
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=accuracy_level,
+        op_types_to_quantize=("MatMul", "Gather"),
+    )
+    quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(int4_path), use_external_data_format=False)
+
+
+def _fold_weight_transposes(graph: Any) -> None:
+    """Replace Transpose nodes of initializers by transposed initializers (constant folding)."""
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    for node in list(graph.node):
+        if node.op_type != "Transpose" or node.input[0] not in initializers:
+            continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        weight = numpy_helper.to_array(initializers[node.input[0]])
+        folded = numpy_helper.from_array(
+            np.ascontiguousarray(weight.transpose(perm)), node.output[0]
+        )
+        graph.initializer.append(folded)
+        graph.node.remove(node)
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+def _untie_gathers(graph: Any) -> None:
+    """Give every Gather whose table is a shared initializer its own copy of that table."""
+    import onnx
+
+    initializers = {t.name: t for t in graph.initializer}
+    users: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            users[name] = users.get(name, 0) + 1
+    for node in graph.node:
+        table = node.input[0] if node.op_type == "Gather" and node.input else ""
+        if table in initializers and users[table] > 1:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(initializers[table])
+            copy.name = f"{table}.gather"
+            graph.initializer.append(copy)
+            node.input[0] = copy.name
 
 
 @torch.no_grad()
@@ -206,6 +281,8 @@ def export_draft(
         if config.quantize:
             quantize_int8(staged / FP32_FILE, staged / INT8_FILE)
             variants["int8"] = (INT8_FILE, config.int8_max_logit_diff, config.int8_min_agreement)
+            quantize_int4(staged / FP32_FILE, staged / INT4_FILE)
+            variants["int4"] = (INT4_FILE, config.int4_max_logit_diff, config.int4_min_agreement)
         manifest = _describe(model_dir, geo, past_names, config, len(prompts))
         for variant, (filename, max_diff, min_agree) in variants.items():
             runtime = OnnxDraftRuntime(staged / filename, manifest, name=f"onnx-{variant}")

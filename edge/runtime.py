@@ -209,6 +209,7 @@ def _dispatch_torch(source: Path, threads: int) -> DraftRuntime | str:
 
 
 RUNTIMES: dict[str, Callable[[Path, int], DraftRuntime | str]] = {
+    "onnx-int4": _onnx_dispatcher("int4"),
     "onnx-int8": _onnx_dispatcher("int8"),
     "onnx-fp32": _onnx_dispatcher("fp32"),
     "torch": _dispatch_torch,  # default, last
@@ -218,8 +219,9 @@ RUNTIMES: dict[str, Callable[[Path, int], DraftRuntime | str]] = {
 def auto_order(source: Path) -> list[str]:
     """RUNTIMES in order, except that ONNX variants go fastest first by the manifest's decode time.
 
-    int8 is not always faster: on tiny drafts per-op quantization overhead dominates,
-    so the measured `decode_step_s` decides (torch stays last, the default).
+    Quantized is not always faster: on narrow drafts per-op overhead dominates (see the
+    crossover table in docs/edge.md), so the measured `decode_step_s` decides (torch stays
+    last, the default).
     """
     names = list(RUNTIMES)
     if not (source / MANIFEST_NAME).is_file():

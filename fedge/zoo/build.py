@@ -30,6 +30,8 @@ from fedge.zoo.training import (
     TrainResult,
     distillation_loss,
     next_token_loss,
+    share_embeddings,
+    shared_parameters,
     train,
 )
 
@@ -110,7 +112,7 @@ class _Builder:
         self.work.mkdir(parents=True, exist_ok=True)
 
     def run(self) -> ZooPaths:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         torch.set_num_threads(self.preset.threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
         files = stdlib_sources(max_chars_per_label=self.preset.max_chars_per_label)
@@ -124,6 +126,7 @@ class _Builder:
             files, tokenizer, train_ids, heldout_ids, target, draft, target_run, draft_run
         )
         card["build_seconds"] = round(time.perf_counter() - started, 1)
+        card["build_cpu_seconds"] = round(time.process_time() - cpu_started, 1)
         self.paths.card_path.write_text(json.dumps(card, indent=2))
         shutil.rmtree(self.work, ignore_errors=True)
         self.console.print(f"[green]zoo {self.preset.name} built at {self.paths.root}")
@@ -165,10 +168,14 @@ class _Builder:
         if not verify_manifest(directory):
             model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
             run = json.loads((directory / RUN_RECORD).read_text())
-            run["training_seconds"] = self._timings().get(role)
+            timings = self._timings()
+            run["training_seconds"] = timings.get(role)
+            run["training_cpu_seconds"] = timings.get(f"{role}_cpu")
             return model.eval(), run
         torch.manual_seed(self.seed + (1 if teacher is not None else 0))
         model = LlamaForCausalLM(self._config(shape, tokenizer))
+        if teacher is not None and self.preset.share_embeddings:
+            share_embeddings(model, teacher)
         budget = self.preset.draft_train if teacher is not None else self.preset.target_train
         loss_fn: LossFn
         if teacher is None:
@@ -187,11 +194,21 @@ class _Builder:
                 self.preset.checkpoint_every,
                 bar,
             )
-        run = _run_record(model, result)
+        run = _run_record(
+            model, result, shared=teacher is not None and self.preset.share_embeddings
+        )
         self._save(model, tokenizer, directory, run)
-        timings = {**self._timings(), role: round(result.seconds, 1)}
+        timings = {
+            **self._timings(),
+            role: round(result.seconds, 1),
+            f"{role}_cpu": round(result.cpu_seconds, 1),
+        }
         (self.paths.root / TIMINGS_NAME).write_text(json.dumps(timings))
-        return model, {**run, "training_seconds": timings[role]}
+        return model, {
+            **run,
+            "training_seconds": timings[role],
+            "training_cpu_seconds": timings[f"{role}_cpu"],
+        }
 
     def _timings(self) -> dict[str, float]:
         path = self.paths.root / TIMINGS_NAME
@@ -279,9 +296,14 @@ class _Builder:
         }
 
 
-def _run_record(model: LlamaForCausalLM, result: TrainResult) -> dict[str, Any]:
+def _run_record(model: LlamaForCausalLM, result: TrainResult, shared: bool) -> dict[str, Any]:
+    """Training figures; a draft sharing the target's embedding also counts its own parameters."""
+    record: dict[str, Any] = {"parameters": sum(t.numel() for t in model.parameters())}
+    if shared:
+        record["shared_with_target"] = sum(t.numel() for t in shared_parameters(model))
+        record["own_parameters"] = record["parameters"] - record["shared_with_target"]
     return {
-        "parameters": sum(t.numel() for t in model.parameters()),
+        **record,
         "training_steps": result.steps,
         "training_tokens": result.tokens,
         "final_train_loss": round(result.final_loss, 4),

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 
 from fedge.zoo.presets import TrainBudget
 
@@ -31,6 +33,7 @@ class TrainResult:
     steps: int
     tokens: int
     seconds: float
+    cpu_seconds: float  # process CPU time: on a quiet machine, wall time is about this / threads
     final_loss: float
 
 
@@ -83,6 +86,31 @@ def distillation_loss(teacher: nn.Module, temperature: float) -> LossFn:
     return loss
 
 
+def shared_parameters(model: PreTrainedModel) -> tuple[nn.Parameter, nn.Parameter]:
+    """A Llama model's token embedding (tied to its output layer) and final norm weights."""
+    embedding: Any = model.get_input_embeddings()
+    norm: Any = model.model.norm  # type: ignore[union-attr]
+    return embedding.weight, norm.weight
+
+
+def share_embeddings(draft: PreTrainedModel, target: PreTrainedModel) -> None:
+    """Give the draft the target's (tied) token embedding and final norm, frozen.
+
+    The draft then predicts in the target's output space from the first step and trains only
+    its layers; both models must be equally wide and share the tokenizer.
+    """
+    mine, theirs = shared_parameters(draft), shared_parameters(target)
+    if mine[0].shape != theirs[0].shape:
+        raise ValueError(
+            f"draft embedding {tuple(mine[0].shape)} differs from the target's "
+            f"{tuple(theirs[0].shape)}; share_embeddings needs equal width and vocabulary"
+        )
+    with torch.no_grad():
+        for own, source in zip(mine, theirs, strict=True):
+            own.copy_(source)
+            own.requires_grad_(False)  # the tied embedding freezes the output layer too
+
+
 def _make_optimizer(model: nn.Module, budget: TrainBudget) -> torch.optim.AdamW:
     """AdamW with decay on matrices only (norms and biases are not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -108,15 +136,17 @@ def train(
 ) -> TrainResult:
     """Train `model` in place for `budget.steps`, resuming from `checkpoint` when it exists."""
     optimizer = _make_optimizer(model, budget)
-    start, seconds = 0, 0.0
+    start, seconds, cpu_seconds = 0, 0.0, 0.0
     if checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start, seconds = int(state["step"]), float(state["seconds"])
+        cpu_seconds = float(state.get("cpu_seconds", 0.0))
     model.train()
     loss_value = float("nan")
     began = time.perf_counter() - seconds
+    cpu_began = time.process_time() - cpu_seconds
     for step in range(start, budget.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, budget)
@@ -131,27 +161,34 @@ def train(
         if progress is not None:
             progress(step + 1, budget.steps, loss_value)
         if (step + 1) % checkpoint_every == 0 and step + 1 < budget.steps:
-            _save_checkpoint(checkpoint, model, optimizer, step + 1, time.perf_counter() - began)
+            elapsed = (time.perf_counter() - began, time.process_time() - cpu_began)
+            _save_checkpoint(checkpoint, model, optimizer, step + 1, elapsed)
     model.eval()
     return TrainResult(
         steps=budget.steps,
         tokens=budget.steps * budget.batch_size * context,
         seconds=time.perf_counter() - began,
+        cpu_seconds=time.process_time() - cpu_began,
         final_loss=loss_value,
     )
 
 
 def _save_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, seconds: float
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    elapsed: tuple[float, float],
 ) -> None:
-    """Write atomically: a checkpoint is either complete or absent."""
+    """Write atomically: a checkpoint is either complete or absent. `elapsed` is (wall, CPU) s."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     state = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "step": step,
-        "seconds": seconds,
+        "seconds": elapsed[0],
+        "cpu_seconds": elapsed[1],
     }
     torch.save(state, partial)
     partial.replace(path)

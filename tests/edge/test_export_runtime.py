@@ -1,4 +1,4 @@
-"""ONNX export of the micro draft: manifest, validation, int8 runtime, KV rollback, refusal of invalid exports."""
+"""ONNX export of the micro draft: manifest, validation, int8/int4 runtimes, KV rollback, refusal of invalid exports."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from fedge.zoo import ZooPaths
 def exported(
     micro_zoo: ZooPaths, micro_prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    """One fp32 + int8 export of the micro draft, validated on 6 held-out prompts."""
+    """One fp32 + int8 + int4 export of the micro draft, validated on 6 held-out prompts."""
     out = tmp_path_factory.mktemp("export")
     export_draft(
         micro_zoo.draft_dir, out, micro_prompts[8:14], ExportConfig(steps=8, timing_steps=8)
@@ -33,13 +33,14 @@ def test_manifest_records_geometry_hashes_and_validation(exported: Path) -> None
     manifest = json.loads((exported / "manifest.json").read_text())
     assert manifest["vocab_size"] == 1024 and manifest["num_layers"] == 1
     assert manifest["past_names"] == ["past_key_0", "past_value_0"]
-    for variant in ("fp32", "int8"):
+    for variant in ("fp32", "int8", "int4"):
         entry = manifest["variants"][variant]
         assert entry["valid"], entry["failures"]
         assert len(entry["sha256"]) == 64 and (exported / entry["file"]).is_file()
         assert entry["positions"] == 6 * 8
     assert manifest["variants"]["fp32"]["max_abs_logit_diff"] < 1e-3
     assert manifest["variants"]["int8"]["bytes"] < manifest["variants"]["fp32"]["bytes"]
+    assert manifest["variants"]["int4"]["bytes"] < manifest["variants"]["int8"]["bytes"]
     assert load_export_tokenizer(exported).encode("import os") != []
 
 
@@ -50,6 +51,7 @@ def test_dispatch_prefers_the_faster_valid_variant_then_torch(
     faster = min(variants, key=lambda name: variants[name]["decode_step_s"])
     assert load_draft_runtime(exported).name == f"onnx-{faster}"
     assert load_draft_runtime(exported, "onnx-int8").name == "onnx-int8"
+    assert load_draft_runtime(exported, "onnx-int4").name == "onnx-int4"
     assert load_draft_runtime(exported, "onnx-fp32").name == "onnx-fp32"
     assert load_draft_runtime(micro_zoo.draft_dir).name == "torch"
     with pytest.raises(ModelNotFoundError, match=r"onnx-int8: no manifest.json"):
@@ -92,9 +94,12 @@ def test_onnx_draft_matches_torch_draft_in_greedy_decoding(
     engine = VerifierEngine(micro_target, EngineConfig(batch_window_s=0.0)).start()
     try:
         int8 = SpeculativeDecoder(load_draft_runtime(exported, "onnx-int8"), engine, config)
+        int4 = SpeculativeDecoder(load_draft_runtime(exported, "onnx-int4"), engine, config)
         torch_draft = SpeculativeDecoder(TorchDraftRuntime(micro_target), engine, config)
         for prompt in micro_prompts[6:10]:
-            assert int8.generate(prompt) == torch_draft.generate(prompt)
+            expected = torch_draft.generate(prompt)
+            assert int8.generate(prompt) == expected
+            assert int4.generate(prompt) == expected
     finally:
         engine.stop()
 
@@ -109,6 +114,7 @@ def test_tampered_or_invalid_exports_are_refused(exported: Path, tmp_path: Path)
     manifest["variants"]["int8"]["failures"] = ["greedy_agreement 0.1 < 0.9"]
     (copy / "manifest.json").write_text(json.dumps(manifest))
     manifest["variants"]["fp32"]["decode_step_s"] = 1.0  # int8 first in auto order, but invalid
+    del manifest["variants"]["int4"]
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert load_draft_runtime(copy).name == "onnx-fp32"  # the invalid int8 is skipped
     with pytest.raises(ModelNotFoundError, match=r"failed validation"):

@@ -1,0 +1,71 @@
+"""A draft sharing the target's embedding: copied, frozen through distillation, refused when shapes differ."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fedge.zoo import get_preset
+from fedge.zoo.presets import ModelShape, TrainBudget
+from fedge.zoo.training import distillation_loss, share_embeddings, train
+
+
+def _llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def test_shared_embedding_stays_the_targets_through_distillation(tmp_path: Path) -> None:
+    target, draft = _llama(32, 2, seed=0).eval(), _llama(32, 1, seed=1)
+    layer_before = draft.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    share_embeddings(draft, target)
+    tokens = np.random.default_rng(0).integers(0, 300, size=2000).astype(np.uint16)
+    budget = TrainBudget(steps=3, batch_size=2, lr=1e-2, warmup_steps=1)
+    loss = distillation_loss(target, temperature=1.0)
+    train(draft, tokens, budget, 16, 0, loss, tmp_path / "ckpt.pt", checkpoint_every=10)
+
+    torch.testing.assert_close(
+        draft.get_input_embeddings().weight, target.get_input_embeddings().weight
+    )
+    torch.testing.assert_close(
+        draft.get_output_embeddings().weight, target.get_input_embeddings().weight
+    )
+    torch.testing.assert_close(draft.model.norm.weight, target.model.norm.weight)
+    assert not draft.get_input_embeddings().weight.requires_grad
+    assert not torch.equal(draft.model.layers[0].self_attn.q_proj.weight, layer_before)
+
+
+def test_sharing_needs_equal_widths() -> None:
+    with pytest.raises(ValueError, match=r"draft embedding \(300, 16\) differs from the target's"):
+        share_embeddings(_llama(16, 1, seed=1), _llama(32, 1, seed=0))
+    default = get_preset("default")
+    with pytest.raises(ValueError, match=r"share_embeddings needs draft.hidden=128 equal to"):
+        replace(default, draft=ModelShape(layers=2, hidden=128, heads=4, intermediate=384))
+
+
+def test_default_draft_owns_under_a_fifth_of_the_target() -> None:
+    """Own parameters (layers + final norm is shared, so layers only) by the preset's shapes."""
+    p = get_preset("default")
+
+    def layers(shape: ModelShape) -> int:
+        h, f = shape.hidden, shape.intermediate
+        return shape.layers * (4 * h * h + 3 * h * f + 2 * h)
+
+    target = p.vocab_size * p.target.hidden + layers(p.target) + p.target.hidden
+    assert p.share_embeddings
+    assert layers(p.draft) <= target / 5
