@@ -178,7 +178,9 @@ def run_simulation(
         {"run-dir": str(run_dir), "client-state-dir": str(run_dir / "client-state")}
     )
     write_scenario_table(run_dir, scenario)
-    devices = DeviceRun.start(scenario, cfg) if scenario.devices is not None else None
+    devices = DeviceRun.start(scenario, cfg, run_dir, resume) if scenario.devices else None
+    if devices is not None:
+        on_row = devices.rows_to(on_row)
     concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
     os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
     box = OutcomeBox()
@@ -207,13 +209,49 @@ class DeviceRun:
     config: DeviceConfig
     run_config: RunConfig
 
+    run_dir: Path
+
     @classmethod
-    def start(cls, scenario: Scenario, cfg: RunConfig) -> DeviceRun:
-        """Build the population, workload and memory fit; a malformed population fails here."""
+    def start(cls, scenario: Scenario, cfg: RunConfig, run_dir: Path, resume: bool) -> DeviceRun:
+        """Build the population, workload and memory fit (a malformed population fails here);
+        on ``resume``, continue the clock and counters of the checkpointed round."""
+        from server.checkpoint import latest_round
         from simulations.devicesim.setup import build_sim
 
         assert scenario.devices is not None
-        return cls(build_sim(scenario.devices, cfg, scenario.num_supernodes), scenario.devices, cfg)
+        sim = build_sim(scenario.devices, cfg, scenario.num_supernodes)
+        run = cls(sim, scenario.devices, cfg, run_dir)
+        last = latest_round(run_dir) if resume else None
+        if last:
+            state = run.state_path(last)
+            if not state.is_file():
+                raise FileNotFoundError(
+                    f"{state} is missing: the device clock of round {last} cannot be restored; "
+                    "start a fresh run"
+                )
+            sim.load(state)
+        return run
+
+    def state_path(self, server_round: int) -> Path:
+        """Where the device state after ``server_round`` is kept."""
+        return self.run_dir / "devices" / "state" / f"round_{server_round:04d}.npz"
+
+    def rows_to(
+        self, on_row: Callable[[Mapping[str, Any]], None] | None
+    ) -> Callable[[Mapping[str, Any]], None]:
+        """An ``on_row`` that first closes the round on the device clock and saves its state."""
+
+        def row(metrics: Mapping[str, Any]) -> None:
+            r = int(metrics["round"])
+            if r > 0:
+                self.sim.end_round()
+                self.sim.save(self.state_path(r))
+                old = self.state_path(r - 2)
+                old.unlink(missing_ok=True)
+            if on_row is not None:
+                on_row(metrics)
+
+        return row
 
     def wrap(self, grid: Any) -> Any:
         """The Grid the round loop talks to: Flower's, on the devices' virtual clock."""

@@ -19,10 +19,12 @@ shared its keys does not answer the collect stage, which SecAgg+ handles as a dr
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -140,6 +142,27 @@ class DeviceSim:
             self._round.end_s = self.state.clock_s
             self.state.rounds.append(self._round)
             self._round = None
+
+    def save(self, path: Path) -> None:
+        """Persist the clock, counters and closed rounds (what a resumed run continues from)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rounds = json.dumps([r.__dict__ for r in self.state.rounds])
+        tmp = path.with_suffix(".tmp.npz")
+        arrays: dict[str, Any] = {
+            "clock_s": self.state.clock_s,
+            "rounds": np.array(rounds),
+            **self.state.counters,
+        }
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        """Continue from a saved state (node ids are learnt again: they change across restarts)."""
+        with np.load(path) as data:
+            counters = {name: data[name].copy() for name in COUNTERS}
+            rounds = [RoundRecord(**r) for r in json.loads(str(data["rounds"]))]
+            self.state = DeviceState(float(data["clock_s"]), counters, rounds)
+        self._round = None
 
     def current_round(self) -> RoundRecord | None:
         """The open round, or None between rounds."""
