@@ -1,27 +1,33 @@
-"""Benchmark edge-cloud speculative decoding against cloud-only and edge-only decoding, side by side.
+"""Benchmark edge-cloud decoding through an emulated network: routes, router, capacity, faults.
 
-1. Speculative (int8 ONNX draft on the edge, verifier over gRPC) vs cloud-only (the
-   verifier's own token stream) vs edge-only (the draft alone), at an added round-trip
-   time of 0, 20 and 100 ms: tokens/s at the edge, target passes per token, acceptance,
-   protobuf payload bytes up and down per token. The RTT is simulated on the client: it
-   sleeps for the RTT before every unary call and once before a stream (edge.client).
-2. Hugging Face `generate(assistant_model=draft)` on the same model pair, in process, as a
-   peer baseline (target passes counted with a forward hook), beside plain `generate`.
-3. int8 against fp32 ONNX draft: decode step time, edge-only speed, acceptance.
-4. Verifier capacity: 32 concurrent sessions replaying draft-length-4 verifies, batched
-   (max batch 32, 2 ms window) against one-at-a-time (max batch 1): aggregate tokens/s
-   and p50/p99 verify latency.
+Every byte between edge and verifier crosses `simulations.netem`, a userspace TCP proxy that
+delays each direction by RTT/2 (`tc netem` does not exist on these machines' kernel); the
+verifier is a child process (`fedge verifier serve`, one torch thread).
 
-The verifier runs as a separate process (`fedge verifier serve`, one torch thread), the
-edge in this process (one thread). Usage: ``python bench/edge.py [--preset auto|micro|demo|default]
-[--prompts 6] [--new-tokens 48] [--rtts 0,20,100] [--sessions 32] [--rounds 12]``; `auto`
-takes the default zoo when it is built, else demo, else micro. The last line printed is
-one JSON object, also written to ``bench/results/edge.json``.
+1. Per request at RTT 0, 20, 50, 100, 200 ms: edge-only, speculative, cloud-only and the
+   router (one router learning online across the whole run): tokens/s, TTFT, target passes
+   per token, wire bytes per token (at the proxy), network round trips per token, cost per
+   token in the router's units, and whether the service objective is met. The router is
+   compared with the best fixed route: the cheapest route that meets the objective.
+2. Capacity at RTT 20 and 100 ms: the most concurrent devices one verifier serves while every
+   device meets the objective, for cloud-only, speculative and the router. Devices replay
+   drafts recorded beforehand and wait the draft's measured step time
+   (`simulations.edge_devices`), so they cost the verifier what real devices cost and the
+   machine almost nothing; the proxy runs in its own process. Also measured: whether a target
+   pass over k+1 tokens costs about one pass or k+1 (the CPU's regime).
+3. Faults: 16 devices decoding speculatively while the verifier is killed (SIGKILL) and
+   restarted behind the proxy: requests finished in the cloud, on the device, failed, and
+   whether every cloud-verified greedy output equals the target's.
+
+Usage: ``python bench/edge.py [--quick] [--preset auto|micro|demo|default]``; the last line
+printed is one JSON object, also written to ``bench/results/edge.json`` (``edge_quick.json``
+with ``--quick``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -42,20 +48,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "edge.json"
 PROMPT_TOKENS = 32
-DRAFT_LEN = 4
+ROUTES = ("edge-only", "speculative", "cloud-only")
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages."""
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def pick_zoo(preset: str) -> Any:
-    """The requested zoo; `auto` = the largest already built (never triggers the long default build)."""
+    """The requested zoo; `auto` = default when complete, else demo, else micro."""
     from fedge.paths import zoo_dir
     from fedge.zoo import ZooPaths, ensure_zoo, zoo_problems
 
     if preset != "auto":
         paths = ZooPaths(zoo_dir(preset))
         if preset == "default" and zoo_problems(paths):
-            raise SystemExit(
-                "the default zoo is not built: run `fedge models build --preset default` first"
-            )
+            raise SystemExit("the default zoo is not built: `fedge models build --preset default`")
         return preset, ensure_zoo(preset)
     for name in ("default", "demo"):
         if not zoo_problems(ZooPaths(zoo_dir(name))):
@@ -64,29 +73,13 @@ def pick_zoo(preset: str) -> Any:
 
 
 class VerifierProcess:
-    """`fedge verifier serve` in a child process on 127.0.0.1:0; stopped by SIGTERM to its pid."""
+    """`fedge verifier serve` in a child process on 127.0.0.1:0."""
 
-    def __init__(self, model_dir: Path, max_batch: int) -> None:
+    def __init__(self, model_dir: Path, max_batch: int = 32) -> None:
         command = [
-            sys.executable,
-            "-m",
-            "fedge.cli",
-            "verifier",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            "0",
-            "--max-batch",
-            str(max_batch),
-            "--batch-window-ms",
-            "2",
-            "--torch-threads",
-            "1",
-            "--grace-s",
-            "1",
-            "--max-draft",
-            "16",
+            *(sys.executable, "-m", "fedge.cli", "verifier", "serve", "--model", str(model_dir)),
+            *("--port", "0", "--max-batch", str(max_batch), "--batch-window-ms", "2"),
+            *("--torch-threads", "1", "--grace-s", "1", "--max-draft", "16"),
         ]
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -97,7 +90,13 @@ class VerifierProcess:
         if not match:
             self.stop()
             raise RuntimeError(f"verifier did not start: {line!r}")
-        self.target = f"127.0.0.1:{match.group(1)}"
+        self.port = int(match.group(1))
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no drain."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
 
     def stop(self) -> None:
         """SIGTERM, then wait for the drain."""
@@ -106,270 +105,461 @@ class VerifierProcess:
             self.proc.wait(timeout=60)
 
 
-# ---------------------------------------------------------------- 1. routes x RTT
-def speculative_run(
-    runtime: Any, client: Any, prompts: list[list[int]], new_tokens: int
-) -> dict[str, float]:
-    """Greedy speculative decoding of every prompt; totals turned into rates."""
-    from edge.decoder import DecodeConfig, SpeculativeDecoder
+class ProxyProcess:
+    """`python -m simulations.netem` in its own process, so dozens of devices do not share its GIL."""
 
-    tokens = rounds = drafted = accepted = 0
-    seconds = 0.0
-    up0, down0 = client.bytes_up, client.bytes_down
-    for prompt in prompts:
-        decoder = SpeculativeDecoder(
-            runtime, client, DecodeConfig(max_new_tokens=new_tokens, draft_len=DRAFT_LEN)
+    def __init__(self, target_port: int, rtt_ms: float) -> None:
+        command = [
+            *(sys.executable, "-m", "simulations.netem", "--target", f"127.0.0.1:{target_port}"),
+            *("--rtt-ms", str(rtt_ms)),
+        ]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
-        decoder.generate(prompt)
-        s = decoder.stats
-        tokens, rounds, seconds = tokens + s.tokens, rounds + s.rounds, seconds + s.seconds
-        drafted, accepted = drafted + s.drafted, accepted + s.accepted
-    return {
-        "tokens_per_s": tokens / seconds,
-        "target_passes_per_token": rounds / tokens,
-        "acceptance": accepted / max(1, drafted),
-        "bytes_up_per_token": (client.bytes_up - up0) / tokens,
-        "bytes_down_per_token": (client.bytes_down - down0) / tokens,
+        assert self.proc.stdout is not None
+        match = re.search(r"127\.0\.0\.1:(\d+) ->", self.proc.stdout.readline())
+        if not match:
+            self.stop()
+            raise RuntimeError("the network emulator did not start")
+        self.port = int(match.group(1))
+
+    def stop(self) -> None:
+        """SIGTERM to its pid."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------- figures
+def route_cost(per_token: dict[str, float]) -> float:
+    """Cost per token in the router's units (default weights and device)."""
+    from edge.router import DeviceState, RouterConfig
+
+    cfg, dev = RouterConfig(), DeviceState()
+    joules = (
+        per_token["drafted"] * dev.joules_per_draft_token + per_token["bytes"] * dev.joules_per_byte
+    )
+    return (
+        cfg.pass_cost * per_token["passes"]
+        + cfg.byte_cost * per_token["bytes"]
+        + cfg.joule_cost * dev.energy_weight * joules
+    )
+
+
+def summarize(reports: list[Any], wire_bytes: int, objective: Any) -> dict[str, Any]:
+    """Totals of a set of requests turned into per-request and per-token figures."""
+    tokens = sum(r.tokens for r in reports)
+    seconds = sum(r.seconds for r in reports)
+    ttfts = [r.ttft_s for r in reports]
+    per_token = {
+        "passes": sum(r.rounds for r in reports) / tokens,
+        "bytes": wire_bytes / tokens,
+        "drafted": sum(r.drafted for r in reports) / tokens,
     }
-
-
-def cloud_run(client: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """The verifier's own greedy stream for every prompt."""
-    tokens, seconds = 0, 0.0
-    up0, down0 = client.bytes_up, client.bytes_down
-    for prompt in prompts:
-        started = time.perf_counter()
-        tokens += sum(1 for _ in client.generate(prompt, new_tokens))
-        seconds += time.perf_counter() - started
-    return {
+    out = {
         "tokens_per_s": tokens / seconds,
-        "target_passes_per_token": 1.0,
-        "bytes_up_per_token": (client.bytes_up - up0) / tokens,
-        "bytes_down_per_token": (client.bytes_down - down0) / tokens,
+        "ttft_s_mean": float(np.mean(ttfts)),
+        "ttft_s_p90": float(np.percentile(ttfts, 90)),
+        "target_passes_per_token": per_token["passes"],
+        "wire_bytes_per_token": per_token["bytes"],
+        "payload_bytes_per_token": sum(r.bytes_up + r.bytes_down for r in reports) / tokens,
+        "round_trips_per_token": sum(r.round_trips for r in reports) / tokens,
+        "cost_per_token": route_cost(per_token),
+        "routes": sorted({r.route for r in reports}),
     }
+    out["meets_objective"] = (
+        out["tokens_per_s"] >= objective.tokens_per_s and out["ttft_s_p90"] <= objective.ttft_s
+    )
+    return out
 
 
-def edge_run(runtime: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """The draft alone, greedy, no network."""
-    from edge.decoder import DecodeConfig, edge_only
-
-    tokens, started = 0, time.perf_counter()
-    for prompt in prompts:
-        tokens += sum(
-            1 for _ in edge_only(runtime, prompt, DecodeConfig(max_new_tokens=new_tokens))
+def compare(
+    routes: dict[str, dict[str, Any]], router: dict[str, Any], objective: Any
+) -> dict[str, Any]:
+    """The router against the best fixed route the objective allows (edge-only only when the
+    draft suffices): the cheapest meeting the objective, else the fastest."""
+    allowed = ROUTES if objective.draft_ok else tuple(r for r in ROUTES if r != "edge-only")
+    meeting = [r for r in allowed if routes[r]["meets_objective"]]
+    if meeting:
+        best = min(meeting, key=lambda r: routes[r]["cost_per_token"])
+        ratio = (
+            routes[best]["cost_per_token"] / router["cost_per_token"]
+            if router["meets_objective"]
+            else 0.0
         )
+    else:
+        best = max(allowed, key=lambda r: routes[r]["tokens_per_s"])
+        ratio = router["tokens_per_s"] / routes[best]["tokens_per_s"]
     return {
-        "tokens_per_s": tokens / (time.perf_counter() - started),
-        "target_passes_per_token": 0.0,
+        "best_fixed_route": best,
+        "some_route_meets": bool(meeting),
+        "router_meets": router["meets_objective"],
+        "router_on_objective_vs_best": ratio,  # goal >= 0.95 (cost ratio when met, else speed)
+        "router_tokens_per_s_vs_best": router["tokens_per_s"] / routes[best]["tokens_per_s"],
     }
 
 
-# ---------------------------------------------------------------- 2. HF assisted generation
-def hf_assisted(zoo: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """`generate(assistant_model=draft)` vs plain `generate`, greedy, same prompts, in process."""
+# ---------------------------------------------------------------- 1. per request
+def per_request(
+    runtime: Any, server_port: int, prompts: list[list[int]], args: Any, objective: Any
+) -> tuple[dict[str, Any], Any]:
+    """Each route and the router at each RTT, through one in-process proxy."""
+    from edge.client import ClientConfig, EdgeClient, VerifierClient
+    from edge.decoder import DecodeConfig
+    from edge.router import Router
+    from simulations.netem import LinkConfig, NetworkEmulator
+
+    decode = DecodeConfig(max_new_tokens=args.new_tokens)
+    out: dict[str, Any] = {}
+    router = Router()
+    with NetworkEmulator(server_port) as netem:
+        target = f"127.0.0.1:{netem.port}"
+
+        def run(route: str | None, edge: EdgeClient) -> dict[str, Any]:
+            wire0 = netem.bytes_up + netem.bytes_down
+            reports = []
+            for prompt in prompts:
+                for _ in edge.stream_ids(prompt, route):
+                    pass
+                reports.append(copy.copy(edge.last))
+            return summarize(reports, netem.bytes_up + netem.bytes_down - wire0, objective)
+
+        with VerifierClient(ClientConfig(target)) as client:
+            learner = EdgeClient(runtime, None, client, decode, router, objective)
+            for _ in range(3):  # the router's first requests measure each route once
+                for _ in learner.stream_ids(prompts[0]):
+                    pass
+            for rtt in args.rtts:
+                netem.set_link(LinkConfig(rtt_s=rtt / 1e3))
+                learner.measure_rtt(force=True)  # a device learns of a network change
+                fixed = {}
+                for route in ROUTES:
+                    with VerifierClient(ClientConfig(target)) as own:
+                        fixed[route] = run(route, EdgeClient(runtime, None, own, decode, Router()))
+                chosen = run(None, learner)
+                out[f"{rtt:g}ms"] = {**fixed, "router": chosen, **compare(fixed, chosen, objective)}
+                print(
+                    f"rtt {rtt:g} ms: "
+                    + ", ".join(f"{r} {fixed[r]['tokens_per_s']:.0f}/s" for r in ROUTES)
+                    + f", router {chosen['tokens_per_s']:.0f}/s via {chosen['routes']}",
+                    file=sys.stderr,
+                )
+    return out, router
+
+
+# ---------------------------------------------------------------- 2. capacity
+def pass_cost_regime(model_dir: Path, prompt: list[int]) -> dict[str, Any]:
+    """Time one target pass over n new tokens on a warm KV cache (1 torch thread), batch 1 and 8."""
     import torch
 
+    from edge._hf import forward
     from fedge.models import load_causal_lm
 
-    target, draft = load_causal_lm(zoo.target_dir), load_causal_lm(zoo.draft_dir)
-    calls = [0]
-    target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    figures: dict[str, float] = {}
-    for name, extra in (("plain", {}), ("assisted", {"assistant_model": draft})):
-        tokens, calls[0], started = 0, 0, time.perf_counter()
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = target.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                **extra,
-            )
-            tokens += out.shape[1] - len(prompt)
-        figures[f"{name}_tokens_per_s"] = tokens / (time.perf_counter() - started)
-        figures[f"{name}_target_passes_per_token"] = calls[0] / tokens
+    model = load_causal_lm(model_dir)
+    figures: dict[str, Any] = {}
+    with torch.inference_mode():
+        for batch in (1, 8):
+            _, kv = forward(model, torch.tensor([prompt] * batch), None)
+            times = {}
+            for n in (1, 5, 9, 17):
+                new = torch.randint(4, 200, (batch, n))
+                samples = []
+                for _ in range(7):
+                    tick = time.perf_counter()
+                    forward(
+                        model, new, kv
+                    )  # the engine's path: cache rebuilt from the session's KV
+                    samples.append(time.perf_counter() - tick)
+                times[n] = float(np.median(samples[2:]))
+            figures[f"batch{batch}"] = {
+                "pass_ms": {str(n): t * 1e3 for n, t in times.items()},
+                "cost_of_k_plus_1_in_passes": {str(n): t / times[1] for n, t in times.items()},
+            }
+    ratio = figures["batch1"]["cost_of_k_plus_1_in_passes"]["5"]
+    figures["regime"] = (
+        "overhead/memory-bound: verifying k+1 tokens costs about one pass"
+        if ratio < 2.0
+        else "compute-bound: verifying k+1 tokens costs about k+1 passes"
+        if ratio > 3.5
+        else "between: verifying k+1 tokens costs a fraction of k+1 passes"
+    )
     return figures
 
 
-# ---------------------------------------------------------------- 4. capacity
-def capacity_run(
-    target: str, continuations: list[list[int]], prompts: list[list[int]], rounds: int
-) -> dict[str, float]:
-    """All sessions at once, each replaying DRAFT_LEN-token drafts taken from the target's own
-    greedy continuation with one token corrupted in half of the rounds (so acceptance is
-    partial and the committed path stays on the target's); aggregate tokens/s and verify
-    latency. One asyncio loop drives every session, so the load generator stays light.
-    """
-    import asyncio
+def capacity(
+    tables: list[Any], step_s: float, server_port: int, args: Any, objective: Any, router: Any
+) -> dict[str, Any]:
+    """Max devices meeting the objective per route at each capacity RTT."""
+    from edge.client import ClientConfig, EdgeClient, VerifierClient
+    from edge.decoder import DecodeConfig
+    from edge.router import Router
+    from simulations.edge_devices import (
+        ReplayRuntime,
+        RequestFigures,
+        devices_meeting,
+        max_devices,
+        run_devices,
+    )
 
-    import grpc
+    decode = DecodeConfig(max_new_tokens=args.capacity_tokens)
+    out: dict[str, Any] = {}
+    for rtt in args.capacity_rtts:
+        proxy = ProxyProcess(server_port, rtt)
+        per_route: dict[str, Any] = {}
+        try:
+            for route in ("cloud-only", "speculative", "router"):
+                trials: dict[int, Any] = {}
 
-    from edge.proto import verifier_pb2 as pb
-    from edge.proto import verifier_pb2_grpc as pb_grpc
+                def trial(
+                    n: int,
+                    route: str = route,
+                    trials: dict[int, Any] = trials,
+                    port: int = proxy.port,
+                    rtt: float = rtt,
+                ) -> bool:
+                    edges = []
+                    for i in range(n):
+                        client = VerifierClient(ClientConfig(f"127.0.0.1:{port}"))
+                        own = copy.deepcopy(router) if route == "router" else Router()
+                        runtime = ReplayRuntime(tables[i % len(tables)], step_s)
+                        edges.append(EdgeClient(runtime, None, client, decode, own, objective))
 
-    latencies: list[float] = []
-    produced = [0] * len(prompts)
+                    def request(i: int, _: int) -> RequestFigures:
+                        edge, table = edges[i], tables[i % len(tables)]
+                        prompt = list(table.path[: table.prompt_len])
+                        try:
+                            for _chunk in edge.stream_ids(
+                                prompt, None if route == "router" else route
+                            ):
+                                pass
+                            r = edge.last
+                            return RequestFigures(
+                                i, r.route, r.reason, r.tokens, r.seconds, r.ttft_s, r.round_trips
+                            )
+                        except Exception as err:  # a failed request counts against the objective
+                            return RequestFigures(i, route, "failed", 0, 1.0, 1e9, 0, repr(err))
 
-    async def session(stub: pb_grpc.VerifierStub, i: int, start: asyncio.Event) -> None:
-        rng = np.random.default_rng(i)
-        sid = (await stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompts[i]))).session_id
-        await start.wait()
-        position = 0
-        for _ in range(rounds):
-            draft = list(continuations[i][position : position + DRAFT_LEN])
-            if rng.random() < 0.5:
-                j = int(rng.integers(DRAFT_LEN))
-                draft[j] = (draft[j] + 1) % 256
-            started = time.perf_counter()
-            reply = await stub.Verify(pb.VerifyRequest(session_id=sid, draft_ids=draft))
-            latencies.append(time.perf_counter() - started)
-            position += reply.accepted + 1
-            produced[i] += reply.accepted + 1
-        await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+                    figures = run_devices(n, request, args.capacity_requests, warmup=1)
+                    for edge in edges:
+                        edge.verifier.close_channel()
+                    met, total = devices_meeting(figures, objective.tokens_per_s, objective.ttft_s)
+                    tps = [f.tokens / f.seconds for f in figures if f.seconds]
+                    trials[n] = {
+                        "devices_meeting": met,
+                        "tokens_per_s_min": float(min(tps)) if tps else 0.0,
+                        "ttft_s_max": float(max(f.ttft_s for f in figures)),
+                        "routes": sorted({f.route for f in figures}),
+                        "load": loadavg()[0],
+                    }
+                    print(f"capacity rtt {rtt:g} ms {route} x{n}: {met}/{total}", file=sys.stderr)
+                    return met == total
 
-    async def run() -> float:
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = pb_grpc.VerifierStub(channel)
-            start = asyncio.Event()
-            tasks = [asyncio.create_task(session(stub, i, start)) for i in range(len(prompts))]
-            await asyncio.sleep(0.5)  # let every session open (prefill) before the clock starts
-            started = time.perf_counter()
-            start.set()
-            await asyncio.gather(*tasks)
-            return time.perf_counter() - started
+                best, _ = max_devices(trial, args.capacity_limit)
+                per_route[route] = {
+                    "max_devices": best,
+                    "trials": {str(k): v for k, v in sorted(trials.items())},
+                }
+        finally:
+            proxy.stop()
+        cloud = max(1, per_route["cloud-only"]["max_devices"])
+        per_route["speculative_over_cloud_devices"] = (
+            per_route["speculative"]["max_devices"] / cloud
+        )
+        per_route["router_over_cloud_devices"] = per_route["router"]["max_devices"] / cloud
+        out[f"{rtt:g}ms"] = per_route
+    return out
 
-    wall = asyncio.run(run())
-    lat = np.array(latencies) * 1e3
+
+# ---------------------------------------------------------------- 3. faults
+def faults(
+    tables: list[Any], step_s: float, server: VerifierProcess, model_dir: Path, args: Any
+) -> tuple[dict[str, Any], VerifierProcess]:
+    """Kill and restart the verifier under 16 speculative devices; classify every request."""
+    import threading
+
+    from edge.client import ClientConfig, EdgeClient, VerifierClient
+    from edge.decoder import DecodeConfig
+    from edge.router import Router
+    from simulations.edge_devices import ReplayRuntime
+    from simulations.netem import LinkConfig, NetworkEmulator
+
+    decode = DecodeConfig(max_new_tokens=args.capacity_tokens)
+    outcomes: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    with NetworkEmulator(server.port, LinkConfig(rtt_s=0.02)) as netem:
+        edges = [
+            EdgeClient(
+                ReplayRuntime(tables[i % len(tables)], step_s),
+                None,
+                VerifierClient(ClientConfig(f"127.0.0.1:{netem.port}", timeout_s=5.0)),
+                decode,
+                Router(),
+            )
+            for i in range(args.fault_devices)
+        ]
+
+        def device(i: int) -> None:
+            table = tables[i % len(tables)]
+            prompt = list(table.path[: table.prompt_len])
+            for _ in range(args.fault_requests):
+                try:
+                    produced = [
+                        t for chunk in edges[i].stream_ids(prompt, "speculative") for t in chunk
+                    ]
+                    r = edges[i].last
+                    on_device = r.route == "edge-only" or "device" in r.reason
+                    expected = list(table.path[table.prompt_len : table.prompt_len + len(produced)])
+                    row = {
+                        "where": "device" if on_device else "cloud",
+                        "exact": produced == expected,
+                    }
+                except Exception as err:
+                    row = {"where": "failed", "error": type(err).__name__}
+                with lock:
+                    outcomes.append(row)
+
+        threads = [
+            threading.Thread(target=device, args=(i,), daemon=True)
+            for i in range(args.fault_devices)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        server.kill()
+        killed_at = time.perf_counter()
+        server = VerifierProcess(model_dir)
+        netem.retarget(server.port)
+        restart_s = time.perf_counter() - killed_at
+        for thread in threads:
+            thread.join()
+        for edge in edges:
+            edge.verifier.close_channel()
+    cloud = [o for o in outcomes if o["where"] == "cloud"]
     return {
-        "aggregate_tokens_per_s": sum(produced) / wall,
-        "verify_p50_ms": float(np.percentile(lat, 50)),
-        "verify_p99_ms": float(np.percentile(lat, 99)),
-        "tokens_per_verify": sum(produced) / len(latencies),
-    }
+        "devices": args.fault_devices,
+        "requests": len(outcomes),
+        "finished_in_cloud": len(cloud),
+        "finished_on_device": sum(o["where"] == "device" for o in outcomes),
+        "failed": sum(o["where"] == "failed" for o in outcomes),
+        "errors": sorted({o["error"] for o in outcomes if "error" in o}),
+        "cloud_outputs_exact": all(o["exact"] for o in cloud),
+        "restart_s": restart_s,
+    }, server
 
 
+# ---------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="auto")
-    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="fewer RTTs, prompts and devices")
+    parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--rtts", default="0,20,100", help="added round-trip times, ms")
-    parser.add_argument("--sessions", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rtts", default="0,20,50,100,200", help="ms")
+    parser.add_argument("--capacity-rtts", default="20,100", help="ms")
+    parser.add_argument("--capacity-limit", type=int, default=128)
+    parser.add_argument("--capacity-tokens", type=int, default=32)
+    parser.add_argument("--capacity-requests", type=int, default=2)
+    parser.add_argument("--tokens-per-s", type=float, default=15.0, help="objective")
+    parser.add_argument("--ttft-s", type=float, default=1.0, help="objective")
+    parser.add_argument("--fault-devices", type=int, default=16)
+    parser.add_argument("--fault-requests", type=int, default=3)
+    parser.add_argument(
+        "--skip", default="", help="comma-separated parts to skip: routes,capacity,faults"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.rtts, args.capacity_rtts, args.prompts = "0,100", "100", 2
+        args.capacity_limit, args.fault_devices, args.fault_requests = 8, 4, 2
+    args.rtts = [float(x) for x in args.rtts.split(",")]
+    args.capacity_rtts = [float(x) for x in args.capacity_rtts.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
 
     import torch
-    from rich.console import Console
 
     from edge.client import ClientConfig, VerifierClient
     from edge.export import ExportConfig, export_draft
     from edge.prompts import heldout_prompts
+    from edge.router import Objective
     from edge.runtime import load_draft_runtime
     from fedge.models import load_tokenizer
+    from simulations.edge_devices import ReplayTable
 
     torch.set_num_threads(1)
-    console = Console(stderr=True)
+    objective = Objective(args.tokens_per_s, args.ttft_s)
     preset, zoo = pick_zoo(args.preset)
-    tokenizer = load_tokenizer(zoo.target_dir)
-    pool = heldout_prompts(tokenizer, 8 + args.prompts + args.sessions, PROMPT_TOKENS)
-    prompts = pool[8 : 8 + args.prompts]
-    session_prompts = [p[:16] for p in pool[8 + args.prompts :]]
+    pool = heldout_prompts(load_tokenizer(zoo.target_dir), 8 + args.prompts + 8, PROMPT_TOKENS)
+    prompts, replay_prompts = pool[8 : 8 + args.prompts], pool[8 + args.prompts :]
     result: dict[str, Any] = {
         "preset": preset,
-        "prompts": args.prompts,
+        "quick": args.quick,
+        "objective": {"tokens_per_s": objective.tokens_per_s, "ttft_s": objective.ttft_s},
         "new_tokens": args.new_tokens,
-        "draft_len": DRAFT_LEN,
-        "rtt_method": "client sleeps the RTT before each unary call and once before a stream",
+        "network": "userspace TCP proxy (simulations.netem): each direction delayed by RTT/2",
+        "load_start": loadavg(),
     }
+    started = time.perf_counter()
+    print(f"preset {preset}: measuring the pass-cost regime", file=sys.stderr)
+    result["verify_cost_regime"] = pass_cost_regime(zoo.target_dir, prompts[0])
     work = Path(tempfile.mkdtemp(prefix="fedge-bench-edge-"))
-    with console.status("exporting the draft (fp32 + int8)"):
-        manifest = export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig())
-    int8 = load_draft_runtime(work / "draft", "onnx-int8", threads=1)
-    fp32 = load_draft_runtime(work / "draft", "onnx-fp32", threads=1)
-
-    console.print(f"[bold]preset {preset}[/bold]: starting the batched verifier")
-    server = VerifierProcess(zoo.target_dir, max_batch=32)
+    export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig())
+    runtime = load_draft_runtime(work / "draft", "auto", threads=1)
+    result["draft_runtime"] = runtime.name
+    server = VerifierProcess(zoo.target_dir)
     try:
-        result["edge_only"] = edge_run(int8, prompts, args.new_tokens)
-        result["rtt"] = {}
-        for rtt in [float(x) for x in args.rtts.split(",")]:
-            with VerifierClient(ClientConfig(server.target, added_rtt_s=rtt / 1e3)) as client:
-                spec = speculative_run(int8, client, prompts, args.new_tokens)
-                cloud = cloud_run(client, prompts, args.new_tokens)
-            result["rtt"][f"{rtt:g}ms"] = {
-                "speculative": spec,
-                "cloud_only": cloud,
-                "speculative_over_cloud_tokens_per_s": spec["tokens_per_s"] / cloud["tokens_per_s"],
-                "cloud_passes_saved": 1.0 - spec["target_passes_per_token"],
-            }
-            console.print(
-                f"rtt {rtt:g} ms: speculative {spec['tokens_per_s']:.0f} tok/s, cloud-only {cloud['tokens_per_s']:.0f} tok/s"
+        router = None
+        if "routes" not in skip:
+            result["per_request"], router = per_request(
+                runtime, server.port, prompts, args, objective
             )
-        with VerifierClient(ClientConfig(server.target)) as client:
-            fp32_spec = speculative_run(fp32, client, prompts, args.new_tokens)
-            int8_spec = speculative_run(int8, client, prompts, args.new_tokens)
-            continuations = [
-                list(client.generate(p, args.rounds * (DRAFT_LEN + 1) + 1)) for p in session_prompts
-            ]
-        fp32_edge = edge_run(fp32, prompts, args.new_tokens)
-        result["draft_int8_vs_fp32"] = {
-            variant: {
-                "decode_step_ms": manifest["variants"][variant]["decode_step_s"] * 1e3,
-                "greedy_agreement_with_torch": manifest["variants"][variant]["greedy_agreement"],
-                "bytes": manifest["variants"][variant]["bytes"],
-                "edge_only_tokens_per_s": edge["tokens_per_s"],
-                "speculative_tokens_per_s": spec["tokens_per_s"],
-                "acceptance": spec["acceptance"],
+            result["load_after_per_request"] = loadavg()
+        with VerifierClient(ClientConfig(f"127.0.0.1:{server.port}")) as direct:
+            depth, tables, steps = 16, [], []
+            for prompt in replay_prompts:
+                target = list(direct.generate(prompt, args.capacity_tokens + 1))
+                tick = time.perf_counter()
+                tables.append(ReplayTable.record(runtime, prompt, target, depth))
+                steps.append((time.perf_counter() - tick) / (len(target) + 1) / depth)
+        step_s = float(np.median(steps))
+        if "capacity" not in skip:
+            from edge.router import Router
+
+            result["capacity"] = {
+                "devices": (
+                    "emulated: each replays the draft's greedy proposals recorded beforehand "
+                    "along the target's greedy path and sleeps the measured draft step "
+                    f"({step_s * 1e3:.2f} ms) per draft call; real EdgeClient, decoder, router, "
+                    "gRPC and proxy; one thread per device in the bench process"
+                ),
+                "requests_per_device": args.capacity_requests,
+                "tokens_per_request": args.capacity_tokens,
+                "by_rtt": capacity(
+                    tables, step_s, server.port, args, objective, router or Router()
+                ),
             }
-            for variant, edge, spec in (
-                ("int8", result["edge_only"], int8_spec),
-                ("fp32", fp32_edge, fp32_spec),
-            )
-        }
-        result["draft_int8_vs_fp32"]["int8_over_fp32_edge_speed"] = (
-            result["edge_only"]["tokens_per_s"] / fp32_edge["tokens_per_s"]
-        )
-        console.print("capacity: batched verifier, 32 sessions")
-        batched = capacity_run(server.target, continuations, session_prompts, args.rounds)
+            result["load_after_capacity"] = loadavg()
+        if "faults" not in skip:
+            result["faults"], server = faults(tables, step_s, server, zoo.target_dir, args)
     finally:
         server.stop()
-    console.print("capacity: one-at-a-time verifier, 32 sessions")
-    single_server = VerifierProcess(zoo.target_dir, max_batch=1)
-    try:
-        single = capacity_run(single_server.target, continuations, session_prompts, args.rounds)
-    finally:
-        single_server.stop()
-    result["capacity"] = {
-        "sessions": args.sessions,
-        "rounds_per_session": args.rounds,
-        "batched": batched,
-        "one_at_a_time": single,
-        "batched_over_one_at_a_time": batched["aggregate_tokens_per_s"]
-        / single["aggregate_tokens_per_s"],
-    }
-    with console.status("Hugging Face assisted generation (in process)"):
-        hf = hf_assisted(zoo, prompts, args.new_tokens)
-    hf["ours_rtt0_over_hf_assisted_tokens_per_s"] = (
-        result["rtt"][next(iter(result["rtt"]))]["speculative"]["tokens_per_s"]
-        / hf["assisted_tokens_per_s"]
-    )
-    result["hf_assisted"] = hf
-    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    result["load_end"] = loadavg()
+    result["wall_s"] = time.perf_counter() - started
     line = json.dumps(_rounded(result))
-    RESULTS_FILE.write_text(line + "\n")
+    results = RESULTS_FILE.with_name("edge_quick.json") if args.quick else RESULTS_FILE
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(line + "\n")
     print(line)
 
 
 def _rounded(value: Any) -> Any:
-    """Round floats to 4 significant decimals for a readable JSON line."""
+    """Round floats to 4 significant digits for a readable JSON line."""
     if isinstance(value, float):
         return float(f"{value:.4g}")
     if isinstance(value, dict):
         return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
     return value
 
 

@@ -248,6 +248,7 @@ class RequestReport:
     ttft_s: float = 0.0
     rounds: int = 0
     round_trips: int = 0
+    drafted: int = 0
     acceptance: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
@@ -310,7 +311,7 @@ class EdgeClient:
         """The request: route, decode, measure; falls back to the device when rate limited."""
         from edge.router import Route
 
-        rtt = self._measure_rtt()
+        rtt = self.measure_rtt()
         decision = self.router.choose(self.objective)
         chosen = Route(route) if route else decision.route
         reason = "forced by caller" if route else decision.reason
@@ -365,6 +366,7 @@ class EdgeClient:
             s = decoder.stats
             report.rounds, report.acceptance = s.rounds, s.acceptance
             drafted, cloud_s = s.drafted, s.verify_seconds
+            report.drafted = drafted
         elif chosen == Route.CLOUD_ONLY and verifier is not None:
             sampling = Sampling(self.decode.temperature, self.decode.seed)
             for token in verifier.generate(
@@ -375,7 +377,7 @@ class EdgeClient:
         else:
             for token in edge_only(self.runtime, prompt_ids, self.decode):
                 yield tick([token])
-            drafted = report.tokens
+            drafted = report.drafted = report.tokens
         report.seconds = time.perf_counter() - started
         if verifier is not None:
             report.round_trips = verifier.calls - calls0
@@ -415,12 +417,13 @@ class EdgeClient:
                 yield text[len(shown) :]
                 shown = text
 
-    def _measure_rtt(self) -> float:
-        """The round trip from a health check, reused for `rtt_max_age_s`; down when unreachable."""
+    def measure_rtt(self, force: bool = False) -> float:
+        """The round trip from a health check, reused for `rtt_max_age_s` unless `force` (call it
+        on a network change); marks the verifier down when unreachable."""
         if self.verifier is None:
             return 0.0
         now = time.monotonic()
-        if self._rtt is not None and now - self._rtt[0] < self.rtt_max_age_s:
+        if not force and self._rtt is not None and now - self._rtt[0] < self.rtt_max_age_s:
             return self._rtt[1]
         try:
             rtt = self.verifier.ping()

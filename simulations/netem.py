@@ -150,6 +150,7 @@ class NetworkEmulator:
         self.up = _Direction()  # client -> target
         self.down = _Direction()  # target -> client
         self.connections: set[_Connection] = set()
+        self._handlers: set[asyncio.Task[None]] = set()  # one per accepted connection
         self.accepted = 0
         self._flowing: asyncio.Event | None = None  # cleared while stalled or blackholed
         self._blackholed = False
@@ -217,6 +218,10 @@ class NetworkEmulator:
         """Drop everything for `seconds` (new connections hang), then reset what lived through it."""
         self._call(self._outage(seconds, drop=True))
 
+    def retarget(self, port: int, host: str = "127.0.0.1") -> None:
+        """Send new connections to another endpoint (a restarted server, as a load balancer would)."""
+        self.target = (host, port)
+
     def reset(self) -> int:
         """Abort every open connection with a RST; returns how many there were."""
         return self._call(self._reset_all())
@@ -248,6 +253,10 @@ class NetworkEmulator:
         if self._server is not None:
             self._server.close()
         await self._reset_all()
+        handlers = [task for task in self._handlers if task is not asyncio.current_task()]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _reset_all(self) -> int:
         count = len(self.connections)
@@ -279,6 +288,10 @@ class NetworkEmulator:
         """Connect to the target (after any blackhole) and pump both directions."""
         self.accepted += 1
         assert self._flowing is not None
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
         if self._blackholed:  # SYN dropped: the client's connect hangs, then gets reset
             await self._flowing.wait()
             writer.transport.abort()
