@@ -35,8 +35,8 @@ from clients.privacy.local import (
     ffa_enabled,
     train_dpsgd_round,
 )
-from clients.state import ContextStore, DiskStore
-from clients.trainer import build_optimizer, random_windows, run_local_steps
+from clients.state import CommittedStore, ContextStore, DiskStore
+from clients.trainer import build_optimizer, random_windows, resolve_optimizer, run_local_steps
 from fedge import keys
 from fedge.lm import holder
 from fedge.lm.config import TrainConfig, derive_seed
@@ -82,11 +82,33 @@ def record_arrays(msg: Message, name: str) -> Arrays:
 
 
 def state_store(config: Mapping[str, ConfigValue], context: Context, pid: int) -> ClientStateStore:
-    """Disk under ``client-state-dir`` when configured (survives restarts), else the node Context."""
+    """Where this client's strategy state lives, seen through the server's acceptances.
+
+    Disk under ``client-state-dir/<run-id>`` when configured (survives restarts; a new
+    run never sees an earlier run's state), else the node Context.
+    """
     root = str(config.get(keys.CFG_CLIENT_STATE_DIR, ""))
-    if root:
-        return DiskStore(Path(root) / f"partition_{pid:04d}")
-    return ContextStore(context.state)
+    run_id = str(config.get(keys.CFG_RUN_ID, "")) or "unnamed-run"
+    inner = (
+        DiskStore(Path(root) / run_id / f"partition_{pid:04d}")
+        if root
+        else ContextStore(context.state)
+    )
+    committed = committed_round(config, pid)
+    return inner if committed is None else CommittedStore(inner, committed)
+
+
+def committed_round(config: Mapping[str, ConfigValue], pid: int) -> int | None:
+    """The last round whose contribution from partition ``pid`` the server accepted.
+
+    None when the message carries no acceptances (a server that does not track them);
+    0 when this partition has no accepted contribution yet.
+    """
+    parts = config.get(keys.CFG_COMMITTED_PARTITIONS)
+    rounds = config.get(keys.CFG_COMMITTED_ROUNDS)
+    if not isinstance(parts, list) or not isinstance(rounds, list) or len(parts) != len(rounds):
+        return None
+    return int(dict(zip(parts, rounds, strict=True)).get(pid, 0))
 
 
 def step_budget(config: Mapping[str, ConfigValue], local_steps: int) -> int:
@@ -162,7 +184,12 @@ def train(msg: Message, context: Context) -> Message:
         except BudgetExhausted as exc:  # this client stops contributing, the server hears why
             return Message(Error(code=ERROR_BUDGET, reason=str(exc)), reply_to=msg)
     else:
-        model, optimizer = build_optimizer(lm.model, list(lm.params.values()), cfg)
+        model, optimizer = build_optimizer(
+            lm.model,
+            list(lm.params.values()),
+            cfg,
+            resolve_optimizer(cfg, strategy.local_optimizer),
+        )
         model.train()
         losses = run_local_steps(
             lm.params,

@@ -3,6 +3,8 @@
 A store keeps one array dict per round that produced it and ``load(r)`` returns the
 newest one from a round before ``r``. Replaying round ``r`` after a crash therefore
 sees exactly the state it saw the first time, which makes resume exact.
+:class:`CommittedStore` narrows that to rounds whose contribution the server accepted,
+so a rejected, late or SecAgg-dropped reply never advances the client's state.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class MemoryStore:
         """Keep the state produced by ``server_round``."""
         self._by_round[server_round] = {k: np.array(v, copy=True) for k, v in arrays.items()}
 
+    def forget_before(self, server_round: int) -> None:
+        """Drop states older than the newest one from a round <= ``server_round``."""
+        for old in _superseded(list(self._by_round), server_round):
+            del self._by_round[old]
+
 
 class ContextStore:
-    """State kept in a Flower ``Context.state`` RecordDict (lives as long as the node).
-
-    Only the newest two rounds are kept, enough for a replayed round.
-    """
+    """State kept in a Flower ``Context.state`` RecordDict (lives as long as the node)."""
 
     def __init__(self, state: RecordDict) -> None:
         self._state = state
@@ -58,11 +62,14 @@ class ContextStore:
         return {k: v.numpy() for k, v in rec.items()}
 
     def save(self, server_round: int, arrays: Arrays) -> None:
-        """Record the state of ``server_round`` and forget all but the newest two."""
+        """Record the state of ``server_round``."""
         self._state[f"{_PREFIX}{server_round}"] = ArrayRecord(
             {k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}
         )
-        for old in self._rounds()[:-2]:
+
+    def forget_before(self, server_round: int) -> None:
+        """Drop states older than the newest one from a round <= ``server_round``."""
+        for old in _superseded(self._rounds(), server_round):
             del self._state[f"{_PREFIX}{old}"]
 
 
@@ -89,3 +96,40 @@ class DiskStore:
         tmp = self.root / f".round_{server_round}.tmp.npz"
         np.savez(tmp, **arrays)  # type: ignore[arg-type]
         tmp.replace(self.root / f"round_{server_round}.npz")
+
+    def forget_before(self, server_round: int) -> None:
+        """Delete state files older than the newest one from a round <= ``server_round``."""
+        if not self.root.is_dir():
+            return
+        rounds = [int(m.group(1)) for p in self.root.iterdir() if (m := _ROUND_FILE.match(p.name))]
+        for old in _superseded(rounds, server_round):
+            (self.root / f"round_{old}.npz").unlink(missing_ok=True)
+
+
+class CommittedStore:
+    """A store seen through the server's acceptances: only committed rounds are ever loaded.
+
+    ``committed`` is the last round whose contribution from this client the server
+    accepted (0: none). States saved by later rounds stay pending: they are used once
+    the server reports their round accepted, and superseded states are forgotten.
+    """
+
+    def __init__(self, inner: MemoryStore | ContextStore | DiskStore, committed: int) -> None:
+        self.inner = inner
+        self.committed = committed
+
+    def load(self, server_round: int) -> Arrays | None:
+        """The newest committed state from a round before ``server_round``."""
+        return self.inner.load(min(server_round, self.committed + 1))
+
+    def save(self, server_round: int, arrays: Arrays) -> None:
+        """Keep ``server_round``'s state as pending and drop what the commit superseded."""
+        self.inner.save(server_round, arrays)
+        self.inner.forget_before(self.committed)
+
+
+def _superseded(rounds: list[int], committed: int) -> list[int]:
+    """Rounds older than the newest round <= ``committed`` (never that one, never pending ones)."""
+    kept = [r for r in rounds if r <= committed]
+    newest = max(kept) if kept else None
+    return [r for r in rounds if newest is not None and r < newest]

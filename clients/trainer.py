@@ -38,19 +38,24 @@ def random_windows(
 
 
 # ---------------------------------------------------------------- optimizer (swappable)
+def resolve_optimizer(cfg: TrainConfig, strategy_default: str) -> str:
+    """The optimizer to build: ``optimizer``, or the strategy's own when it is "auto"."""
+    return strategy_default if cfg.optimizer == "auto" else cfg.optimizer
+
+
 def build_optimizer(
-    model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig
+    model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig, name: str
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Return (model, optimizer) for the trainable params; the ONE place DP-SGD replaces.
 
-    ``cfg.optimizer`` is "adamw", "sgd" or "package.module:factory" with this
-    function's signature (a factory may wrap the model, as Opacus does).
+    ``name`` is "adamw", "sgd" or "package.module:factory" with this function's
+    signature minus ``name`` (a factory may wrap the model, as Opacus does).
     """
-    if cfg.optimizer == "adamw":
+    if name == "adamw":
         return model, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    if cfg.optimizer == "sgd":
+    if name == "sgd":
         return model, torch.optim.SGD(params, lr=cfg.lr)
-    factory = load_dotted(cfg.optimizer, what="config key 'optimizer'")
+    factory = load_dotted(name, what="config key 'optimizer'")
     return factory(model, params, cfg)  # type: ignore[return-value]
 
 

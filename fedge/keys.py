@@ -69,6 +69,12 @@ CFG_TARGET_REPORTS: Final = "target-reports"  # K, the reports a round wants (tr
 CFG_ROUND_TIMEOUT: Final = "round-timeout"
 CFG_SEED: Final = "seed"
 CFG_SERVER_ROUND: Final = "server-round"
+CFG_RUN_ID: Final = "run-id"  # random id of a fresh run; namespaces client state on disk
+# Client state is committed only when the server accepted the contribution that produced it:
+# for each sampled client, the last round whose contribution the server accepted (0 = none yet).
+# Keyed by partition id, which survives node restarts (node ids do not).
+CFG_COMMITTED_PARTITIONS: Final = "committed-partitions"  # list[int]: partition ids
+CFG_COMMITTED_ROUNDS: Final = "committed-rounds"  # list[int]: the accepted round of each
 
 CFG_MODEL: Final = "model"  # a model dir or hub id, or "zoo:<preset>"
 CFG_MODEL_PATH: Final = "model-path"  # server-resolved model dir, used when it exists here
@@ -92,7 +98,7 @@ CFG_STEP_BUDGET: Final = "step-budget"  # steps this client may run this round (
 CFG_CLIENT_THREADS: Final = "client-threads"
 CFG_CLIENT_STATE_DIR: Final = "client-state-dir"  # "" keeps client state in Context.state
 CFG_CLIENT_MODS: Final = "client-mods"  # comma separated "package.module:mod" (clients.mods)
-CFG_OPTIMIZER: Final = "optimizer"  # "adamw" or "package.module:factory" (clients.trainer)
+CFG_OPTIMIZER: Final = "optimizer"  # "auto" (the strategy's own), "adamw", "sgd" (clients.trainer)
 
 CFG_RUN_DIR: Final = "run-dir"
 CFG_MAX_EPSILON: Final = "max-epsilon"  # 0 disables the privacy-budget stop

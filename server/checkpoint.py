@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,48 @@ class Checkpoint:
     rng_state: dict[str, Any]
     budget_state: dict[str, float]
     strategy: str
+    run_id: str = ""  # the fresh run this checkpoint belongs to
+    config: dict[str, Any] = field(default_factory=dict)  # the run config it was made with
+    committed: dict[int, int] = field(default_factory=dict)  # partition -> last accepted round
+
+
+# Keys a resumed run may change: they steer the run, not what it computes.
+RESUMABLE_CHANGES = frozenset(
+    {
+        "num-server-rounds",
+        "run-dir",
+        "round-timeout",
+        "client-threads",
+        "client-eval",
+        "save-merged",
+    }
+)
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "metrics.csv", "status.json")
+
+
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Describe every key (outside RESUMABLE_CHANGES) whose value differs between two configs."""
+    names = sorted((saved.keys() | current.keys()) - RESUMABLE_CHANGES)
+    return [
+        f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
+        for k in names
+        if saved.get(k) != current.get(k)
+    ]
+
+
+def archive_previous_run(run_dir: Path) -> Path | None:
+    """Move an earlier run's outputs to ``<run>/previous/<time>/`` so a fresh run starts clean.
+
+    Nothing is deleted: the earlier checkpoints, metrics and export stay readable there.
+    """
+    present = [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if not present:
+        return None
+    dest = run_dir / "previous" / datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
+    dest.mkdir(parents=True)
+    for path in present:
+        path.replace(dest / path.name)
+    return dest
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -51,6 +95,9 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
         "rng_state": ckpt.rng_state,
         "budget_state": ckpt.budget_state,
         "strategy": ckpt.strategy,
+        "run_id": ckpt.run_id,
+        "config": ckpt.config,
+        "committed": {str(p): r for p, r in sorted(ckpt.committed.items())},
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(final, ignore_errors=True)
@@ -84,4 +131,7 @@ def load_checkpoint(run_dir: Path, server_round: int | None = None) -> Checkpoin
         meta["rng_state"],
         {k: float(v) for k, v in meta["budget_state"].items()},
         str(meta["strategy"]),
+        str(meta.get("run_id", "")),
+        dict(meta.get("config", {})),
+        {int(p): int(r) for p, r in meta.get("committed", {}).items()},
     )

@@ -43,9 +43,9 @@ class RunConfig:
     seed: int = 0
     model: str = "zoo:micro"  # a model dir, a hub id, or "zoo:<preset>"
     partition_scheme: str = "natural"
-    num_partitions: int = 0  # 0: the scheme's own count (natural) or the node count
+    num_partitions: int = 0  # iid/dirichlet: 0 = one per connected node; natural: must be 0
     dirichlet_alpha: float = 0.5
-    max_chars_per_client: int = 0  # 0: no cap
+    max_chars_per_client: int = 20000  # characters per client; 0: no cap (the whole package)
     data_source: str = ""  # "" = the stdlib corpus; else a directory of your own text
     server_eval_batches: int = 16  # held-out windows of seq-len for server perplexity
     client_eval: bool = True  # ask the round's clients for held-out loss too
@@ -56,6 +56,7 @@ class RunConfig:
     client_mods: str = ""
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
+    run_id: str = ""  # "": the server draws a random id at a fresh start (namespaces client state)
     train: TrainConfig = field(default_factory=TrainConfig)
     extra: Mapping[str, ConfigValue] = field(default_factory=dict)  # keys under EXTENSION_PREFIXES
 
@@ -77,6 +78,13 @@ class RunConfig:
             raise ValueError(
                 f"partition-scheme must be natural, iid or dirichlet, got {self.partition_scheme!r}"
             )
+        if self.partition_scheme == "natural" and self.num_partitions != 0:
+            raise ValueError(
+                f"num-partitions={self.num_partitions} does not apply to partition-scheme=natural "
+                "(one client per package); set it to 0, or use partition-scheme=iid or dirichlet"
+            )
+        if self.num_partitions < 0:
+            raise ValueError(f"num-partitions must be >= 0, got {self.num_partitions}")
         if self.server_lr <= 0 or self.proximal_mu < 0 or self.round_timeout <= 0:
             raise ValueError("server-lr and round-timeout must be > 0 and proximal-mu >= 0")
         if self.over_selection < 0 or self.target_reports < 0:
@@ -145,6 +153,7 @@ class RunConfig:
             keys.CFG_CLIENT_MODS,
             keys.CFG_CLIENT_STATE_DIR,
             keys.CFG_MAX_EPSILON,  # clients' DP-SGD accountants stop before passing it
+            keys.CFG_RUN_ID,
         ):
             out[key] = self.to_mapping()[key]
         out.update(self.extra)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,14 @@ from fedge.plugins import load_dotted
 from fedge.privacy.wire import REFUSAL_BUDGET
 from server.aggregation import AggregateResult, Aggregator, build_aggregator, reply_metrics
 from server.budget import PrivacyBudget
-from server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
+from server.checkpoint import (
+    Checkpoint,
+    archive_previous_run,
+    config_differences,
+    latest_round,
+    load_checkpoint,
+    save_checkpoint,
+)
 from server.config import RunConfig
 from server.privacy.factories import default_budget
 from server.privacy.plots import dpsgd_epsilon, plot_privacy
@@ -80,26 +88,36 @@ class ServerModel:
         self.model_path = holder.resolve_model(cfg.model)
         self.client_config = client_config(cfg)
         self.lm = holder.get_lora_model(self.model_path, cfg.train)
-        self._heldout: np.ndarray | None = None
+        self._heldout: dict[tuple[int, ...] | None, np.ndarray] = {}
 
     def initial_adapter(self) -> Arrays:
         """The seeded LoRA initialisation (B = 0, so the model starts as the base model)."""
         return {k: v.copy() for k, v in self.lm.initial.items()}
 
-    def heldout(self) -> np.ndarray:
-        """The union of all clients' held-out token streams (built once)."""
-        if self._heldout is None:
-            self._heldout = np.asarray(holder.get_corpus(self.client_config).heldout_union())
-        return self._heldout
+    def heldout(self, partitions: Sequence[int] | None = None) -> np.ndarray:
+        """The held-out tokens of the given partitions (default: every client), built once."""
+        key = tuple(partitions) if partitions is not None else None
+        if key not in self._heldout:
+            corpus = holder.get_corpus(self.client_config)
+            if key is None:
+                self._heldout[key] = np.asarray(corpus.heldout_union())
+            else:
+                streams = [np.asarray(corpus.client(p).heldout) for p in key]
+                self._heldout[key] = np.concatenate(streams) if streams else np.zeros(0, np.int64)
+        return self._heldout[key]
 
-    def evaluate(self, adapter: Arrays) -> float:
-        """Mean token loss of base + ``adapter`` on evenly spaced held-out windows."""
+    def evaluate(self, adapter: Arrays, partitions: Sequence[int] | None = None) -> float:
+        """Mean token loss of base + ``adapter`` on evenly spaced held-out windows.
+
+        ``partitions`` limits the held-out data to those clients' (the participants');
+        by default every client's held-out split is used (the whole corpus).
+        """
         holder.set_adapter(self.lm, adapter)
         cfg = self.cfg.train
         eval_cfg = type(cfg).from_config(
             {**cfg.to_config(), "eval-batches": self.cfg.server_eval_batches}
         )
-        loss, _ = evaluate_tokens(self.lm.model, self.heldout(), eval_cfg, self.lm.device)
+        loss, _ = evaluate_tokens(self.lm.model, self.heldout(partitions), eval_cfg, self.lm.device)
         return loss
 
     def export(self, adapter: Arrays, out: Path) -> Path:
@@ -133,19 +151,30 @@ def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 
 
 def train_content(
-    state: GlobalState, strategy: Strategy, cfg: RunConfig, server_round: int, target: int = 0
+    state: GlobalState,
+    strategy: Strategy,
+    cfg: RunConfig,
+    server_round: int,
+    target: int = 0,
+    committed: Mapping[int, int] | None = None,
 ) -> RecordDict:
     """The train message: global adapter, strategy record, and the full client config.
 
     ``target`` (K, the reports the round wants) rides along for Grid wrappers that close a
     round at the first K reports (the simulated devices' grid); clients ignore it.
+    ``committed`` (partition -> last accepted round) tells each sampled client which of
+    its saved states the server's aggregate actually contains.
     """
-    config: dict[str, ConfigValue] = {
+    config: dict[str, Any] = {
         **client_config(cfg),
         **strategy.client_config(server_round),
         keys.CFG_SERVER_ROUND: server_round,
         keys.CFG_TARGET_REPORTS: target,
     }
+    if committed is not None:
+        parts = sorted(committed)
+        config[keys.CFG_COMMITTED_PARTITIONS] = parts
+        config[keys.CFG_COMMITTED_ROUNDS] = [committed[p] for p in parts]
     return RecordDict(
         {
             keys.REC_GLOBAL: to_array_record(state.adapter),
@@ -210,11 +239,16 @@ def connected_nodes(grid: Grid, partitions: dict[int, int], cfg: RunConfig) -> l
     """The nodes connected now, in partition order; nodes seen for the first time are queried."""
     nodes = sorted(grid.get_node_ids())
     new = [n for n in nodes if n not in partitions]
-    if new and cfg.fraction_train < 1.0:
+    if new:
         partitions.update(query_partitions(grid, new, cfg))
-    elif new:
-        partitions.update({n: len(partitions) + i for i, n in enumerate(new)})
     return sorted((n for n in nodes if n in partitions), key=lambda n: (partitions[n], n))
+
+
+def resolve_partition_count(cfg: RunConfig, population: int) -> RunConfig:
+    """``num-partitions = 0`` under iid or dirichlet means one partition per connected node."""
+    if cfg.partition_scheme == "natural" or cfg.num_partitions > 0:
+        return cfg
+    return cfg.with_overrides({keys.CFG_NUM_PARTITIONS: population})
 
 
 def client_evaluate(
@@ -271,30 +305,35 @@ def _run(
     strategy = build_strategy(cfg.to_mapping())
     aggregator = build_aggregator(cfg.aggregator, cfg)
     budget = build_budget(cfg, aggregator)
+
+    # Connect: wait for nodes and learn their partitions (node ids change across restarts;
+    # partitions key the restart-proof sampling order and the clients' committed state).
+    nodes = wait_for_nodes(grid, cfg.min_available_nodes)
+    partitions = query_partitions(grid, nodes, cfg)
+    participants = sorted(set(partitions.values()))  # held-out data of the nodes at the start
+    cfg = resolve_partition_count(cfg, len(partitions))
+
+    # Start fresh or resume from the newest checkpoint (refused when the config changed).
+    last = latest_round(run_dir) if resume else None
+    ckpt = load_checkpoint(run_dir, last) if last is not None else None
+    if ckpt is not None:
+        _check_resumable(ckpt, cfg, strategy, run_dir)
+    elif (archived := archive_previous_run(run_dir)) is not None:
+        log.info("a fresh run in %s: the earlier run's outputs moved to %s", run_dir, archived)
+    run_id = ckpt.run_id if ckpt is not None and ckpt.run_id else cfg.run_id or secrets.token_hex(8)
+    cfg = cfg.with_overrides({keys.CFG_RUN_ID: run_id})
     server_model = ServerModel(cfg)
     write_config(run_dir, cfg.to_mapping())
     metrics = MetricsLog(run_dir)
     _write_status(run_dir, "running", "")
 
-    # Connect: wait for nodes and learn their partitions (node ids change across restarts).
-    nodes = wait_for_nodes(grid, cfg.min_available_nodes)
-    # Sampling a fraction needs a restart-proof order; with everyone sampled, skip the query
-    # (under the Deployment Engine each message costs a fresh ClientApp process).
-    partitions = (
-        query_partitions(grid, nodes, cfg)
-        if cfg.fraction_train < 1.0
-        else {n: i for i, n in enumerate(nodes)}
-    )
-    population = len(partitions)
-
-    # Start fresh or resume from the newest checkpoint.
-    last = latest_round(run_dir) if resume else None
     rng = np.random.default_rng(cfg.seed)
-    if last is not None:
-        ckpt = load_checkpoint(run_dir, last)
+    committed: dict[int, int] = {}
+    if ckpt is not None and last is not None:
         state = ckpt.state
         rng.bit_generator.state = ckpt.rng_state
         budget.load_state(ckpt.budget_state)
+        committed = dict(ckpt.committed)
         metrics.truncate_after(last)
         log.info("resuming %s from round %d", run_dir, last)
     else:
@@ -302,10 +341,20 @@ def _run(
         state = GlobalState(adapter, strategy.init_extras(adapter), 0)
         metrics.truncate_after(-1)
         loss = server_model.evaluate(state.adapter)
-        row = _row(0, "ok", strategy, loss=loss, sampled=0, epsilon=budget.epsilon(), budget=budget)
+        part_loss = server_model.evaluate(state.adapter, participants)
+        row = _row(
+            0,
+            "ok",
+            strategy,
+            loss=loss,
+            part_loss=part_loss,
+            sampled=0,
+            epsilon=budget.epsilon(),
+            budget=budget,
+        )
         metrics.append(row)
         on_row(row)
-        _checkpoint(run_dir, state, rng, budget, strategy)
+        _checkpoint(run_dir, state, rng, budget, strategy, cfg, committed)
 
     status, message = "completed", f"{cfg.num_server_rounds} rounds done"
     for server_round in range(state.server_round + 1, cfg.num_server_rounds + 1):
@@ -320,7 +369,14 @@ def _run(
         population = len(partitions)  # every node seen so far (devices join as they connect)
         target, sampled = sample_nodes(rng, candidates, population, cfg)
         # 3. Train and aggregate
-        content = train_content(state, strategy, cfg, server_round, target)
+        content = train_content(
+            state,
+            strategy,
+            cfg,
+            server_round,
+            target,
+            {partitions[n]: committed.get(partitions[n], 0) for n in sampled},
+        )
         t_train = time.perf_counter()
         result = aggregator.aggregate(
             grid,
@@ -365,8 +421,10 @@ def _run(
             state = replace_state(state, server_round=server_round)
             row_status = "empty"
         budget.record(server_round, len(sampled), population)
-        # 5. Evaluate
+        committed.update({partitions[n]: server_round for n in result.accepted if n in partitions})
+        # 5. Evaluate: the whole corpus and the participating clients' own held-out data
         loss = server_model.evaluate(state.adapter)
+        part_loss = server_model.evaluate(state.adapter, participants)
         client_loss = (
             client_evaluate(grid, sampled, state, cfg, server_round)
             if cfg.client_eval
@@ -378,6 +436,7 @@ def _run(
             row_status,
             strategy,
             loss=loss,
+            part_loss=part_loss,
             client_loss=client_loss,
             sampled=len(sampled),
             result=result,
@@ -387,7 +446,7 @@ def _run(
             train_phase=train_phase,
         )
         metrics.append(row)
-        _checkpoint(run_dir, state, rng, budget, strategy)
+        _checkpoint(run_dir, state, rng, budget, strategy, cfg, committed)
         on_row(row)
 
     plot_perplexity({strategy.name: metrics.rows()}, run_dir / "perplexity.png")
@@ -403,15 +462,43 @@ def _checkpoint(
     rng: np.random.Generator,
     budget: PrivacyBudget,
     strategy: Strategy,
+    cfg: RunConfig,
+    committed: Mapping[int, int],
 ) -> None:
     save_checkpoint(
-        run_dir, Checkpoint(state, dict(rng.bit_generator.state), budget.state(), strategy.name)
+        run_dir,
+        Checkpoint(
+            state,
+            dict(rng.bit_generator.state),
+            budget.state(),
+            strategy.name,
+            cfg.run_id,
+            dict(cfg.to_mapping()),
+            dict(committed),
+        ),
     )
 
 
 def _budget_spent(rejected: Mapping[int, str]) -> bool:
     """Whether every refusal of a failed round is a client's exhausted privacy budget."""
     return bool(rejected) and all(REFUSAL_BUDGET in why for why in rejected.values())
+
+
+def _check_resumable(ckpt: Checkpoint, cfg: RunConfig, strategy: Strategy, run_dir: Path) -> None:
+    """Refuse to resume a checkpoint made by another strategy or config, naming the difference."""
+    saved = {k: v for k, v in ckpt.config.items() if k != keys.CFG_RUN_ID}
+    current = {k: v for k, v in cfg.to_mapping().items() if k != keys.CFG_RUN_ID}
+    differences = config_differences(saved, current) if saved else []
+    if ckpt.strategy != strategy.name and not differences:
+        differences = [
+            f"strategy: checkpoint has {ckpt.strategy!r}, this run has {strategy.name!r}"
+        ]
+    if differences:
+        raise ValueError(
+            f"--resume refused: the checkpoint of round {ckpt.state.server_round} in {run_dir} "
+            f"was made with another config ({'; '.join(differences)}). Resume with the same "
+            "config, or start a new run in another directory"
+        )
 
 
 def _describe(rejected: Mapping[int, str]) -> str:
@@ -425,6 +512,7 @@ def _row(
     status: str,
     strategy: Strategy,
     loss: float = math.nan,
+    part_loss: float = math.nan,
     client_loss: float = math.nan,
     sampled: int = 0,
     result: AggregateResult | None = None,
@@ -445,6 +533,10 @@ def _row(
         "train_loss": _num(float(np.mean(train_losses)) if train_losses else math.nan),
         "eval_loss": _num(loss),
         "perplexity": _num(math.exp(loss) if math.isfinite(loss) else math.nan),
+        "participants_eval_loss": _num(part_loss),
+        "participants_perplexity": _num(
+            math.exp(part_loss) if math.isfinite(part_loss) else math.nan
+        ),
         "client_eval_loss": _num(client_loss),
         "clients_sampled": sampled,
         "clients_succeeded": len(result.accepted) if result else 0,

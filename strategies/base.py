@@ -143,12 +143,13 @@ class ClientHook:
 class Strategy(ABC):
     """A federated optimisation algorithm as knobs, a client hook and a ``finalize`` step.
 
-    Subclasses set ``name`` and ``accepts_partial_work`` and override what differs.
-    ``server_lr`` scales the averaged delta (1.0 reproduces plain averaging).
+    Subclasses set ``name``, ``accepts_partial_work`` and ``local_optimizer`` and override
+    what differs. ``server_lr`` scales the averaged delta (1.0 reproduces plain averaging).
     """
 
     name: ClassVar[str]
     accepts_partial_work: ClassVar[bool] = False
+    local_optimizer: ClassVar[str] = "adamw"  # what `optimizer = "auto"` means on the client
 
     def __init__(self, server_lr: float = 1.0, weighting: Weighting = "examples") -> None:
         if server_lr <= 0:

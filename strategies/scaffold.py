@@ -72,6 +72,7 @@ class Scaffold(Strategy):
 
     name = "scaffold"
     accepts_partial_work = False
+    local_optimizer = "sgd"  # the paper's local update; its control variates assume plain SGD steps
 
     def init_extras(self, adapter: Arrays) -> Arrays:
         """c starts at zero for every adapter tensor."""

@@ -31,7 +31,7 @@ class TrainConfig:
     lr: float = 2e-3  # LoRA tolerates a larger lr than full fine-tuning
     max_grad_norm: float = 1.0  # 0 disables clipping
     eval_batches: int = 8
-    optimizer: str = "adamw"  # "adamw", "sgd" or "package.module:factory"
+    optimizer: str = "auto"  # "auto" (the strategy's own: SGD for SCAFFOLD, else AdamW), "adamw", "sgd" or "package.module:factory"
     precision: str = "bf16"  # bf16 autocast is ~1.7x faster than fp32 on this CPU (design.md)
     client_threads: int = 0  # torch threads per client; 0 = cores / concurrent clients
 

@@ -165,3 +165,57 @@ def test_the_deployed_client_app_ignores_device_keys(micro_zoo) -> None:  # type
     cfg, strat, state = _setup(micro_zoo, **{"straggler-fraction": 1.0, "local-steps": 2})
     reply = client_module.app(_message(train_content(state, strat, cfg, 1), "train"), _context())
     assert dict(reply.content.metric_records[keys.REC_METRICS])[keys.MET_LOCAL_STEPS] == 2
+
+
+def _ctrl(reply: Message) -> dict[str, np.ndarray]:
+    record = reply.content.array_records[keys.REC_CONTRIB]
+    return {
+        k[len(keys.PREFIX_CONTROL) :]: record[k].numpy()
+        for k in record
+        if k.startswith(keys.PREFIX_CONTROL)
+    }
+
+
+def test_a_rejected_scaffold_reply_leaves_c_i_unchanged(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Round 1's reply was not accepted (committed round stays 0): round 2 trains from c_i = 0.
+
+    With c_i = 0 the control delta is c_i+ itself; had the unaccepted round-1 state been
+    used, round 2's delta would be c_i+ - c_i(round 1), which differs.
+    """
+    cfg, strategy, state = _setup(micro_zoo, strategy="scaffold")
+    context = _context()
+    pid = 1
+    store = ContextStore(context.state)
+    for server_round in (1, 2):
+        content = train_content(state, strategy, cfg, server_round, {pid: 0})
+        reply = client_module.app(_message(content, "train"), context)
+    pending = store.load(3)
+    assert pending is not None and store.load(2) is not None  # both rounds kept as pending
+    for name, delta in _ctrl(reply).items():
+        np.testing.assert_allclose(delta, pending[name], rtol=1e-5, atol=1e-7)
+
+
+def test_an_accepted_scaffold_reply_advances_c_i(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Round 1 accepted (committed round 1): round 2 corrects with c_i from round 1."""
+    cfg, strategy, state = _setup(micro_zoo, strategy="scaffold")
+    context = _context()
+    client_module.app(_message(train_content(state, strategy, cfg, 1, {1: 0}), "train"), context)
+    c_1 = ContextStore(context.state).load(2)
+    reply = client_module.app(
+        _message(train_content(state, strategy, cfg, 2, {1: 1}), "train"), context
+    )
+    c_2 = ContextStore(context.state).load(3)
+    assert c_1 is not None and c_2 is not None
+    for name, delta in _ctrl(reply).items():
+        np.testing.assert_allclose(delta, c_2[name] - c_1[name], rtol=1e-4, atol=1e-6)
+
+
+def test_scaffold_trains_with_sgd_unless_told_otherwise(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """optimizer=auto is the strategy's own local update: SGD for SCAFFOLD, AdamW otherwise."""
+    from clients.trainer import resolve_optimizer
+
+    scaffold = build_strategy({"strategy": "scaffold"})
+    fedavg = build_strategy({"strategy": "fedavg"})
+    assert resolve_optimizer(TrainConfig(), scaffold.local_optimizer) == "sgd"
+    assert resolve_optimizer(TrainConfig(), fedavg.local_optimizer) == "adamw"
+    assert resolve_optimizer(TrainConfig(optimizer="adamw"), scaffold.local_optimizer) == "adamw"

@@ -8,6 +8,8 @@ import pytest
 from server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
 from strategies.base import GlobalState
 
+ADAPTER = {"a.lora_A": np.zeros((2, 4), np.float32)}
+
 
 def test_checkpoint_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(3)
@@ -35,3 +37,42 @@ def test_checkpoint_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def
 def test_resume_without_checkpoint_says_what_to_do(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(FileNotFoundError, match="start a new run"):
         load_checkpoint(tmp_path)
+
+
+def test_committed_rounds_and_config_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The run id, the config and each partition's committed round come back as saved."""
+    state = GlobalState({"a": np.zeros(2, np.float32)}, {}, 4)
+    save_checkpoint(
+        tmp_path, Checkpoint(state, {}, {}, "scaffold", "abc", {"seed": 1}, {3: 4, 11: 2})
+    )
+    loaded = load_checkpoint(tmp_path)
+    assert (loaded.run_id, loaded.config, loaded.committed) == ("abc", {"seed": 1}, {3: 4, 11: 2})
+
+
+def test_resume_refuses_a_changed_config_and_names_the_difference(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint made by FedAvg is not resumed as SCAFFOLD; the message names both values."""
+    from server.config import RunConfig
+    from server.loop import _check_resumable
+    from strategies.registry import build_strategy
+
+    saved = RunConfig.from_mapping({"strategy": "fedavg", "num-server-rounds": 2})
+    ckpt = Checkpoint(GlobalState(ADAPTER, {}, 2), {}, {}, "fedavg", "abc", saved.to_mapping())
+    changed = saved.with_overrides({"strategy": "scaffold", "num-server-rounds": 5})
+    with pytest.raises(
+        ValueError, match="strategy: checkpoint has 'fedavg', this run has 'scaffold'"
+    ):
+        _check_resumable(ckpt, changed, build_strategy(changed.to_mapping()), tmp_path)
+    more_rounds = saved.with_overrides({"num-server-rounds": 5})  # steering keys may change
+    _check_resumable(ckpt, more_rounds, build_strategy(more_rounds.to_mapping()), tmp_path)
+
+
+def test_a_fresh_run_archives_an_earlier_run_instead_of_mixing_with_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Checkpoints and metrics of the earlier run move under previous/; nothing is deleted."""
+    from server.checkpoint import archive_previous_run
+
+    save_checkpoint(tmp_path, Checkpoint(GlobalState(ADAPTER, {}, 3), {}, {}, "fedavg"))
+    (tmp_path / "metrics.jsonl").write_text('{"round": 3}\n')
+    archived = archive_previous_run(tmp_path)
+    assert archived is not None and latest_round(tmp_path) is None
+    assert latest_round(archived) == 3 and (archived / "metrics.jsonl").is_file()
+    assert archive_previous_run(tmp_path) is None  # nothing left to move
