@@ -187,7 +187,7 @@ def test_a_rejected_scaffold_reply_leaves_c_i_unchanged(micro_zoo) -> None:  # t
     pid = 1
     store = ContextStore(context.state)
     for server_round in (1, 2):
-        content = train_content(state, strategy, cfg, server_round, {pid: 0})
+        content = train_content(state, strategy, cfg, server_round, committed={pid: 0})
         reply = client_module.app(_message(content, "train"), context)
     pending = store.load(3)
     assert pending is not None and store.load(2) is not None  # both rounds kept as pending
@@ -199,10 +199,12 @@ def test_an_accepted_scaffold_reply_advances_c_i(micro_zoo) -> None:  # type: ig
     """Round 1 accepted (committed round 1): round 2 corrects with c_i from round 1."""
     cfg, strategy, state = _setup(micro_zoo, strategy="scaffold")
     context = _context()
-    client_module.app(_message(train_content(state, strategy, cfg, 1, {1: 0}), "train"), context)
+    client_module.app(
+        _message(train_content(state, strategy, cfg, 1, committed={1: 0}), "train"), context
+    )
     c_1 = ContextStore(context.state).load(2)
     reply = client_module.app(
-        _message(train_content(state, strategy, cfg, 2, {1: 1}), "train"), context
+        _message(train_content(state, strategy, cfg, 2, committed={1: 1}), "train"), context
     )
     c_2 = ContextStore(context.state).load(3)
     assert c_1 is not None and c_2 is not None
