@@ -36,7 +36,7 @@ class Checkpoint:
     committed: dict[int, int] = field(default_factory=dict)  # partition -> last accepted round
 
 
-# Keys a resumed run may change: they steer the run, not what it computes.
+# Keys a resumed run may change: they steer the run or inject drills, not what it computes.
 RESUMABLE_CHANGES = frozenset(
     {
         "num-server-rounds",
@@ -45,6 +45,7 @@ RESUMABLE_CHANGES = frozenset(
         "client-threads",
         "client-eval",
         "save-merged",
+        "x-fault-partitions",  # fault drills (clients/faults.py) change between attempts
     }
 )
 RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "metrics.csv", "status.json")
