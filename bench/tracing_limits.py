@@ -1,8 +1,8 @@
 """What tracing and per-device rate limits cost a verify round trip, against the same server without them.
 
 One in-process verifier (micro zoo, loopback gRPC) per configuration, the same
-sequential workload on each (a session per round, drafts of 4 tokens), rounds
-interleaved across configurations so machine noise hits them alike:
+sequential workload on each (a session per round, drafts of 4 tokens), calls
+alternating across configurations so machine noise hits them alike:
 
 - baseline: tracing off, no rate limit (the default);
 - tracing: server and client traced, spans batched to an in-memory exporter;
@@ -72,15 +72,17 @@ def start(name: str, zoo: Any, model: Any) -> tuple[Any, Any]:
     return server, client
 
 
-def one_round(client: Any, prompt: list[int], verifies: int) -> list[float]:
-    """Seconds of each verify round trip of one session."""
-    session = client.open(prompt).session_id
-    seconds = []
+def one_round(clients: dict[str, Any], prompt: list[int], verifies: int) -> dict[str, list[float]]:
+    """Seconds of each verify round trip, one session per configuration, calls alternating."""
+    sessions = {name: client.open(prompt).session_id for name, client in clients.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in clients}
     for _ in range(verifies):
-        started = time.perf_counter()
-        client.verify(session, prompt[:DRAFT])
-        seconds.append(time.perf_counter() - started)
-    client.close(session)
+        for name, client in clients.items():
+            started = time.perf_counter()
+            client.verify(sessions[name], prompt[:DRAFT])
+            seconds[name].append(time.perf_counter() - started)
+    for name, client in clients.items():
+        client.close(sessions[name])
     return seconds
 
 
@@ -116,12 +118,12 @@ def main() -> None:
     names = ("baseline", "tracing", "limits")
     running = {name: start(name, zoo, model) for name in names}
     samples: dict[str, list[float]] = {name: [] for name in names}
+    clients = {name: client for name, (_, client) in running.items()}
     load_before = os.getloadavg()
-    for name in names:  # warm-up
-        one_round(running[name][1], prompt, 5)
+    one_round(clients, prompt, 5)  # warm-up
     for _ in range(args.rounds):
-        for name in names:
-            samples[name] += one_round(running[name][1], prompt, args.verifies)
+        for name, seconds in one_round(clients, prompt, args.verifies).items():
+            samples[name] += seconds
     for server, client in running.values():
         client.close_channel()
         server.stop(grace_s=0.2)

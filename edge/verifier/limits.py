@@ -154,6 +154,8 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
         self._limiter = limiter
         self._verify = f"/{service}/Verify"
         self._generate = f"/{service}/Generate"
+        # method -> (the service's handler, its limited twin), built once rather than per call
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -162,9 +164,16 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method  # type: ignore[attr-defined]
-        buckets = self._limiter.buckets
-        if handler is None:
+        if handler is None or method not in (self._verify, self._generate):
             return handler
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[method] = (handler, self._limit(method, handler))
+        return cached[1]
+
+    def _limit(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The handler with its cost charged first (as is when that kind is unlimited)."""
+        buckets = self._limiter.buckets
         if method == self._verify and VERIFY in buckets:
             return grpc.unary_unary_rpc_method_handler(
                 self._limited_unary(handler.unary_unary, buckets[VERIFY]),
