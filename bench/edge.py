@@ -166,6 +166,7 @@ def summarize(reports: list[Any], wire_bytes: int, objective: Any) -> dict[str, 
         "round_trips_per_token": sum(r.round_trips for r in reports) / tokens,
         "cost_per_token": route_cost(per_token),
         "routes": sorted({r.route for r in reports}),
+        "reasons": sorted({r.reason for r in reports}),
     }
     out["meets_objective"] = (
         out["tokens_per_s"] >= objective.tokens_per_s and out["ttft_s_p90"] <= objective.ttft_s
@@ -217,12 +218,17 @@ def per_request(
 
         def run(route: str | None, edge: EdgeClient) -> dict[str, Any]:
             wire0 = netem.bytes_up + netem.bytes_down
-            reports = []
+            reports, predicted = [], []
             for prompt in prompts:
+                if route is None:  # what the router expected of each route (choose() is pure)
+                    edge.measure_rtt()
+                    p = edge.router.choose(objective).predicted
+                    predicted.append({r.value: round(v.tokens_per_s, 1) for r, v in p.items()})
                 for _ in edge.stream_ids(prompt, route):
                     pass
                 reports.append(copy.copy(edge.last))
-            return summarize(reports, netem.bytes_up + netem.bytes_down - wire0, objective)
+            out = summarize(reports, netem.bytes_up + netem.bytes_down - wire0, objective)
+            return {**out, "predicted_tokens_per_s": predicted} if route is None else out
 
         with VerifierClient(ClientConfig(target)) as client:
             learner = EdgeClient(runtime, None, client, decode, router, objective)
@@ -238,6 +244,10 @@ def per_request(
                         fixed[route] = run(route, EdgeClient(runtime, None, own, decode, Router()))
                 chosen = run(None, learner)
                 out[f"{rtt:g}ms"] = {**fixed, "router": chosen, **compare(fixed, chosen, objective)}
+                if rtt == 0:
+                    out["cloud_only_0ms_over_plain_hf_greedy"] = (
+                        fixed["cloud-only"]["tokens_per_s"] / args.plain_tokens_per_s
+                    )
                 print(
                     f"rtt {rtt:g} ms: "
                     + ", ".join(f"{r} {fixed[r]['tokens_per_s']:.0f}/s" for r in ROUTES)
@@ -245,6 +255,27 @@ def per_request(
                     file=sys.stderr,
                 )
     return out, router
+
+
+def plain_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:
+    """Plain Hugging Face greedy decoding of the target, in process (1 thread): the fair cloud."""
+    import torch
+
+    from fedge.models import load_causal_lm
+
+    model = load_causal_lm(model_dir)
+    tokens, started = 0, time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
+        tokens += out.shape[1] - len(prompt)
+    return tokens / (time.perf_counter() - started)
 
 
 # ---------------------------------------------------------------- 2. capacity
@@ -503,9 +534,14 @@ def main() -> None:
     print(f"preset {preset}: measuring the pass-cost regime", file=sys.stderr)
     result["verify_cost_regime"] = pass_cost_regime(zoo.target_dir, prompts[0])
     work = Path(tempfile.mkdtemp(prefix="fedge-bench-edge-"))
-    export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig())
+    manifest = export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig())
     runtime = load_draft_runtime(work / "draft", "auto", threads=1)
     result["draft_runtime"] = runtime.name
+    result["draft_step_ms_by_variant"] = {
+        name: v["decode_step_s"] * 1e3 for name, v in manifest["variants"].items() if v.get("valid")
+    }
+    args.plain_tokens_per_s = plain_greedy(zoo.target_dir, prompts, args.new_tokens)
+    result["plain_hf_greedy_tokens_per_s"] = args.plain_tokens_per_s
     server = VerifierProcess(zoo.target_dir)
     try:
         router = None

@@ -426,6 +426,8 @@ class EdgeClient:
         if not force and self._rtt is not None and now - self._rtt[0] < self.rtt_max_age_s:
             return self._rtt[1]
         try:
+            if self._rtt is None:
+                self.verifier.ping()  # a fresh channel's first call also pays for the connection
             rtt = self.verifier.ping()
         except grpc.RpcError:
             self._rtt = None

@@ -13,7 +13,7 @@ the route spends (`DeviceState` gives joules per draft token and per byte: input
 the device). Per route the router keeps running estimates of seconds per token, TTFT, passes,
 bytes, draft steps and round trips per token, the share of time spent waiting on the cloud,
 and the RTT they were measured at; a prediction moves them to the current RTT (each round trip
-costs the RTT difference) and load. Policies, tried in order (ordered dispatch, default last):
+costs the RTT difference, removing no more than the time spent waiting) and load. Policies, tried in order (ordered dispatch, default last):
 
 1. network down -> edge-only (the only way to answer; the report says so);
 2. a feasible route never measured -> measure it;
@@ -222,10 +222,13 @@ def predict(state: RouterState, route: Route, device: DeviceState) -> Prediction
     if s.n == 0:
         return None
     cfg = state.config
-    shift = state.rtt_s - s.rtt_s  # each round trip costs the RTT difference
+    # Each round trip costs the current RTT instead of the one measured with the estimates; the
+    # RTT removed is at most the time actually spent waiting (a ping can overstate it).
+    removed = min(s.rtt_s * s.round_trips, s.cloud_share * s.seconds)
     slow = 1.0 + (state.load() - 1.0) * s.cloud_share
-    seconds = max(1e-6, s.seconds + shift * s.round_trips) * slow
-    ttft = max(1e-6, s.ttft_s + (shift if s.round_trips else 0.0)) * slow
+    seconds = max(1e-6, s.seconds - removed + state.rtt_s * s.round_trips) * slow
+    first = min(s.rtt_s, s.cloud_share * s.ttft_s) - state.rtt_s if s.round_trips else 0.0
+    ttft = max(1e-6, s.ttft_s - first) * slow
     joules = s.bytes * device.joules_per_byte
     if s.drafted:  # drafting heats the device: dearer when warm, ruled out (inf) when critical
         joules += (

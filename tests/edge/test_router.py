@@ -81,6 +81,18 @@ def test_rtt_shift_moves_predictions_and_the_choice() -> None:
     assert router.choose().route == Route.CLOUD_ONLY
 
 
+def test_an_overstated_ping_never_predicts_free_tokens() -> None:
+    """Speculative measured while a ping said 500 ms: 0.25 round trips/token would remove 125 ms
+    from 25 ms per token; only the 12.5 ms spent waiting (share 0.5) can go: 80 tokens/s at 0 ms."""
+    router = Router(RouterConfig(smoothing=1.0))
+    router.observe(Outcome(Route.SPECULATIVE, 48, 1.2, 0.05, 12, 4800, 12, 48, 0.6, 0.5))
+    router.observe_rtt(0.0)
+    spec = predict(router.state, Route.SPECULATIVE, router.device)
+    assert spec is not None
+    assert spec.tokens_per_s == pytest.approx(80.0)
+    assert spec.ttft_s == pytest.approx(0.025)  # likewise at most half the 50 ms TTFT goes
+
+
 def test_demanding_objective_and_none_meeting() -> None:
     router = measured()
     assert router.choose(Objective(tokens_per_s=50)).route == Route.CLOUD_ONLY  # 40 < 55 <= 100
