@@ -203,6 +203,37 @@ def _sessions(
     return starts.astype(np.float64), ends.astype(np.float64), counts
 
 
+def _columns(
+    labels: tuple[str, ...],
+    tier: Sequence[int],
+    kinds: Sequence[int],
+    compute: Sequence[float],
+    memory: Sequence[float],
+    up: Sequence[float],
+    down: Sequence[float],
+    latency: Sequence[float],
+    intervals: Sequence[Sequence[tuple[float, float]]],
+    periods: Sequence[float],
+) -> Population:
+    """A Population from per-device lists (SI units), packed into typed arrays."""
+    offsets, starts, ends = _pack(intervals)
+    f64 = np.float64
+    return Population(
+        labels,
+        np.asarray(tier, dtype=np.int16),
+        np.asarray(kinds, dtype=np.int8),
+        np.asarray(compute, dtype=f64),
+        np.asarray(memory, dtype=f64),
+        np.asarray(up, dtype=f64),
+        np.asarray(down, dtype=f64),
+        np.asarray(latency, dtype=f64),
+        offsets,
+        starts,
+        ends,
+        np.asarray(periods, dtype=f64),
+    )
+
+
 def _pack(intervals: Sequence[Sequence[tuple[float, float]]]) -> tuple[np.ndarray, ...]:
     """Per-device interval lists -> (offsets, starts, ends) arrays."""
     offsets = np.zeros(len(intervals) + 1, dtype=np.int64)
@@ -287,20 +318,8 @@ def _device_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> Population:
             raise PopulationError(f"{where}, field 'period_s': must be >= 0, got {period}")
         periods.append(period)
         intervals.append(parse_intervals(str(row.get("availability", "")), period, where))
-    offsets, starts, ends = _pack(intervals)
-    return Population(
-        tuple(labels),
-        np.asarray(tier_idx, dtype=np.int16),
-        np.asarray(kinds, dtype=np.int8),
-        np.asarray(compute, dtype=np.float64),
-        np.asarray(memory, dtype=np.float64),
-        np.asarray(up, dtype=np.float64),
-        np.asarray(down, dtype=np.float64),
-        np.asarray(latency, dtype=np.float64),
-        offsets,
-        starts,
-        ends,
-        np.asarray(periods, dtype=np.float64),
+    return _columns(
+        tuple(labels), tier_idx, kinds, compute, memory, up, down, latency, intervals, periods
     )
 
 
@@ -497,21 +516,19 @@ def from_fedscale(
         pairs, period = _fedscale_intervals(trace[tkey], f"{behaviour} client {tkey!r}")
         periods.append(period)
         intervals.append(pairs)
-    offsets, starts, ends = _pack(intervals)
-    n = size
-    return Population(
+    zeros = [0] * size
+    memory = [memory_gb * GB] * size
+    return _columns(
         ("fedscale",),
-        np.zeros(n, dtype=np.int16),
-        np.asarray(kinds, dtype=np.int8),
-        np.asarray(compute, dtype=np.float64),
-        np.full(n, memory_gb * GB, dtype=np.float64),
-        np.asarray(bandwidth, dtype=np.float64),
-        np.asarray(bandwidth, dtype=np.float64),
-        np.zeros(n, dtype=np.float64),
-        offsets,
-        starts,
-        ends,
-        np.asarray(periods, dtype=np.float64),
+        zeros,
+        kinds,
+        compute,
+        memory,
+        bandwidth,
+        bandwidth,
+        zeros,
+        intervals,
+        periods,
     )
 
 

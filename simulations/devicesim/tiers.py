@@ -58,57 +58,22 @@ HOUR = 3600.0
 # Home broadband (phones train only on unmetered Wi-Fi): Ookla Speedtest Global Index,
 # global median fixed broadband, August 2024: 93.99 Mbps down, 48.36 Mbps up; fixed
 # latency 10 ms (Ookla, November 2022). Slow links: Ookla global mobile, September 2020:
-# 35.96 down, 11.22 up, 40 ms. Sessions: assumptions (docs/phones.md).
+# 35.96 down, 11.22 up, 40 ms. Sessions and utilizations: assumptions (docs/phones.md).
+HOME = {"uplink_bps": 48.36 * MBPS, "downlink_bps": 93.99 * MBPS, "latency_s": 0.010}
+SLOW = {"uplink_bps": 11.22 * MBPS, "downlink_bps": 35.96 * MBPS, "latency_s": 0.040}
+LAB = {"uplink_bps": 1000 * MBPS, "downlink_bps": 1000 * MBPS, "latency_s": 0.005}
+PHONE_SESSIONS = {"mean_online_s": 2 * HOUR, "mean_offline_s": 6 * HOUR}
+WORKDAY = {"mean_online_s": 8 * HOUR, "mean_offline_s": 16 * HOUR}
+ALWAYS = {"mean_online_s": 0.0, "mean_offline_s": 0.0}
+
 TIERS: dict[str, Tier] = {
     t.name: t
     for t in (
-        Tier(
-            "flagship",
-            4.608e12,
-            0.10,
-            12 * GB * 0.4,
-            48.36 * MBPS,
-            93.99 * MBPS,
-            0.010,
-            2 * HOUR,
-            6 * HOUR,
-        ),
-        Tier(
-            "midrange",
-            1.2e12,
-            0.10,
-            8 * GB * 0.4,
-            48.36 * MBPS,
-            93.99 * MBPS,
-            0.010,
-            2 * HOUR,
-            6 * HOUR,
-        ),
-        Tier(
-            "lowend",
-            0.72e12,
-            0.10,
-            4 * GB * 0.4,
-            11.22 * MBPS,
-            35.96 * MBPS,
-            0.040,
-            2 * HOUR,
-            6 * HOUR,
-        ),
-        Tier(
-            "laptop",
-            3.58e12,
-            0.20,
-            16 * GB * 0.5,
-            48.36 * MBPS,
-            93.99 * MBPS,
-            0.010,
-            8 * HOUR,
-            16 * HOUR,
-        ),
-        Tier(
-            "workstation", 82.6e12, 0.30, 24 * GB * 0.9, 1000 * MBPS, 1000 * MBPS, 0.005, 0.0, 0.0
-        ),
+        Tier("flagship", 4.608e12, 0.10, 12 * GB * 0.4, **HOME, **PHONE_SESSIONS),
+        Tier("midrange", 1.2e12, 0.10, 8 * GB * 0.4, **HOME, **PHONE_SESSIONS),
+        Tier("lowend", 0.72e12, 0.10, 4 * GB * 0.4, **SLOW, **PHONE_SESSIONS),
+        Tier("laptop", 3.58e12, 0.20, 16 * GB * 0.5, **HOME, **WORKDAY),
+        Tier("workstation", 82.6e12, 0.30, 24 * GB * 0.9, **LAB, **ALWAYS),
     )
 }
 
