@@ -12,7 +12,7 @@ memory), wasted compute (device-hours and fraction), devices that ever trained, 
 per participant, and participation by tier. Prints one JSON object as the last line and
 writes it to bench/results/phones.json.
 
-Usage: python bench/phones.py [--rounds 12] [--target-drop 0.01] [--set key=value ...]
+Usage: python bench/phones.py [--rounds 12] [--target-drop 0.005] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _strategy_figures(run: Path, target: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--target-drop", type=float, default=0.01)
+    parser.add_argument("--target-drop", type=float, default=0.005)
     parser.add_argument("--set", dest="sets", action="append", default=[])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

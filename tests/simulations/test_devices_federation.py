@@ -40,7 +40,7 @@ DEVICES = """device_id,tier,ms_per_sample,memory_gb,uplink_mbps,downlink_mbps,la
 SCENARIO = """
 [scenario]
 num-supernodes = 6
-client-cpus = 1
+engine = "inprocess"
 
 [config]
 model = "zoo:micro"
@@ -69,7 +69,7 @@ deadline-s = 3
 
 @pytest.fixture(scope="module")
 def run(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
-    """One two-round FedProx federation on the six devices (Flower's simulation engine)."""
+    """One two-round FedProx federation on the six devices (the in-process engine)."""
     root = tmp_path_factory.mktemp("devices")
     (root / "devices.csv").write_text(DEVICES)
     (root / "scenario.toml").write_text(SCENARIO.format(population=root / "devices.csv"))
