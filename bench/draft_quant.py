@@ -11,8 +11,9 @@
    whether every variant's output equals the target's own greedy output.
 
 Usage: ``python bench/draft_quant.py [--preset default] [--widths 64,128,192,256,384,512]
-[--prompts 8] [--new-tokens 48] [--reps 7]``. The last line printed is one JSON object, also
-written to ``bench/results/draft_quant.json``.
+[--prompts 8] [--new-tokens 48] [--reps 7] [--docs docs/edge.md]``. The last line printed is one
+JSON object, also written to ``bench/results/draft_quant.json``; ``--docs`` rewrites the
+crossover table between the draft-quant markers of that file from the same figures.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "draft_quant.json"
+DOCS_START, DOCS_END = "<!-- draft-quant:start -->", "<!-- draft-quant:end -->"
 VARIANTS = ("fp32", "int8", "int4")
 PREFILL = 100  # tokens in the cache when a decode step is timed
 STEPS = 40  # decode steps timed per variant and round
@@ -163,6 +165,41 @@ def _cloud_greedy(engine: Any, prompt: list[int], new_tokens: int) -> list[int]:
         engine.close(info.session_id)
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The crossover table and the zoo draft's figures as Markdown."""
+    lines = [
+        "| width | parameters | fp32 ms | int8 ms (x fp32) | int4 ms (x fp32) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in result["crossover"]:
+        ms, up = row["decode_step_ms"], row["speedup_over_fp32"]
+        lines.append(
+            f"| {row['width']} | {row['parameters']:,} | {ms['fp32']:.3f} | "
+            f"{ms['int8']:.3f} ({up['int8']:.2f}x) | {ms['int4']:.3f} ({up['int4']:.2f}x) |"
+        )
+    zoo = result["zoo_draft"]
+    lines += [
+        "",
+        f"The `{zoo['preset']}` zoo's draft, speculative decoding against its target in process "
+        f"(greedy, draft length 4, {zoo['prompts']} held-out prompts x {zoo['new_tokens']} tokens):",
+        "",
+        "| variant | decode ms (x fp32) | acceptance | target passes / token | output = target's |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, v in zoo["variants"].items():
+        if "acceptance" not in v:
+            lines.append(f"| {name} | invalid: {v.get('failures')} | | | |")
+            continue
+        lines.append(
+            f"| {name} | {v['decode_step_ms']:.3f} ({v['speedup_over_fp32']:.2f}x) | "
+            f"{v['acceptance']:.3f} | {v['target_passes_per_token']:.3f} | "
+            f"{'yes' if v['output_equals_target_greedy'] else 'NO'} |"
+        )
+    before, after = result["load_average_before"][0], result["load_average_after"][0]
+    lines += ["", f"Load average (1 min) {before:.1f} before, {after:.1f} after."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="default")
@@ -170,6 +207,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--docs", type=Path, default=None, help="Rewrite the table in this file.")
     args = parser.parse_args()
 
     import torch
@@ -186,6 +224,11 @@ def main() -> None:
     }
     RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_FILE.write_text(json.dumps(result, indent=2) + "\n")
+    if args.docs is not None:
+        from fedge.zoo.table import replace_in
+
+        text = args.docs.read_text()
+        args.docs.write_text(replace_in(text, markdown(result), DOCS_START, DOCS_END))
     print(json.dumps(result))
 
 

@@ -38,9 +38,9 @@ from clients.privacy.local import (
 from clients.state import CommittedStore, ContextStore, DiskStore
 from clients.trainer import build_optimizer, random_windows, resolve_optimizer, run_local_steps
 from fedge import keys
-from fedge.lm import holder
+from fedge.lm import distill, holder
 from fedge.lm.config import TrainConfig, derive_seed
-from fedge.lm.evaluate import autocast_context, evaluate_tokens, lm_batch_loss
+from fedge.lm.evaluate import autocast_context, evaluate_tokens
 from strategies.base import (
     Arrays,
     ClientResult,
@@ -168,6 +168,7 @@ def train(msg: Message, context: Context) -> Message:
     t_train = time.perf_counter()
     privacy_metrics: dict[str, float] = {}
     if dp is not None:  # sample-level DP-SGD with Opacus, noise from the OS (clients.privacy)
+        distill.refuse_dpsgd(config)
         try:
             losses, privacy_metrics = train_dpsgd_round(
                 lm.model,
@@ -191,9 +192,10 @@ def train(msg: Message, context: Context) -> Message:
             resolve_optimizer(cfg, strategy.local_optimizer),
         )
         model.train()
+        loss_fn = distill.batch_loss(config)  # next-token CE, or KL to `distill-teacher`
         losses = run_local_steps(
             lm.params,
-            lambda step: lm_batch_loss(model, batches[step]),
+            lambda step: loss_fn(model, batches[step]),
             steps,
             optimizer,
             hook,

@@ -77,6 +77,8 @@ CFG_COMMITTED_PARTITIONS: Final = "committed-partitions"  # list[int]: partition
 CFG_COMMITTED_ROUNDS: Final = "committed-rounds"  # list[int]: the accepted round of each
 
 CFG_MODEL: Final = "model"  # a model dir or hub id, or "zoo:<preset>"
+CFG_DISTILL_TEACHER: Final = "distill-teacher"  # model dir: clients distil from it (realignment)
+CFG_DISTILL_TEMPERATURE: Final = "distill-temperature"  # softmax temperature of that distillation
 CFG_MODEL_PATH: Final = "model-path"  # server-resolved model dir, used when it exists here
 CFG_PARTITION_SCHEME: Final = "partition-scheme"  # natural | iid | dirichlet
 CFG_NUM_PARTITIONS: Final = "num-partitions"

@@ -19,7 +19,7 @@ from fedge.lm.config import TrainConfig, coerce, config_key
 from fedge.types import ConfigValue
 from strategies.registry import STRATEGY_NAMES
 
-EXTENSION_PREFIXES = ("dp-", "secagg-", "privacy-", "device-", "straggler-", "x-")
+EXTENSION_PREFIXES = ("dp-", "secagg-", "privacy-", "device-", "straggler-", "distill-", "x-")
 """Keys with these prefixes belong to plug-ins (aggregators, mods, budgets, device simulation
 in ``simulations.devices``); they are kept
 as strings/numbers in ``RunConfig.extra`` and sent to clients with every message."""

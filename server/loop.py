@@ -539,6 +539,9 @@ def _row(
         ),
         "client_eval_loss": _num(client_loss),
         "clients_sampled": sampled,
+        "partitions_trained": sorted(
+            int(m[keys.MET_PARTITION]) for m in per_client if keys.MET_PARTITION in m
+        ),
         "clients_succeeded": len(result.accepted) if result else 0,
         "clients_rejected": len(result.rejected) if result else 0,
         "clients_dropped": (len(result.accepted) - round(counted))

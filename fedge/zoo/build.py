@@ -7,6 +7,7 @@ the finished model directories carry manifests, so a partial or corrupted copy i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -72,10 +73,19 @@ def zoo_problems(paths: ZooPaths) -> list[str]:
     return verify_manifest(paths.target_dir) + verify_manifest(paths.draft_dir)
 
 
+def stale_settings(paths: ZooPaths, preset: ZooPreset) -> list[str]:
+    """Preset settings that differ between the built card and the code (fields the card has)."""
+    built = paths.card.get("preset_config", {})
+    current = json.loads(json.dumps(asdict(preset)))
+    return [
+        f"{k}: built {built[k]!r}, now {current[k]!r}" for k in built if built[k] != current.get(k)
+    ]
+
+
 def ensure_zoo(preset: str = "micro", root: Path | None = None, seed: int = 0) -> ZooPaths:
     """Return the zoo at `root` (default: the cache), building or repairing it when needed."""
     paths = ZooPaths(root or zoo_dir(preset))
-    if zoo_problems(paths):
+    if zoo_problems(paths) or stale_settings(paths, get_preset(preset)):
         build_zoo(preset, paths.root, seed=seed)
     return paths
 
@@ -94,10 +104,14 @@ def build_zoo(
     if force and paths.root.exists():
         shutil.rmtree(paths.root)
     problems = zoo_problems(paths)
-    if not problems:
+    stale = [] if problems else stale_settings(paths, preset)
+    if not problems and not stale:
         console.print(f"[green]zoo {preset.name} at {paths.root} is intact; reusing it")
         return paths
-    if paths.card_path.is_file():
+    if stale:  # intact, but built with other settings: nothing of it can be reused
+        console.print(f"[yellow]zoo at {paths.root} is stale ({'; '.join(stale)}); rebuilding")
+        shutil.rmtree(paths.root)
+    elif paths.card_path.is_file():
         console.print(f"[yellow]zoo at {paths.root} is damaged ({'; '.join(problems)}); rebuilding")
         paths.card_path.unlink()
     return _Builder(preset, paths, seed, console).run()
@@ -113,6 +127,7 @@ class _Builder:
 
     def run(self) -> ZooPaths:
         started, cpu_started = time.perf_counter(), time.process_time()
+        load_before = os.getloadavg()[0]
         torch.set_num_threads(self.preset.threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
         files = stdlib_sources(max_chars_per_label=self.preset.max_chars_per_label)
@@ -127,6 +142,7 @@ class _Builder:
         )
         card["build_seconds"] = round(time.perf_counter() - started, 1)
         card["build_cpu_seconds"] = round(time.process_time() - cpu_started, 1)
+        card["build_load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         self.paths.card_path.write_text(json.dumps(card, indent=2))
         shutil.rmtree(self.work, ignore_errors=True)
         self.console.print(f"[green]zoo {self.preset.name} built at {self.paths.root}")

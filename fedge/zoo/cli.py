@@ -29,3 +29,26 @@ def build(
     console = Console()
     paths = build_zoo(preset, out, seed=seed, force=force, console=console)
     console.print_json(json.dumps(paths.card))
+
+
+@app.command("table")
+def table(
+    cards: list[Path] = typer.Argument(
+        None, help="model_card.json files (default: every built preset under $FEDGE_HOME/zoo)."
+    ),
+    readme: Path | None = typer.Option(
+        None, help="Rewrite the table between the zoo-table markers of this file."
+    ),
+) -> None:
+    """Print the measured zoo table (Markdown) from model cards; optionally rewrite it in README."""
+    from fedge.paths import fedge_home
+    from fedge.zoo.table import render, replace_in
+
+    if not cards:
+        cards = sorted((fedge_home() / "zoo").glob("*/model_card.json"))
+    if not cards:
+        raise typer.BadParameter("no model cards found; build a zoo or pass card files")
+    text = render(cards)
+    if readme is not None:
+        readme.write_text(replace_in(readme.read_text(), text))
+    print(text)

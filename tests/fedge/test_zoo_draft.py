@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedge.zoo import get_preset
+from fedge.zoo import ZooPaths, get_preset
+from fedge.zoo.build import stale_settings
 from fedge.zoo.presets import ModelShape, TrainBudget
 from fedge.zoo.training import distillation_loss, share_embeddings, train
 
@@ -69,3 +70,21 @@ def test_default_draft_owns_under_a_fifth_of_the_target() -> None:
     target = p.vocab_size * p.target.hidden + layers(p.target) + p.target.hidden
     assert p.share_embeddings
     assert layers(p.draft) <= target / 5
+
+
+def test_zoo_built_with_other_settings_is_stale(micro_zoo: ZooPaths, tmp_path: Path) -> None:
+    """A card whose preset settings differ from the code's marks the zoo stale (rebuilt, not used)."""
+    import json
+    import shutil
+
+    copy = ZooPaths(tmp_path / "micro")
+    shutil.copytree(micro_zoo.root, copy.root)
+    preset = get_preset("micro")
+    assert stale_settings(copy, preset) == []
+    card = copy.card
+    card["preset_config"]["target_train"]["steps"] = 1
+    copy.card_path.write_text(json.dumps(card))
+    assert stale_settings(copy, preset) == [
+        f"target_train: built {card['preset_config']['target_train']!r}, "
+        f"now {json.loads(json.dumps(asdict(preset.target_train)))!r}"
+    ]

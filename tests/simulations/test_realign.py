@@ -1,0 +1,69 @@
+"""Draft realignment: a second federation distils the micro draft from the federated micro target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedge.lm import distill
+from fedge.models import load_causal_lm
+from fedge.zoo import ZooPaths
+from server.rundir import MetricsLog
+from simulations.realign import acceptance_by_client, participating, realign_draft
+from simulations.runner import load_scenario, run_simulation
+
+
+@pytest.fixture(scope="module")
+def realigned(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One round of the quick federation on the target, then one round realigning the draft."""
+    root = tmp_path_factory.mktemp("realign")
+    scenario = load_scenario("quick", {"num-server-rounds": 1})
+    outcome = run_simulation(scenario, root / "target")
+    assert outcome.status == "completed", outcome.message
+    teacher = root / "target" / "final" / "merged"
+    merged = realign_draft(scenario, micro_zoo.draft_dir, teacher, root / "draft")
+    return {"target_run": root / "target", "draft_run": root / "draft", "merged": merged}
+
+
+def test_clients_train_the_draft_on_kl_to_the_federated_target(
+    realigned: dict[str, Path], micro_zoo: ZooPaths
+) -> None:
+    """Cross-entropy of a barely trained micro model is ~5; its KL to the target is far smaller."""
+    ce = MetricsLog(realigned["target_run"]).rows()[-1]["train_loss"]
+    kl = MetricsLog(realigned["draft_run"]).rows()[-1]["train_loss"]
+    assert ce > 4.0 and 0.0 <= kl < 2.0, (ce, kl)
+    base = load_causal_lm(micro_zoo.draft_dir)
+    moved = load_causal_lm(realigned["merged"])
+    assert base.config.hidden_size == moved.config.hidden_size
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(base.state_dict()[q], moved.state_dict()[q])  # the LoRA delta merged
+
+
+def test_acceptance_is_measured_per_participating_client(
+    realigned: dict[str, Path], micro_zoo: ZooPaths
+) -> None:
+    clients = participating(realigned["draft_run"])
+    assert clients and set(clients) <= {0, 1, 2}
+    models = {
+        "base_target": micro_zoo.target_dir,
+        "federated_target": realigned["target_run"] / "final" / "merged",
+        "base_draft": micro_zoo.draft_dir,
+        "realigned_draft": realigned["merged"],
+    }
+    config = load_scenario("quick").config
+    rows = acceptance_by_client(config, clients, models, prompts=2, new_tokens=4, prompt_tokens=4)
+    assert rows and {r.partition for r in rows} <= set(clients)
+    for row in rows:
+        assert all(0.0 <= x <= 1.0 for x in (row.base, row.drifted, row.realigned))
+
+
+def test_bad_teacher_and_dpsgd_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"distill-teacher=.* is not a model directory"):
+        distill.batch_loss({"distill-teacher": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match=r"distill-temperature must be > 0"):
+        distill.batch_loss({"distill-teacher": "x", "distill-temperature": 0.0})
+    with pytest.raises(ValueError, match=r"distill-teacher with DP-SGD is not supported"):
+        distill.refuse_dpsgd({"distill-teacher": str(tmp_path)})
+    assert distill.batch_loss({}) is distill.lm_batch_loss
