@@ -142,11 +142,12 @@ def _compare_devices(base: Path, strategies: list[str], console: Console) -> Non
     """With simulated devices: perplexity against simulated hours, one line per strategy."""
     from simulations.devicesim.report import plot_perplexity_hours, read_rounds
 
-    runs = {s: read_rounds(base / s) for s in strategies}
-    if not any(runs.values()):
+    runs = {s: rows for s in strategies if (rows := read_rounds(base / s))}
+    if not runs:
         return
-    summaries = {s: json.loads((base / s / "devices" / "summary.json").read_text()) for s in runs}
-    target = max(float(v.get("target_perplexity") or 0.0) for v in summaries.values())
+    summaries = [base / s / "devices" / "summary.json" for s in runs]
+    targets = [json.loads(p.read_text()).get("target_perplexity") for p in summaries if p.is_file()]
+    target = max((float(t) for t in targets if t), default=0.0)
     plot = plot_perplexity_hours(runs, base / "perplexity_hours_compare.png", target)
     console.print(f"perplexity vs simulated hours: {plot}")
 

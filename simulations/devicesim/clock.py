@@ -57,10 +57,15 @@ class Outcome:
     status: str  # KEPT, OFFLINE, DEADLINE or LATE
     steps: int  # steps the client runs (kept) or ran before it was dropped
     requested: int  # steps it was asked for
-    begin: float
+    begin: float  # when the request has arrived (inf: the client was never reached)
     finish: float  # when the report arrives, or when the client dropped out
     compute_seconds: float
     wasted_seconds: float
+
+    @property
+    def downloaded(self) -> bool:
+        """Whether the client received the message (it was eligible until its download ended)."""
+        return self.status != OFFLINE or self.finish >= self.begin
 
     @property
     def partial(self) -> bool:
@@ -85,7 +90,7 @@ def leg_outcome(leg: Leg, pop: Population, rules: Rules) -> Outcome:
     d = leg.device
     until = pop.available_until(d, rules.start)
     if until is None:
-        return Outcome(leg.node, d, OFFLINE, 0, leg.steps, rules.start, rules.start, 0.0, 0.0)
+        return Outcome(leg.node, d, OFFLINE, 0, leg.steps, math.inf, rules.start, 0.0, 0.0)
     begin = (
         rules.start + float(pop.latency_s[d]) + leg.download_bytes * 8 / float(pop.downlink_bps[d])
     )

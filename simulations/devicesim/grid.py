@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from simulations.devicesim.population import Population
 from simulations.devicesim.workload import Workload, fit_batches
 
 log = logging.getLogger(__name__)
+PartitionQuery = Callable[[Grid, Sequence[int]], dict[int, int]]  # (grid, nodes) -> partitions
 
 COUNTERS = (
     "selected",
@@ -175,7 +176,7 @@ class DeviceSim:
             d = o.device
             c["compute_s"][d] += o.compute_seconds
             c["wasted_s"][d] += o.wasted_seconds
-            if o.status != clock.OFFLINE or o.finish > o.begin:
+            if o.downloaded:
                 c["bytes_down"][d] += bytes_down
             if o.status in (clock.KEPT, clock.LATE):
                 c["bytes_up"][d] += bytes_up
@@ -189,7 +190,7 @@ class DeviceSim:
             if r is not None:
                 r.compute_s += o.compute_seconds
                 r.wasted_s += o.wasted_seconds
-                r.bytes_down += int(bytes_down) if o.finish > o.begin else 0
+                r.bytes_down += int(bytes_down) if o.downloaded else 0
                 r.bytes_up += int(bytes_up) if o.status in (clock.KEPT, clock.LATE) else 0
         if r is not None and training:
             r.selected += len(plan.outcomes)
@@ -204,7 +205,7 @@ class DeviceSim:
 class DeviceGrid(ReplyHookGrid):
     """Flower Grid wrapper: train exchanges run on the devices' virtual clock (module docstring)."""
 
-    def __init__(self, grid: Grid, sim: DeviceSim, partition_query: Any) -> None:
+    def __init__(self, grid: Grid, sim: DeviceSim, partition_query: PartitionQuery) -> None:
         super().__init__(grid)
         self.sim = sim
         self._query = partition_query  # (grid, node_ids) -> {node: partition}
@@ -328,7 +329,7 @@ def _array_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
-def partitions_by_query(cfg: Any) -> Any:
+def partitions_by_query(cfg: Any) -> PartitionQuery:
     """A partition query bound to the run config (the loop's own query message)."""
     from server.loop import query_partitions
 

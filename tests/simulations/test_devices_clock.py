@@ -117,12 +117,14 @@ def test_a_device_whose_availability_ends_mid_round_drops_out() -> None:
     assert o.status == OFFLINE
     assert o.finish == pytest.approx(104.0)
     assert o.wasted_seconds == pytest.approx(2.9)
+    assert o.downloaded  # it vanished after receiving the adapter (bytes down counted)
 
 
 def test_a_device_offline_at_the_start_never_begins() -> None:
     plan = plan_exchange([leg(0)], pop(1, [[(200.0, 300.0)]]), Rules(start=100.0))
     (o,) = plan.outcomes
     assert o.status == OFFLINE and o.compute_seconds == 0 and plan.close == 100.0
+    assert not o.downloaded
 
 
 def test_periodic_availability_wraps_into_the_next_cycle() -> None:
