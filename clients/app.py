@@ -38,6 +38,8 @@ from clients.privacy.local import (
 from clients.state import CommittedStore, ContextStore, DiskStore
 from clients.trainer import build_optimizer, random_windows, resolve_optimizer, run_local_steps
 from fedge import keys
+from fedge.data import ClientTokens
+from fedge.data.shards import device_tokens
 from fedge.lm import distill, holder
 from fedge.lm.config import TrainConfig, derive_seed
 from fedge.lm.evaluate import autocast_context, evaluate_tokens
@@ -72,6 +74,16 @@ def partition_id(context: Context) -> int:
             "--node-config 'partition-id=0 num-partitions=2'"
         )
     return int(value)
+
+
+def device_data(
+    config: Mapping[str, ConfigValue], context: Context, cfg: TrainConfig
+) -> ClientTokens:
+    """This node's data: its partition, or a shard of the partitions when the population
+    (node config ``num-partitions``) outnumbers them (:mod:`fedge.data.shards`)."""
+    corpus = holder.get_corpus(config)
+    population = int(context.node_config.get(keys.NODE_NUM_PARTITIONS, len(corpus)))
+    return device_tokens(corpus, partition_id(context), population, cfg.seq_len + 1)
 
 
 def record_arrays(msg: Message, name: str) -> Arrays:
@@ -147,7 +159,7 @@ def train(msg: Message, context: Context) -> Message:
     lm = holder.get_lora_model(holder.client_model_ref(config), cfg)
     global_adapter = record_arrays(msg, keys.REC_GLOBAL)
     holder.set_adapter(lm, global_adapter)
-    tokens = holder.get_corpus(config).client(pid).train
+    tokens = device_data(config, context, cfg).train
 
     # Strategy hook, then the local loop: everything random is seeded by (seed, round, partition),
     # except DP-SGD's batches and noise, which must be secret and come from the OS.
@@ -246,7 +258,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     pid = partition_id(context)
     lm = holder.get_lora_model(holder.client_model_ref(config), cfg)
     holder.set_adapter(lm, record_arrays(msg, keys.REC_GLOBAL))
-    heldout = holder.get_corpus(config).client(pid).heldout
+    heldout = device_data(config, context, cfg).heldout
     loss, scored = evaluate_tokens(lm.model, np.asarray(heldout), cfg, lm.device)
     metrics = MetricRecord(
         {

@@ -2,7 +2,8 @@
 
 Per round (numbered as in the code):
   1. ask the privacy budget whether this round may be released (else stop cleanly);
-  2. sample nodes by partition with the checkpointed RNG;
+  2. sample, with the checkpointed RNG, from the nodes connected now, in partition order
+     (:mod:`server.membership`: nodes join and leave during a run);
   3. hand the train message to the aggregator, which returns the SUM of valid
      contributions (malformed replies are rejected and logged with their node id);
   4. ``strategy.finalize`` turns the sum into the next global adapter and state;
@@ -30,6 +31,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from fedge import keys
+from fedge.data.shards import device_pools
 from fedge.lm import holder
 from fedge.lm.evaluate import evaluate_tokens
 from fedge.plugins import load_dotted
@@ -45,6 +47,7 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.config import RunConfig
+from server.membership import Roster
 from server.privacy.factories import default_budget
 from server.privacy.plots import dpsgd_epsilon, plot_privacy
 from server.rundir import MetricsLog, plot_perplexity, write_config
@@ -184,21 +187,6 @@ def train_content(
     )
 
 
-def wait_for_nodes(grid: Grid, minimum: int, timeout: float = NODE_WAIT_SECONDS) -> list[int]:
-    """Poll until at least ``minimum`` nodes are connected; raise naming the shortfall."""
-    deadline = time.monotonic() + timeout
-    while True:
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= minimum:
-            return nodes
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"only {len(nodes)} of min-available-nodes={minimum} nodes connected within "
-                f"{timeout:.0f} s; start more SuperNodes or lower min-available-nodes"
-            )
-        time.sleep(0.5)
-
-
 def query_partitions(grid: Grid, nodes: Sequence[int], cfg: RunConfig) -> dict[int, int]:
     """Ask every node for its partition id; nodes that do not answer are left out."""
     content = RecordDict({keys.REC_CONFIG: ConfigRecord(client_config(cfg))})  # type: ignore[arg-type]
@@ -206,7 +194,7 @@ def query_partitions(grid: Grid, nodes: Sequence[int], cfg: RunConfig) -> dict[i
         Message(content, dst_node_id=n, message_type=MessageType.QUERY, group_id="0") for n in nodes
     ]
     out: dict[int, int] = {}
-    for reply in grid.send_and_receive(messages, timeout=NODE_WAIT_SECONDS):
+    for reply in grid.send_and_receive(messages, timeout=min(NODE_WAIT_SECONDS, cfg.round_timeout)):
         if reply.has_error():
             log.warning(
                 "node %d failed the partition query: %s",
@@ -235,20 +223,16 @@ def sample_nodes(
     return target, [candidates[i] for i in picks]
 
 
-def connected_nodes(grid: Grid, partitions: dict[int, int], cfg: RunConfig) -> list[int]:
-    """The nodes connected now, in partition order; nodes seen for the first time are queried."""
-    nodes = sorted(grid.get_node_ids())
-    new = [n for n in nodes if n not in partitions]
-    if new:
-        partitions.update(query_partitions(grid, new, cfg))
-    return sorted((n for n in nodes if n in partitions), key=lambda n: (partitions[n], n))
-
-
 def resolve_partition_count(cfg: RunConfig, population: int) -> RunConfig:
-    """``num-partitions = 0`` under iid or dirichlet means one partition per connected node."""
+    """``num-partitions = 0`` under iid or dirichlet means one partition per connected node, at
+    most one per document: more nodes than that train on shards (:mod:`fedge.data.shards`)."""
     if cfg.partition_scheme == "natural" or cfg.num_partitions > 0:
         return cfg
-    return cfg.with_overrides({keys.CFG_NUM_PARTITIONS: population})
+    from fedge.data import load_documents
+
+    source = Path(cfg.data_source) if cfg.data_source else None
+    documents = len(load_documents(source, cfg.max_chars_per_client or None))
+    return cfg.with_overrides({keys.CFG_NUM_PARTITIONS: min(population, documents)})
 
 
 def client_evaluate(
@@ -308,10 +292,12 @@ def _run(
 
     # Connect: wait for nodes and learn their partitions (node ids change across restarts;
     # partitions key the restart-proof sampling order and the clients' committed state).
-    nodes = wait_for_nodes(grid, cfg.min_available_nodes)
-    partitions = query_partitions(grid, nodes, cfg)
-    participants = sorted(set(partitions.values()))  # held-out data of the nodes at the start
-    cfg = resolve_partition_count(cfg, len(partitions))
+    roster = Roster(lambda g, nodes: query_partitions(g, nodes, cfg))
+    roster.refresh(grid, cfg.min_available_nodes, NODE_WAIT_SECONDS)
+    partitions = roster.partitions  # connected node -> partition, kept current by refresh()
+    cfg = resolve_partition_count(cfg, roster.partitions_seen)
+    # held-out data of the nodes at the start (devices beyond the partitions: their pools)
+    participants = device_pools(holder.get_corpus(client_config(cfg)), partitions.values())
 
     # Start fresh or resume from the newest checkpoint (refused when the config changed).
     last = latest_round(run_dir) if resume else None
@@ -363,10 +349,10 @@ def _run(
             status = "budget"
             message = f"stopped before round {server_round}: it would exceed max-epsilon={cfg.max_epsilon} (spent {budget.epsilon():.3f})"
             break
-        # 2. Sample K (1 + over-selection) of the nodes connected now
+        # 2. Sample K (1 + over-selection) of the nodes connected now (nodes join and leave)
         t0 = time.perf_counter()
-        candidates = connected_nodes(grid, partitions, cfg)
-        population = len(partitions)  # every node seen so far (devices join as they connect)
+        candidates = roster.refresh(grid, 0, cfg.round_timeout)
+        population = roster.partitions_seen  # every client seen so far
         target, sampled = sample_nodes(rng, candidates, population, cfg)
         # 3. Train and aggregate
         content = train_content(
@@ -408,6 +394,7 @@ def _run(
                 sampled=len(sampled),
                 result=result,
                 seconds=time.perf_counter() - t0,
+                connected=len(candidates),
             )
             metrics.append(row)
             on_row(row)
@@ -444,6 +431,7 @@ def _run(
             epsilon=budget.epsilon(),
             budget=budget,
             train_phase=train_phase,
+            connected=len(candidates),
         )
         metrics.append(row)
         _checkpoint(run_dir, state, rng, budget, strategy, cfg, committed)
@@ -520,6 +508,7 @@ def _row(
     epsilon: float = 0.0,
     budget: PrivacyBudget | None = None,
     train_phase: float = 0.0,
+    connected: int = 0,
 ) -> dict[str, Any]:
     """One metrics row (NaN becomes null in JSON)."""
     per_client = list(result.metrics.values()) if result else []
@@ -538,6 +527,7 @@ def _row(
             math.exp(part_loss) if math.isfinite(part_loss) else math.nan
         ),
         "client_eval_loss": _num(client_loss),
+        "clients_connected": connected,
         "clients_sampled": sampled,
         "partitions_trained": sorted(
             int(m[keys.MET_PARTITION]) for m in per_client if keys.MET_PARTITION in m

@@ -1,7 +1,8 @@
-"""``fedge simulate``: run a scenario's federation on Flower's simulation engine, with rich progress."""
+"""``fedge simulate``: run a scenario's federation on a simulation engine, with rich progress."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from server.rundir import MetricsLog, plot_perplexity
 from simulations.runner import Scenario, load_run_scenario, load_scenario, run_simulation
 
 app = typer.Typer(
-    help="Run the federation on Flower's simulation engine.",
+    help="Run the federation in simulation (Flower's Ray engine or the in-process engine).",
     no_args_is_help=False,
     context_settings={"allow_interspersed_args": True},  # options may follow the SCENARIO argument
 )
@@ -61,6 +62,13 @@ def simulate(
     ] = None,
     resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory.")] = None,
     num_supernodes: Annotated[int | None, typer.Option(help="Simulated clients.")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            help="ray (Flower's simulation engine) | inprocess (no Ray: large populations, "
+            "small workloads on one machine)."
+        ),
+    ] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Override a config key: key=value.")
     ] = None,
@@ -71,12 +79,16 @@ def simulate(
     overrides: dict[str, Any] = parse_sets(set_ or [])
     if rounds is not None:
         overrides["num-server-rounds"] = rounds
-    population = {"num-supernodes": num_supernodes} if num_supernodes else {}
+    population: dict[str, Any] = {"num-supernodes": num_supernodes} if num_supernodes else {}
+    if engine is not None:
+        population["engine"] = engine
     try:
         if resume is not None:
-            loaded = load_run_scenario(resume, overrides)
-            if population:
+            if num_supernodes:
                 raise typer.BadParameter("--num-supernodes cannot change on --resume")
+            loaded = load_run_scenario(resume, overrides)
+            if engine is not None:
+                loaded = dataclasses.replace(loaded, engine=engine)
             code = _run_one(loaded, resume, True, console)
             raise typer.Exit(code)
         strategies = [s.strip() for s in (strategy or "").split(",") if s.strip()]
@@ -123,7 +135,9 @@ def _run_one(scenario: Scenario, run_dir: Path, resume: bool, console: Console) 
         TimeElapsedColumn(),
         console=console,
     ) as progress:
-        task = progress.add_task("starting Flower simulation", total=cfg.num_server_rounds)
+        task = progress.add_task(
+            f"starting the {scenario.engine} engine", total=cfg.num_server_rounds
+        )
 
         def on_row(row: Mapping[str, Any]) -> None:
             ppl = row.get("perplexity")

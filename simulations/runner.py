@@ -1,10 +1,15 @@
-"""Run the fedge Flower apps on Flower's simulation engine from a scenario file.
+"""Run the fedge Flower apps in simulation from a scenario file, on one of two engines.
 
-A scenario (``simulations/scenarios/<name>.toml``) has two tables: ``[scenario]``
-(the simulated population: ``num-supernodes``, Ray ``client-cpus`` and fractional
-``client-gpus`` per ClientApp, ``strategies`` run side by side by default) and ``[config]``
-(run-config keys, exactly those of ``[tool.flwr.app.config]``), and optionally
-``[devices]``: simulated devices on a virtual clock (docs/phones.md). CLI options override single keys. The resolved config
+``engine = "ray"`` is Flower's simulation engine (Ray actors; the engine for scale
+across machines); ``engine = "inprocess"`` is :mod:`simulations.inprocess`, which
+runs the same ServerApp and ClientApp in this process with no polling and no
+per-node objects (the engine for large populations and small workloads on one
+machine). A scenario (``simulations/scenarios/<name>.toml``) has two tables:
+``[scenario]`` (the simulated population: ``num-supernodes``, ``engine``, Ray
+``client-cpus`` and fractional ``client-gpus`` per ClientApp, ``strategies`` run side
+by side by default) and ``[config]`` (run-config keys, exactly those of
+``[tool.flwr.app.config]``), and optionally ``[devices]``: simulated devices on a
+virtual clock (docs/phones.md). CLI options override single keys. The resolved config
 is written to the run directory, which ``--resume`` reads back, so a run has one
 source of truth.
 """
@@ -25,6 +30,8 @@ from simulations.devices import DeviceBehaviour
 from simulations.devicesim.config import DeviceConfig
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+ENGINES = ("ray", "inprocess")
+NODE_STATE_DIR = "node-state"  # the in-process engine's Context.state files, per device
 _SCENARIO_FILE = "scenario.toml"
 
 
@@ -40,9 +47,12 @@ class Scenario:
     config: RunConfig
     devices: DeviceConfig | None = None  # [devices]: simulated devices on a virtual clock
     strategies: str = ""  # strategies `fedge simulate` compares when --strategy is not given
+    engine: str = "ray"  # "ray" (Flower's simulation) or "inprocess" (simulations.inprocess)
 
     def __post_init__(self) -> None:
         """Validate the population, naming the key."""
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.num_supernodes <= 0:
             raise ValueError(f"num-supernodes must be > 0, got {self.num_supernodes}")
         if self.client_cpus <= 0 or self.client_gpus < 0:
@@ -63,6 +73,7 @@ class Scenario:
             "client-cpus": self.client_cpus,
             "client-gpus": self.client_gpus,
             "strategies": self.strategies,
+            "engine": self.engine,
         }
 
 
@@ -118,6 +129,7 @@ def _scenario_from_tables(
         num_supernodes=int(table.get("num-supernodes", 2)),
         client_cpus=float(table.get("client-cpus", 1)),
         client_gpus=float(table.get("client-gpus", 0.0)),
+        engine=str(table.get("engine", "ray")),
         config=RunConfig.from_mapping({**config, **(overrides or {})}),
         devices=DeviceConfig.from_table(devices) if devices is not None else None,
         strategies=str(table.get("strategies", "")),
@@ -162,13 +174,11 @@ def run_simulation(
     on_row: Callable[[Mapping[str, Any]], None] | None = None,
     client_app: Any = None,
 ) -> Any:
-    """Run the scenario's federation with Flower's simulation engine; return the loop outcome.
+    """Run the scenario's federation on its engine; return the loop outcome.
 
     ``client_app`` defaults to :data:`simulations.apps.clientapp`; it must live in an importable
     module so Ray actors import it (and keep its module-level cache).
     """
-    from flwr.simulation import run_simulation as flwr_run_simulation
-
     from server.app import OutcomeBox, make_server_app
 
     if client_app is None:
@@ -181,21 +191,27 @@ def run_simulation(
     devices = DeviceRun.start(scenario, cfg, run_dir, resume) if scenario.devices else None
     if devices is not None:
         on_row = devices.rows_to(on_row)
-    concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
-    os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
     box = OutcomeBox()
-    flwr_run_simulation(
-        server_app=make_server_app(
-            cfg,
-            resume=resume,
-            on_row=on_row,
-            box=box,
-            wrap_grid=devices.wrap if devices is not None else None,
-        ),
-        client_app=client_app,
-        num_supernodes=scenario.num_supernodes,
-        backend_config=backend_config(scenario),  # type: ignore[arg-type]
+    server_app = make_server_app(
+        cfg,
+        resume=resume,
+        on_row=on_row,
+        box=box,
+        wrap_grid=devices.wrap if devices is not None else None,
     )
+    if scenario.engine == "inprocess":
+        _run_inprocess(scenario, run_dir, resume, server_app, client_app, cfg.seed)
+    else:
+        from flwr.simulation import run_simulation as flwr_run_simulation
+
+        concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
+        os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
+        flwr_run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=scenario.num_supernodes,
+            backend_config=backend_config(scenario),  # type: ignore[arg-type]
+        )
     if devices is not None:
         devices.finish(run_dir)
     return box.outcome
@@ -272,3 +288,19 @@ class DeviceRun:
             self.config.start_h * 3600.0,
             self.config.target_perplexity,
         )
+
+
+def _run_inprocess(
+    scenario: Scenario, run_dir: Path, resume: bool, server_app: Any, client_app: Any, seed: int
+) -> None:
+    """One ClientApp call at a time in this process, so torch gets every core."""
+    import shutil
+
+    from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+
+    os.environ["FEDGE_CONCURRENCY"] = "1"
+    state_dir = run_dir / NODE_STATE_DIR
+    if not resume:  # a fresh run never sees the node states of an earlier run here
+        shutil.rmtree(state_dir, ignore_errors=True)
+    grid = InProcessGrid(client_app, DeviceTable(scenario.num_supernodes, seed=seed), state_dir)
+    run_inprocess(server_app, grid)

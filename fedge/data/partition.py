@@ -45,7 +45,9 @@ def partition_documents(docs: list[Document], spec: PartitionSpec) -> dict[str, 
     count = spec.num_partitions or len(labels)
     if count > len(docs):
         raise ValueError(
-            f"num_partitions={count} exceeds the {len(docs)} documents; use fewer partitions."
+            f"num_partitions={count} exceeds the {len(docs)} documents; use fewer partitions. "
+            "For a larger population keep num-partitions small and start more nodes: devices "
+            "beyond the partitions train on shards of them (fedge.data.shards)."
         )
     if spec.scheme == "iid":
         dataset = dataset.shuffle(seed=spec.seed)  # IidPartitioner shards in dataset order

@@ -112,9 +112,27 @@ def _wait_port(port: int, timeout: float = 60) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
-def test_deployment_engine_superlink_and_two_supernodes(micro_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A real flower-superlink and two flower-supernodes on 127.0.0.1 run two rounds of the federation."""
-    link, node0, node1 = _free_ports(3)
+def _wait_round(run_dir: Path, server_round: int, proc: subprocess.Popen[bytes]) -> None:
+    """Poll metrics.jsonl until ``server_round`` has a row (or the run ended)."""
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = _rows(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        if any(r["round"] == server_round for r in rows):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"round {server_round} never finished")
+
+
+def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
+    micro_zoo, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Real flower-superlink + flower-supernodes on 127.0.0.1; membership changes mid-run.
+
+    Nodes A (partition 0) and B (1) train round 1. Then B is stopped by pid, C (2) joins and
+    B restarts under a new node id. The run completes, and later rounds train partition 2
+    and partition 1 again (B's old process is dead, so that is the reconnected node).
+    """
+    link, *ports = _free_ports(5)
     home = tmp_path / "flwr"
     home.mkdir()
     (home / "config.toml").write_text(
@@ -123,15 +141,28 @@ def test_deployment_engine_superlink_and_two_supernodes(micro_zoo, tmp_path: Pat
     env = _env(home)
     logs = tmp_path / "logs"
     logs.mkdir()
-    started: list[subprocess.Popen[bytes]] = []
+    started: dict[str, subprocess.Popen[bytes]] = {}
 
     def spawn(name: str, *args: str) -> None:
         with (logs / f"{name}.log").open("wb") as fh:
-            started.append(
-                subprocess.Popen(
-                    list(args), env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT
-                )
+            started[name] = subprocess.Popen(
+                list(args), env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT
             )
+
+    def supernode(name: str, partition: int) -> None:
+        spawn(
+            name,
+            "flower-supernode",
+            "--insecure",
+            "--superlink",
+            f"127.0.0.1:{link}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports.pop()),
+            "--node-config",
+            f"partition-id={partition} num-partitions=3",
+        )
 
     spawn(
         "superlink",
@@ -145,32 +176,20 @@ def test_deployment_engine_superlink_and_two_supernodes(micro_zoo, tmp_path: Pat
         str(tmp_path / "state.db"),
     )
     _wait_port(link)
-    for pid_, port in ((0, node0), (1, node1)):
-        spawn(
-            f"supernode{pid_}",
-            "flower-supernode",
-            "--insecure",
-            "--superlink",
-            f"127.0.0.1:{link}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--node-config",
-            f"partition-id={pid_} num-partitions=2",
-        )
+    supernode("a", 0)
+    supernode("b", 1)
     run_dir = tmp_path / "run"
-    cmd = [
-        "flwr",
-        "run",
-        str(REPO),
-        "dep",
-        "--stream",
-        "--run-config",
-        _run_config(run_dir, micro_zoo.target_dir, 2),
-    ]
+    run_config = _run_config(run_dir, micro_zoo.target_dir, 4) + " min-train-nodes=1"
+    cmd = ["flwr", "run", str(REPO), "dep", "--stream", "--run-config", run_config]
+    with (logs / "flwr-run.log").open("wb") as fh:
+        run = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
     try:
-        subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, timeout=480, check=False)
+        _wait_round(run_dir, 1, run)
+        started["b"].terminate()  # B leaves (stopped by pid) ...
+        started["b"].wait(timeout=30)
+        supernode("c", 2)  # ... C joins, and B comes back under a new node id
+        supernode("b-again", 1)
+        run.wait(timeout=480)
         deadline = time.monotonic() + 60
         while (
             time.monotonic() < deadline
@@ -178,18 +197,20 @@ def test_deployment_engine_superlink_and_two_supernodes(micro_zoo, tmp_path: Pat
         ):
             time.sleep(1)
     finally:
-        for proc in started:  # stop what we started, by pid; their app processes carry the marker
+        for proc in [run, *started.values()]:  # stop what we started, by pid
             proc.terminate()
-        for proc in started:
+        for proc in [run, *started.values()]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=15)
         _stop_marked()
-    log_tail = "".join((logs / n).read_text()[-1500:] for n in ("superlink.log", "supernode0.log"))
+    log_tail = "".join((logs / n).read_text()[-1500:] for n in ("superlink.log", "a.log"))
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "completed", status["message"] + log_tail
     rows = _rows(run_dir)
-    assert [r["round"] for r in rows] == [0, 1, 2]
-    assert all(r["clients_succeeded"] == 2 and r["clients_rejected"] == 0 for r in rows[1:])
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[1]["partitions_trained"] == [0, 1]
+    later = {p for r in rows[2:] for p in r["partitions_trained"]}  # type: ignore[attr-defined]
+    assert {0, 1, 2} <= later, [r["partitions_trained"] for r in rows]
     assert (run_dir / "final" / "merged" / "config.json").is_file()
-    for proc in started:
+    for proc in started.values():
         assert proc.poll() is not None
