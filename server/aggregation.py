@@ -17,7 +17,7 @@ Every aggregator must reject, not crash on, a malformed reply: use
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -105,6 +105,13 @@ def reply_metrics(msg: Message) -> dict[str, float]:
     return {k: float(v) for k, v in rec.items() if isinstance(v, int | float)}
 
 
+def reply_node(reply: Message, sent: Mapping[str, int]) -> int:
+    """The node a reply speaks for. The SuperLink itself writes the error reply for a node that
+    is gone (its source is the SuperLink), so map a reply back through the message it answers;
+    ``sent`` maps the ids of the pushed messages (set by the Grid on push) to their nodes."""
+    return sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+
+
 def record_dict_bytes(content: RecordDict) -> int:
     """Return the payload size of a RecordDict's arrays in bytes (what dominates the wire)."""
     return sum(rec.count_bytes() for rec in content.array_records.values())
@@ -130,10 +137,11 @@ class PlainAggregator:
             for nid in node_ids
         ]
         replies = list(grid.send_and_receive(messages, timeout=timeout))
+        sent = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         result = AggregateResult(summed=None, bytes_down=record_dict_bytes(content) * len(messages))
         valid: list[tuple[float, int, Arrays]] = []
         for msg in replies:
-            nid = msg.metadata.src_node_id
+            nid = reply_node(msg, sent)
             reason = _reply_problem(msg, spec)
             if reason is not None:
                 result.rejected[nid] = reason
@@ -144,7 +152,7 @@ class PlainAggregator:
             result.metrics[nid] = reply_metrics(msg)
             order = result.metrics[nid].get(keys.MET_PARTITION, float(nid))
             valid.append((order, nid, {k: rec[k].numpy() for k in spec}))
-        for nid in set(node_ids) - {m.metadata.src_node_id for m in replies}:
+        for nid in set(node_ids) - {reply_node(m, sent) for m in replies}:
             result.rejected[nid] = "no reply before the round timeout"
             log.warning("round %d: node %d did not reply in time", server_round, nid)
         # Sum in partition order so a resumed run adds floats in the same order.

@@ -286,3 +286,26 @@ def test_nodes_join_leave_and_die_mid_round_in_a_real_federation(micro_zoo, tmp_
     (why,) = by_round[3]["rejected"].values()
     assert "not connected" in why
     assert by_round[3]["status"] == "ok"
+
+
+def test_a_superlink_error_reply_is_charged_to_the_node_it_answers_for(tmp_path: Path) -> None:
+    """The SuperLink writes NODE_UNAVAILABLE replies from itself; the round names the dead node."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from server.aggregation import PlainAggregator
+
+    class LikeSuperLink(ReplyHookGrid):
+        def on_reply(self, msg: Message) -> Message:
+            if msg.has_error():  # what Flower's LinkState does for an offline node
+                msg.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+            return msg
+
+    grid = _grid(tmp_path, 2, app=_stateless_app())
+    alive, dead = list(grid.get_node_ids())
+    grid.disconnect([1])
+    result = PlainAggregator().aggregate(
+        LikeSuperLink(grid), 1, [alive, dead], RecordDict(), {"x": (1,)}, timeout=60
+    )
+    assert set(result.rejected) == {alive, dead}
+    assert "Node Unavailable" in result.rejected[dead] or "not connected" in result.rejected[dead]
+    assert SUPERLINK_NODE_ID not in result.rejected
