@@ -64,6 +64,7 @@ class EstimatorConfig:
     prior_trials: float = 4.0  # weight of that prior, in drafted-token trials
     prior_draft_step_s: float = 0.002
     prior_call_s: float = 0.01
+    slope_ridge: float = 4.0  # tokens^2 added to the draft lengths' variance when fitting c1
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay <= 1.0:
@@ -72,7 +73,7 @@ class EstimatorConfig:
             raise ValueError(
                 f"EstimatorConfig.prior_acceptance must lie in [0, 1), got {self.prior_acceptance}"
             )
-        for name in ("prior_trials", "prior_draft_step_s", "prior_call_s"):
+        for name in ("prior_trials", "prior_draft_step_s", "prior_call_s", "slope_ridge"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EstimatorConfig.{name} must be > 0, got {getattr(self, name)}")
 
@@ -80,10 +81,11 @@ class EstimatorConfig:
 class SpeculationEstimator:
     """Online estimates of acceptance, draft step time and verify call cost, updated per verify.
 
-    Acceptance is the maximum-likelihood rate of a truncated geometric: each round adds its
-    accepted tokens as successes and one failure if the target rejected a drafted token
-    (accepted/drafted would count the tokens after a rejection, never tried, as failures).
-    The call cost is a decayed least-squares line c0 + c1 * g over the draft lengths seen.
+        Acceptance is the maximum-likelihood rate of a truncated geometric: each round adds its
+        accepted tokens as successes and one failure if the target rejected a drafted token
+        (accepted/drafted would count the tokens after a rejection, never tried, as failures).
+        The call cost is a decayed ridge-regression line c0 + c1 * g over the draft lengths seen (the
+    ridge keeps noise in a few calls from inventing a per-token cost that would shorten drafts).
     """
 
     def __init__(self, config: EstimatorConfig | None = None) -> None:
@@ -139,9 +141,10 @@ class SpeculationEstimator:
             return self.config.prior_call_s, 0.0
         mean_g, mean_c = self._sg / self._n, self._sc / self._n
         var = self._sgg / self._n - mean_g * mean_g
-        slope = 0.0
-        if var > 0.25:  # draft lengths varied enough to tell the slope from noise
-            slope = max(0.0, (self._sgc / self._n - mean_g * mean_c) / var)
+        cov = self._sgc / self._n - mean_g * mean_c
+        # ridge towards 0: a verify pass costs about the same for any k here (bench/edge.py measures
+        # it), so a slope must be supported by lengths that varied, not by noise in a few calls
+        slope = max(0.0, cov / (var + self.config.slope_ridge))
         return max(0.0, mean_c - slope * mean_g), slope
 
     def rate(self, g: int) -> float:

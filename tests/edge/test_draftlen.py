@@ -61,13 +61,19 @@ def test_acceptance_is_the_truncated_geometric_mle() -> None:
 
 
 def test_call_cost_line_from_two_draft_lengths() -> None:
-    """Calls of 120 ms at g = 2 and 140 ms at g = 6: slope 5 ms per token, intercept 110 ms."""
-    est = exact_estimator()
+    """Calls of 120 ms at g = 2 and 140 ms at g = 6: mean g 4, variance 4, covariance 0.02, so
+    without the ridge slope 5 ms per token and intercept 110 ms; with the default ridge (4) the
+    slope halves to 2.5 ms and the intercept is 130 - 4 * 2.5 = 120 ms."""
+    est = SpeculationEstimator(EstimatorConfig(decay=1.0, prior_trials=1e-9, slope_ridge=1e-12))
     est.observe(2, 2, 0.002, 0.12)
     est.observe(6, 6, 0.006, 0.14)
     c0, c1 = est.call_line
     assert c0 == pytest.approx(0.11)
     assert c1 == pytest.approx(0.005)
+    ridged = exact_estimator()
+    ridged.observe(2, 2, 0.002, 0.12)
+    ridged.observe(6, 6, 0.006, 0.14)
+    assert ridged.call_line == pytest.approx((0.12, 0.0025))
 
 
 def test_estimates_follow_a_change_of_network() -> None:
