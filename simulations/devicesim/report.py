@@ -78,6 +78,7 @@ def summary(sim: DeviceSim, rows: Sequence[Mapping[str, Any]], target: float) ->
         "final_perplexity": rows[-1].get("perplexity") if rows else None,
         "devices": len(sim.pop),
         "excluded_memory": int(sim.excluded.sum()),
+        "smaller_batch_memory": int(((sim.batches > 0) & (sim.batches < sim.workload.batch)).sum()),
         "devices_trained": int(participants.sum()),
         "selected": float(c["selected"].sum()),
         "trained": float(trained.sum()),

@@ -1,18 +1,20 @@
 """A real federation on simulated devices (`fedge simulate` with a [devices] table), end to end.
 
-Six devices, each built to exercise one rule (FedProx, K = 3 reports, 50% over-selection,
-deadline 3 s, 4 local steps of batch 4; step = 3 x 4 x ms / 1000 s, links instantaneous):
+Seven devices, each built to exercise one rule (FedProx, K = 4 reports, 50% over-selection,
+deadline 3 s, 4 local steps of batch 4; step = 3 x batch x ms / 1000 s, links instantaneous;
+the micro model needs 2.05 MB at batch 4, 1.21 MB at 2, 0.78 MB at 1):
 
 ====== ============ ============= ==========================================================
 device ms/sample    step seconds  round 1 (opens at 0)
 ====== ============ ============= ==========================================================
 0      10           0.12          reports at 0.48: kept
 1      20           0.24          reports at 0.96: kept
-2      55           0.66          would report at 2.64, after the 3rd report (2.4): late
+2      55           0.66          would report at 2.64, after the 4th report (2.4): late
 3      100          1.2           4.8 > deadline 3: FedProx runs floor(3 / 1.2) = 2 steps,
                                   reports at 2.4: kept, partial
 4      50 (0-1.5 s) 0.6           eligible only until 1.5 s: offline mid-round
 5      10, 1 KB     0.12          cannot fit the model: excluded, never selected
+6      15, 1.5 MB   0.09          fits at batch 2 only (shrink): reports at 0.36, kept
 ====== ============ ============= ==========================================================
 
 Round 2 opens at 2.4 without device 4 and repeats the pattern; it closes at 4.8.
@@ -35,11 +37,12 @@ DEVICES = """device_id,tier,ms_per_sample,memory_gb,uplink_mbps,downlink_mbps,la
 3,slower,100,4,1e6,1e6,0,
 4,leaving,50,4,1e6,1e6,0,0-1.5
 5,tiny,10,0.000001,1e6,1e6,0,
+6,small,15,0.0015,1e6,1e6,0,
 """
 
 SCENARIO = """
 [scenario]
-num-supernodes = 6
+num-supernodes = 7
 engine = "inprocess"
 
 [config]
@@ -47,7 +50,7 @@ model = "zoo:micro"
 num-server-rounds = 2
 strategy = "fedprox"
 fraction-train = 0.5
-target-reports = 3
+target-reports = 4
 over-selection = 0.5
 min-train-nodes = 1
 min-available-nodes = 2
@@ -64,12 +67,13 @@ save-merged = false
 [devices]
 population = "{population}"
 deadline-s = 3
+memory-policy = "shrink"
 """
 
 
 @pytest.fixture(scope="module")
 def run(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
-    """One two-round FedProx federation on the six devices (the in-process engine)."""
+    """One two-round FedProx federation on the seven devices (the in-process engine)."""
     root = tmp_path_factory.mktemp("devices")
     (root / "devices.csv").write_text(DEVICES)
     (root / "scenario.toml").write_text(SCENARIO.format(population=root / "devices.csv"))
@@ -107,11 +111,11 @@ def test_first_k_reports_are_kept_on_the_virtual_clock(run: Path) -> None:
         json.loads(line) for line in (run / "devices" / "rounds.jsonl").read_text().splitlines()
     ]
     assert [r["round"] for r in rounds] == [1, 2]
-    assert [r["target"] for r in rounds] == [3, 3]
-    assert [r["selected"] for r in rounds] == [5, 4]  # ceil(3 x 1.5) capped by eligible devices
-    assert [r["trained"] for r in rounds] == [3, 3]
+    assert [r["target"] for r in rounds] == [4, 4]
+    assert [r["selected"] for r in rounds] == [6, 5]  # ceil(4 x 1.5) capped by eligible devices
+    assert [r["trained"] for r in rounds] == [4, 4]
     assert [r["dropped_late"] for r in rounds] == [1, 1]
-    assert rounds[0]["end_s"] == pytest.approx(2.4, abs=1e-6)  # closed at the 3rd report
+    assert rounds[0]["end_s"] == pytest.approx(2.4, abs=1e-6)  # closed at the 4th report
     assert rounds[1]["end_s"] == pytest.approx(4.8, abs=1e-6)
     d = per_device(run)
     assert float(d[2]["dropped_late"]) == 2 and float(d[2]["steps"]) == 0  # never trained here
@@ -129,14 +133,16 @@ def test_fedprox_keeps_partial_work_cut_by_the_deadline(run: Path) -> None:
     assert float(d[3]["trained"]) == 2 and float(d[3]["partial"]) == 2
     assert float(d[3]["steps"]) == 4  # the client honoured its step budget: 2 steps a round
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["clients_succeeded"] for m in metrics[1:]] == [3, 3]
+    assert [m["clients_succeeded"] for m in metrics[1:]] == [4, 4]
     assert [m["clients_dropped"] for m in metrics[1:]] == [0, 0]  # the partial work counted
 
 
-def test_a_device_that_cannot_fit_the_model_is_never_selected(run: Path) -> None:
+def test_memory_fit_excludes_one_device_and_shrinks_another_s_batch(run: Path) -> None:
     d = per_device(run)
     assert d[5]["excluded_memory"] == "True" and float(d[5]["selected"]) == 0
+    assert d[6]["batch"] == "2" and float(d[6]["trained"]) == 2 and float(d[6]["steps"]) == 8
     summary = json.loads((run / "devices" / "summary.json").read_text())
     assert summary["excluded_memory"] == 1 and summary["dropped"]["memory"] == 1
+    assert summary["smaller_batch_memory"] == 1
     assert summary["simulated_hours"] == pytest.approx(4.8 / 3600, abs=1e-9)
     assert (run / "devices" / "perplexity_hours.png").stat().st_size > 0
