@@ -15,6 +15,7 @@ app = typer.Typer(
 def _register_subcommands() -> None:
     """Attach each part's command group; imports stay here so `fedge --help` stays one place."""
     from edge.cli import edge_app, verifier_app
+    from edge.fleet.cli import register as register_fleet
     from fedge.demo import demo
     from fedge.zoo.cli import app as models_app
     from server.privacy.cli import app as privacy_app
@@ -22,6 +23,7 @@ def _register_subcommands() -> None:
 
     app.add_typer(models_app, name="models")
     app.add_typer(edge_app, name="edge")
+    register_fleet(verifier_app)
     app.add_typer(verifier_app, name="verifier")
     app.add_typer(simulate_app, name="simulate")
     app.add_typer(privacy_app, name="privacy")

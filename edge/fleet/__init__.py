@@ -1,0 +1,1 @@
+"""The verifier as a fleet: Ray Serve replicas, LLM-aware load balancing, failover, canary rollout."""

@@ -1,0 +1,220 @@
+"""Deploy the verifier fleet on Ray Serve: replica applications, the gRPC ingress, their lifecycle.
+
+Layout on Serve: the ingress is one application (`fedge-ingress`); each model
+version (base + adapter) is an application of its own (`fedge-v<N>`) holding
+the `verifier` deployment of N replicas, whose request router is the chosen
+load-balancing policy. A canary is one more such application; promotion points
+the ingress at it and deletes the old one, rollback deletes the canary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from edge.fleet.ingress import REPLICA_DEPLOYMENT, FleetIngress, IngressSpec
+from edge.fleet.replica import ReplicaSpec, VerifierReplica
+from edge.fleet.routers import policy_class, policy_path
+from edge.verifier.engine import EngineConfig
+
+LOG = logging.getLogger("fedge.fleet")
+INGRESS_APP = "fedge-ingress"
+VERSION_PREFIX = "fedge-v"
+NAMESPACE = "fedge"
+SERVE_REPLICA_PREFIX = "SERVE_REPLICA::"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The fleet: what it serves, how many replicas, how it balances, heals and scales."""
+
+    model_dir: Path
+    adapter_dir: Path | None = None
+    replicas: int = 2  # fixed count; with max_replicas set, the autoscaler's starting count
+    policy: str = "token-aware"
+    affinity: bool = True  # a session's calls go to the replica holding its KV cache
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    token: str | None = None
+    min_replicas: int = 1  # autoscaling lower bound (used when max_replicas is set)
+    max_replicas: int | None = None  # None = no autoscaling
+    target_queue: float = 8.0  # autoscaling target: ongoing calls per replica
+    max_ongoing_requests: int = 64  # per replica; above it Serve queues in the ingress
+    health_period_s: float = 2.0  # Serve probes each replica's verifier health this often
+    health_timeout_s: float = 10.0
+    replica_cpus: float = 1.0  # logical CPUs each replica reserves in Ray
+    slowdown: float = 1.0  # bench: the rank-0 replica computes this many times slower
+
+    def __post_init__(self) -> None:
+        policy_class(self.policy)
+        if self.replicas < 1:
+            raise ValueError(f"FleetConfig.replicas must be >= 1, got {self.replicas}")
+        if self.max_replicas is not None and not (
+            1 <= self.min_replicas <= self.replicas <= self.max_replicas
+        ):
+            raise ValueError(
+                "FleetConfig needs 1 <= min_replicas <= replicas <= max_replicas, got "
+                f"{self.min_replicas}, {self.replicas}, {self.max_replicas}"
+            )
+        for name in ("target_queue", "health_period_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"FleetConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.replica_cpus < 0:
+            raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
+
+    def replica_spec(self, adapter_dir: Path | None = None) -> ReplicaSpec:
+        """What each replica of a version serves (`adapter_dir` overrides the fleet's)."""
+        return ReplicaSpec(
+            self.model_dir,
+            adapter_dir or self.adapter_dir,
+            self.engine,
+            self.token,
+            self.slowdown,
+        )
+
+    def autoscaling(self) -> dict[str, Any] | None:
+        """Ray Serve autoscaling config on queue depth, or None for a fixed count."""
+        if self.max_replicas is None:
+            return None
+        return {
+            "min_replicas": self.min_replicas,
+            "initial_replicas": self.replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_queue,
+            "upscale_delay_s": 2.0,
+            "downscale_delay_s": 30.0,
+        }
+
+
+def replica_application(config: FleetConfig, adapter_dir: Path | None = None) -> Any:
+    """The `verifier` deployment of one model version, bound and ready for `serve.run`."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    scaling = config.autoscaling()
+    options: dict[str, Any] = {
+        "name": REPLICA_DEPLOYMENT,
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "health_check_period_s": config.health_period_s,
+        "health_check_timeout_s": config.health_timeout_s,
+        "graceful_shutdown_timeout_s": 5.0,
+        "ray_actor_options": {"num_cpus": config.replica_cpus},
+        "request_router_config": RequestRouterConfig(
+            request_router_class=policy_path(config.policy),  # type: ignore[arg-type]
+            request_router_kwargs={"affinity": config.affinity},
+        ),
+    }
+    if scaling is None:
+        options["num_replicas"] = config.replicas
+    else:
+        options["autoscaling_config"] = scaling
+    return serve.deployment(**options)(VerifierReplica).bind(config.replica_spec(adapter_dir))
+
+
+def ensure_serve() -> bool:
+    """Start Ray (local, no dashboard) and Serve (no HTTP proxy) unless running; True if started."""
+    import ray
+    from ray import serve
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=False,
+            num_cpus=max(2, os.cpu_count() or 2),
+        )
+        started = True
+    serve.start(proxy_location="Disabled")
+    return started
+
+
+def version_app(version: int) -> str:
+    """Application name of model version `version`."""
+    return f"{VERSION_PREFIX}{version}"
+
+
+@dataclass
+class Fleet:
+    """A running fleet: the ingress port and handle, the stable version."""
+
+    config: FleetConfig
+    port: int
+    ingress: Any
+    owns_ray: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """The ingress's current stable and canary applications."""
+        return dict(self.ingress.describe.remote().result())
+
+    def replica_actors(self, app: str | None = None) -> dict[str, str]:
+        """Replica id -> Ray actor name of every live replica of `app` (default: the stable one)."""
+        return replica_actors(app or self.describe()["stable"])
+
+    def stop(self) -> None:
+        """Delete the fleet's applications; shut Ray down if this fleet started it."""
+        import ray
+        from ray import serve
+
+        for app in list(serve.status().applications):
+            if app == INGRESS_APP or app.startswith(VERSION_PREFIX):
+                serve.delete(app)
+        if self.owns_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def replica_actors(app: str) -> dict[str, str]:
+    """Replica id -> actor name of the live `verifier` replicas of `app` (Serve names them
+    `SERVE_REPLICA::<app>#<deployment>#<replica id>` in the `serve` namespace)."""
+    import ray
+
+    prefix = f"{SERVE_REPLICA_PREFIX}{app}#{REPLICA_DEPLOYMENT}#"
+    return {
+        actor["name"][len(prefix) :]: actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith(prefix)
+    }
+
+
+def start_fleet(config: FleetConfig) -> Fleet:
+    """Deploy version 1 (N replicas) and the ingress; returns once the ingress listens."""
+    from ray import serve
+
+    owns_ray = ensure_serve()
+    stable = version_app(1)
+    serve.run(replica_application(config), name=stable, route_prefix=None)
+    ingress = serve.run(
+        serve.deployment(name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})(
+            FleetIngress
+        ).bind(IngressSpec(stable, config.host, config.port, pickle.dumps(config))),
+        name=INGRESS_APP,
+        route_prefix=None,
+    )
+    port = int(ingress.port.remote().result())
+    LOG.info(
+        "fleet of %d replicas (%s) on %s:%d", config.replicas, config.policy, config.host, port
+    )
+    return Fleet(config, port, ingress, owns_ray)
+
+
+@contextmanager
+def running_fleet(config: FleetConfig) -> Iterator[Fleet]:
+    """`start_fleet` ... `stop` as a context manager."""
+    fleet = start_fleet(config)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def with_adapter(config: FleetConfig, adapter_dir: Path | None) -> FleetConfig:
+    """The same fleet serving another adapter."""
+    return replace(config, adapter_dir=adapter_dir)

@@ -1,0 +1,117 @@
+"""`fedge verifier fleet` (serve a Ray Serve fleet) and `fedge verifier rollout` (canary an adapter)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+_console = Console(stderr=True)
+
+
+def fleet_command(
+    model: Annotated[Path, typer.Option(help="Base model dir (Hugging Face format).")],
+    adapter: Annotated[
+        Path | None, typer.Option(help="peft LoRA adapter dir, merged at load.")
+    ] = None,
+    replicas: Annotated[int, typer.Option(help="Replicas (autoscaling: the starting count).")] = 2,
+    policy: Annotated[
+        str,
+        typer.Option(help="round-robin, least-outstanding, power-of-two or token-aware."),
+    ] = "token-aware",
+    affinity: Annotated[
+        bool, typer.Option("--affinity/--no-affinity", help="Keep a session on its replica.")
+    ] = True,
+    host: Annotated[str, typer.Option(help="Ingress listen address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Ingress port; 0 = any free port (printed).")] = 50062,
+    token: Annotated[
+        str | None,
+        typer.Option(envvar=TOKEN_ENV, help=f"Require this bearer token (or ${TOKEN_ENV})."),
+    ] = None,
+    min_replicas: Annotated[int, typer.Option(help="Autoscaling lower bound.")] = 1,
+    max_replicas: Annotated[
+        int | None, typer.Option(help="Autoscaling upper bound; omit for a fixed count.")
+    ] = None,
+    target_queue: Annotated[
+        float, typer.Option(help="Autoscaling target: ongoing calls per replica.")
+    ] = 8.0,
+    replica_cpus: Annotated[float, typer.Option(help="Ray CPUs reserved per replica.")] = 1.0,
+    max_draft: Annotated[int, typer.Option(help="Longest accepted draft.")] = 16,
+    max_batch: Annotated[int, typer.Option(help="Verifies per batched forward pass.")] = 32,
+    session_ttl_s: Annotated[float, typer.Option(help="Idle session lifetime, seconds.")] = 300.0,
+) -> None:
+    """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM."""
+    from edge.fleet.app import FleetConfig, running_fleet
+    from edge.verifier.engine import EngineConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = FleetConfig(
+        model_dir=model,
+        adapter_dir=adapter,
+        replicas=replicas,
+        policy=policy,
+        affinity=affinity,
+        host=host,
+        port=port,
+        token=token,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        target_queue=target_queue,
+        replica_cpus=replica_cpus,
+        engine=EngineConfig(max_draft=max_draft, max_batch=max_batch, session_ttl_s=session_ttl_s),
+    )
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    with running_fleet(config) as fleet:
+        sys.stdout.write(f"fleet listening on {host}:{fleet.port}\n")
+        sys.stdout.flush()
+        stopping.wait()
+
+
+def rollout_command(
+    adapter: Annotated[Path, typer.Option(help="The new peft LoRA adapter dir.")],
+    canary: Annotated[float, typer.Option(help="Fraction of new sessions it serves.")] = 0.1,
+    window: Annotated[float, typer.Option(help="Observation window, seconds.")] = 60.0,
+    min_verifies: Annotated[
+        int, typer.Option(help="Verifies per arm before deciding (the window extends).")
+    ] = 50,
+    run_dir: Annotated[
+        Path, typer.Option(help="Directory for rollout.json (decision and figures).")
+    ] = Path("runs/rollout"),
+    address: Annotated[str, typer.Option(help="Ray cluster address of the fleet.")] = "auto",
+) -> None:
+    """Canary ADAPTER on the running fleet, then promote or roll back automatically."""
+    import ray
+    from ray import serve
+
+    from edge.fleet.app import INGRESS_APP, NAMESPACE
+    from edge.fleet.rollout import RolloutConfig, run_rollout
+
+    config = RolloutConfig(
+        adapter_dir=adapter,
+        run_dir=run_dir,
+        canary=canary,
+        window_s=window,
+        min_verifies=min_verifies,
+        max_window_s=max(600.0, window),
+    )
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    record = run_rollout(serve.get_app_handle(INGRESS_APP), config)
+    _console.print_json(json.dumps(record))
+    if record["decision"] != "promote":
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Attach the fleet commands to the `fedge verifier` group."""
+    app.command("fleet")(fleet_command)
+    app.command("rollout")(rollout_command)

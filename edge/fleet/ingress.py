@@ -1,0 +1,353 @@
+"""gRPC ingress of the verifier fleet: the `fedge.edge.v1.Verifier` service in front of Ray Serve replicas.
+
+The ingress is a Ray Serve deployment (one replica) that binds a grpc.aio server
+speaking the same proto as a single verifier, plus the standard health service,
+so an edge client cannot tell a fleet from one process. Its handlers are generic:
+built from the proto's service descriptor, they parse each request only for
+routing hints (session id, tokens), relay its bytes to a replica through a
+deployment handle (whose request router is the load-balancing policy), and
+relay the reply or status back.
+
+Sessions: the ingress remembers which application and replica opened each
+session and hints that replica to the router (session affinity). A session whose
+replica died or was retired lands on another replica, which answers NOT_FOUND,
+and the edge reopens it from its committed tokens (the proto's recovery path).
+A Generate stream cut by a replica's death resumes on another replica from the
+prompt plus the tokens already streamed, so the caller sees no error.
+
+Canary: new sessions go to a canary application with a set probability; the
+ingress records per-application figures (acceptance, errors, latency) that the
+rollout controller (edge.fleet.rollout) compares.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor, message_factory
+from google.protobuf.message import Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from edge.fleet.routers import ROUTE_REPLICA, ROUTE_TOKENS
+from edge.fleet.stats import ArmStats
+from edge.fleet.wire import CallResult, Metadata, clean_metadata
+from edge.proto import verifier_pb2 as pb
+
+LOG = logging.getLogger("fedge.fleet")
+SERVICE_NAME = "fedge.edge.v1.Verifier"
+REPLICA_DEPLOYMENT = "verifier"
+SESSION_FIELD = "session_id"
+RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id per message out
+RESUME_ATTEMPTS = 3
+SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire on replicas anyway)
+INT_TYPES = (descriptor.FieldDescriptor.TYPE_INT32, descriptor.FieldDescriptor.TYPE_INT64)
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    """Where the ingress listens and which replica application serves at start."""
+
+    stable_app: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port; `port()` tells which
+    fleet: bytes = b""  # the pickled FleetConfig (opaque here: unpickling it would import torch)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"IngressSpec.port must lie in [0, 65535], got {self.port}")
+
+
+def routing_tokens(request: Message) -> int:
+    """Tokens a call puts through the target: its token-id lists (prompt, draft), a Generate budget."""
+    tokens = 1
+    for field_desc, value in request.ListFields():
+        if field_desc.name == "max_new_tokens":
+            tokens += int(value)
+        elif field_desc.type in INT_TYPES and not isinstance(value, int):  # repeated ids
+            tokens += len(value)
+    return tokens
+
+
+def _session_of(message: Message) -> str:
+    """The message's session id, or "" when it has none."""
+    return str(getattr(message, SESSION_FIELD, "") or "")
+
+
+class FleetIngress:
+    """Ray Serve deployment class: the fleet's gRPC front door."""
+
+    async def __init__(self, spec: IngressSpec) -> None:  # type: ignore[misc]
+        self.spec = spec
+        self.stable = spec.stable_app
+        self.fleet = spec.fleet
+        self.canary: str | None = None
+        self.canary_fraction = 0.0
+        self.sessions: dict[str, tuple[str, str]] = {}  # session id -> (app, replica id)
+        self.arms: dict[str, ArmStats] = {}
+        self.resumed_streams = 0
+        self._handles: dict[str, Any] = {}
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((self._handlers(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._port = self.server.add_insecure_port(f"{spec.host}:{spec.port}")
+        if self._port == 0:
+            raise OSError(f"cannot bind the fleet ingress to {spec.host}:{spec.port}")
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        LOG.info("fleet ingress on %s:%d -> %s", spec.host, self._port, self.stable)
+
+    # ------------------------------------------------------------------ admin (deployment methods)
+    def port(self) -> int:
+        """The bound gRPC port."""
+        return self._port
+
+    def describe(self) -> dict[str, Any]:
+        """Current applications and traffic split."""
+        return {"stable": self.stable, "canary": self.canary, "fraction": self.canary_fraction}
+
+    def set_canary(self, app: str | None, fraction: float = 0.0) -> None:
+        """Send `fraction` of new sessions to application `app` (None: no canary)."""
+        if app is not None and not 0.0 < fraction <= 1.0:
+            raise ValueError(f"canary fraction must lie in (0, 1], got {fraction}")
+        self.canary, self.canary_fraction = app, (fraction if app else 0.0)
+        if app is not None:
+            self.arms[app] = ArmStats()
+            self.arms[self.stable] = ArmStats()
+
+    def fleet_config(self) -> bytes:
+        """The pickled FleetConfig of the stable version (for the rollout controller)."""
+        return self.fleet
+
+    def promote(self, app: str, fleet: bytes) -> None:
+        """Make `app` (serving the pickled FleetConfig `fleet`) the stable application."""
+        self.stable, self.canary, self.canary_fraction = app, None, 0.0
+        self.fleet = fleet
+
+    def arm_stats(self) -> dict[str, dict[str, float]]:
+        """Figures per application since the canary was set."""
+        return {app: stats.summary() for app, stats in self.arms.items()}
+
+    def fleet_stats(self) -> dict[str, Any]:
+        """Open sessions per replica, and Generate streams resumed after a replica died."""
+        per_replica: dict[str, int] = {}
+        for _, replica in self.sessions.values():
+            per_replica[replica] = per_replica.get(replica, 0) + 1
+        return {"sessions": per_replica, "resumed_streams": self.resumed_streams}
+
+    async def __del__(self) -> None:
+        """Stop answering when Serve retires the ingress."""
+        await self.server.stop(1.0)
+
+    # ------------------------------------------------------------------ routing
+    def _live(self, app: str) -> bool:
+        return app in (self.stable, self.canary)
+
+    def _target(self, session_id: str) -> tuple[str, str]:
+        """Application and home replica of a call: its session's, or a new session's pick."""
+        if session_id:
+            home = self.sessions.get(session_id)
+            if home is not None and self._live(home[0]):
+                return home
+            return self.stable, ""
+        if self.canary and random.random() < self.canary_fraction:
+            return self.canary, ""
+        return self.stable, ""
+
+    def _remember(self, method: str, session_id: str, app: str, result: CallResult) -> None:
+        """Keep (or drop) the session -> replica map after a relayed unary call."""
+        if result.code != "OK":
+            if result.code == "NOT_FOUND" and session_id:
+                self.sessions.pop(session_id, None)
+            return
+        if method == "CloseSession":
+            self.sessions.pop(session_id, None)
+            return
+        if not session_id:
+            return
+        self.sessions[session_id] = (app, result.replica)
+        while len(self.sessions) > SESSION_MAP_LIMIT:
+            self.sessions.pop(next(iter(self.sessions)))
+
+    def _handle(self, app: str) -> Any:
+        """The (cached) deployment handle of `app`'s replicas: one router per application."""
+        from ray import serve
+
+        handle = self._handles.get(app)
+        if handle is None:
+            handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app)
+            self._handles = {a: h for a, h in self._handles.items() if self._live(a)}
+            self._handles[app] = handle
+        return handle
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        """One generic handler per method of the Verifier service descriptor."""
+        service = pb.DESCRIPTOR.services_by_name["Verifier"]
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for method in service.methods:
+            request_cls = message_factory.GetMessageClass(method.input_type)
+            reply_cls = message_factory.GetMessageClass(method.output_type)
+            if method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                    self._stream_handler(method.name, reply_cls),
+                    request_deserializer=request_cls.FromString,
+                    response_serializer=reply_cls.SerializeToString,
+                )
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    self._unary_handler(method.name, reply_cls),
+                    request_deserializer=request_cls.FromString,
+                    response_serializer=reply_cls.SerializeToString,
+                )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def _unary_handler(self, name: str, reply_cls: type[Message]) -> Any:
+        """The relay of one unary method."""
+
+        async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
+            started = time.perf_counter()
+            session_id = _session_of(request)
+            app, home = self._target(session_id)
+            result = await self._relay_unary(name, request, context, app, home)
+            if result.code == "OK":
+                reply = reply_cls.FromString(result.payload)
+                self._remember(name, session_id or _session_of(reply), app, result)
+                self._observe(app, name, request, reply, result.code, started)
+                return reply
+            self._remember(name, session_id, app, result)
+            self._observe(app, name, request, None, result.code, started)
+            await context.abort(grpc.StatusCode[result.code], result.details, result.trailing)
+            raise AssertionError("grpc.aio context.abort returned instead of raising")
+
+        return handle
+
+    async def _relay_unary(
+        self,
+        name: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+        app: str,
+        home: str,
+    ) -> CallResult:
+        """Send one unary call to a replica of `app`; a replica death becomes a status, never a crash.
+
+        A call without a session holds no state yet, so it is retried once on another
+        replica; a session's call whose replica died ends NOT_FOUND (the edge reopens).
+        """
+        session_id = _session_of(request)
+        attempts = 1 if session_id else 2
+        for attempt in range(attempts):
+            try:
+                return await (  # type: ignore[no-any-return]
+                    self._handle(app)
+                    .unary.options()
+                    .remote(
+                        name,
+                        request.SerializeToString(),
+                        clean_metadata(context.invocation_metadata() or ()),
+                        context.time_remaining(),
+                        **{ROUTE_TOKENS: routing_tokens(request), ROUTE_REPLICA: home},
+                    )
+                )
+            except Exception as error:  # a replica died or was retired mid-call
+                LOG.warning("%s on %s failed (attempt %d): %s", name, app, attempt + 1, error)
+                if session_id:
+                    return CallResult(
+                        "NOT_FOUND",
+                        f"session {session_id!r} was lost with its replica; reopen it "
+                        "from the committed tokens",
+                    )
+        return CallResult("UNAVAILABLE", "no verifier replica could take the call; retry shortly")
+
+    def _stream_handler(self, name: str, reply_cls: type[Message]) -> Any:
+        """The relay of one server-streaming method."""
+
+        async def handle(
+            request: Message, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Message]:
+            started = time.perf_counter()
+            app, _ = self._target("")
+            code, details, trailing = "OK", "", Metadata()
+            async for result in self._relay_stream(name, request, context, app):
+                if result.code != "OK":
+                    code, details, trailing = result.code, result.details, result.trailing
+                    break
+                yield reply_cls.FromString(result.payload)
+            self._observe(app, name, request, None, code, started)
+            if code != "OK":
+                await context.abort(grpc.StatusCode[code], details, trailing)
+
+        return handle
+
+    async def _relay_stream(
+        self, name: str, request: Message, context: grpc.aio.ServicerContext, app: str
+    ) -> AsyncIterator[CallResult]:
+        """Relay a stream; a Generate cut by a replica's death resumes from the tokens streamed."""
+        current = request
+        for attempt in range(RESUME_ATTEMPTS):
+            streamed: list[int] = []
+            try:
+                responses = (
+                    self._handle(app)
+                    .options(stream=True)
+                    .stream.remote(
+                        name,
+                        current.SerializeToString(),
+                        clean_metadata(context.invocation_metadata() or ()),
+                        context.time_remaining(),
+                        **{ROUTE_TOKENS: routing_tokens(current), ROUTE_REPLICA: ""},
+                    )
+                )
+                async for result in responses:
+                    if result.code == "OK" and name == RESUMABLE_STREAM:
+                        streamed.append(pb.GenerateReply.FromString(result.payload).token_id)
+                    yield result
+                return
+            except Exception as error:  # the replica died mid-stream
+                LOG.warning("%s stream on %s cut (attempt %d): %s", name, app, attempt + 1, error)
+                if not isinstance(current, pb.GenerateRequest):
+                    break
+                resumed = _resume_generate(current, streamed)
+                if resumed is None:  # nothing left to generate
+                    return
+                current = resumed
+                self.resumed_streams += 1
+        yield CallResult("UNAVAILABLE", "the verifier replica serving this stream went away")
+
+    def _observe(
+        self,
+        app: str,
+        method: str,
+        request: Message,
+        reply: Message | None,
+        code: str,
+        started: float,
+    ) -> None:
+        """Feed the application's canary figures."""
+        stats = self.arms.get(app)
+        if stats is None:
+            return
+        drafted = len(getattr(request, "draft_ids", ()))
+        accepted = int(getattr(reply, "accepted", 0)) if reply is not None else 0
+        stats.record(method, code, time.perf_counter() - started, drafted, accepted)
+
+
+def _resume_generate(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest | None:
+    """The Generate request that continues after `streamed` tokens; None when none remain."""
+    remaining = request.max_new_tokens - len(streamed)
+    stopped = request.HasField("stop_token_id") and streamed[-1:] == [request.stop_token_id]
+    if stopped or remaining <= 0:
+        return None
+    resumed = pb.GenerateRequest()
+    resumed.CopyFrom(request)
+    del resumed.prompt_ids[:]
+    resumed.prompt_ids.extend([*request.prompt_ids, *streamed])
+    resumed.max_new_tokens = remaining
+    return resumed

@@ -1,0 +1,147 @@
+"""One verifier replica of the fleet: a Ray Serve deployment around the single-process verifier.
+
+Each replica runs the ordinary verifier (`edge.verifier.server`: engine, servicer,
+health, auth) on a loopback port of its own and relays the ingress's calls to it
+as serialized protobuf bytes. The replica therefore speaks exactly the protocol
+the single process speaks, whatever that protocol grows into, and the ingress
+never needs to know the verifier's internals. Failures come back as values
+(`CallResult`), so gRPC status codes cross Ray unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edge.fleet.wire import CallResult, Metadata, clean_metadata
+from edge.verifier.engine import EngineConfig
+from edge.verifier.server import BackgroundServer, ServerConfig, load_verifier_model
+
+LOG = logging.getLogger("fedge.fleet")
+SERVICE_PATH = "/fedge.edge.v1.Verifier/"
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica of one deployment serves: base model, adapter, engine limits."""
+
+    model_dir: Path
+    adapter_dir: Path | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    token: str | None = None  # bearer token the replica's verifier requires (relayed from the edge)
+    slowdown: float = (
+        1.0  # the rank-0 replica's forward passes take this many times as long (bench)
+    )
+
+    def __post_init__(self) -> None:
+        if self.slowdown < 1.0:
+            raise ValueError(f"ReplicaSpec.slowdown must be >= 1, got {self.slowdown}")
+
+
+def _slow_down(model: Any, factor: float) -> None:
+    """Make every forward pass take `factor` times as long, as on a slower machine."""
+    started: list[float] = []
+
+    def before(*_: object) -> None:
+        started.append(time.perf_counter())
+
+    def after(*_: object) -> None:
+        time.sleep((factor - 1.0) * (time.perf_counter() - started.pop()))
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
+
+
+class VerifierReplica:
+    """Ray Serve deployment class: loads the model once, serves it through a private verifier."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        model = load_verifier_model(spec.model_dir, spec.adapter_dir)
+        if spec.slowdown > 1.0 and context.rank.rank == 0:
+            _slow_down(model, spec.slowdown)
+        config = ServerConfig(
+            spec.model_dir,
+            spec.adapter_dir,
+            engine=spec.engine,
+            token=spec.token,
+            drain_notice_s=0.0,
+            grace_s=1.0,
+        )
+        self._server: BackgroundServer | None = BackgroundServer(config, model)
+        self.port = self._server.start()  # type: ignore[union-attr]
+        self._channel: grpc.aio.Channel | None = None
+        self._health_stub = health_pb2_grpc.HealthStub(
+            grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        )
+        LOG.info("replica %s serving on 127.0.0.1:%d", self.replica_id, self.port)
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        """The loopback channel to this replica's verifier (made on the replica's event loop)."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        return self._channel
+
+    def _fail(self, error: grpc.aio.AioRpcError) -> CallResult:
+        """A relayed gRPC error as a value."""
+        trailing = clean_metadata(tuple(error.trailing_metadata() or ()))
+        return CallResult(error.code().name, error.details() or "", b"", self.replica_id, trailing)
+
+    async def unary(
+        self,
+        method: str,
+        payload: bytes,
+        metadata: Metadata = (),
+        timeout_s: float | None = None,
+        **hints: object,
+    ) -> CallResult:
+        """Relay one unary Verifier call (`method` is its short name, e.g. "Verify")."""
+        call = self._open_channel().unary_unary(SERVICE_PATH + method)
+        try:
+            reply = await call(payload, metadata=metadata, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            return self._fail(error)
+        return CallResult("OK", "", reply, self.replica_id)
+
+    async def stream(
+        self,
+        method: str,
+        payload: bytes,
+        metadata: Metadata = (),
+        timeout_s: float | None = None,
+        **hints: object,
+    ) -> AsyncIterator[CallResult]:
+        """Relay one server-streaming call; a failure is the last item, with its code."""
+        call = self._open_channel().unary_stream(SERVICE_PATH + method)
+        try:
+            async for reply in call(payload, metadata=metadata, timeout=timeout_s):
+                yield CallResult("OK", "", reply, self.replica_id)
+        except grpc.aio.AioRpcError as error:
+            yield self._fail(error)
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: the private verifier must report SERVING over gRPC.
+
+        A blocking channel of its own: Serve may call this from another event loop than
+        the relays', and a grpc.aio channel must stay on the loop that made it.
+        """
+        reply = self._health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"verifier of replica {self.replica_id} is not SERVING")
+
+    def __del__(self) -> None:
+        """Drain the private verifier when Serve stops the replica."""
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.stop(grace_s=1.0)
+            self._server = None

@@ -1,0 +1,168 @@
+"""Canary rollout of a federated LoRA adapter: check it, serve it to a fraction, compare, decide.
+
+1. `check_adapter` refuses an adapter that does not fit before any traffic.
+2. The new adapter is deployed as its own application beside the stable one;
+   the ingress sends `canary` of new sessions to it.
+3. Over the window the ingress records acceptance, error rate and latency per
+   application; `decide` compares them (a pure function of the figures).
+4. Promote: the canary application takes every new session and the old one is
+   deleted (its sessions reopen on the new replicas, NOT_FOUND -> reopen). Roll
+   back: the canary is deleted. The decision and figures go to `rollout.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from edge.fleet.adapters import check_adapter
+
+LOG = logging.getLogger("fedge.fleet")
+DECISION_FILE = "rollout.json"
+LATENCY_FLOOR_MS = 5.0  # p99 differences below this are noise on a shared CPU
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The canary's share of traffic, the observation window and the promotion thresholds."""
+
+    adapter_dir: Path
+    run_dir: Path
+    canary: float = 0.1  # fraction of new sessions served by the new adapter
+    window_s: float = 60.0  # observe at least this long
+    min_verifies: int = 50  # per application; the window extends up to max_window_s to get them
+    max_window_s: float = 600.0
+    max_acceptance_drop: float = (
+        0.05  # canary acceptance may trail stable's by this much (absolute)
+    )
+    max_error_rate_rise: float = 0.01  # canary error rate may exceed stable's by this much
+    max_latency_ratio: float = 1.5  # canary p50/p99 may be this many times stable's (+ floor)
+    canary_replicas: int = 1
+    poll_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.canary < 1.0:
+            raise ValueError(f"RolloutConfig.canary must lie in (0, 1), got {self.canary}")
+        if not 0 < self.window_s <= self.max_window_s:
+            raise ValueError(
+                f"RolloutConfig needs 0 < window_s <= max_window_s, got {self.window_s}, "
+                f"{self.max_window_s}"
+            )
+        for name in ("min_verifies", "canary_replicas", "max_latency_ratio", "poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+def decide(
+    stable: dict[str, float], canary: dict[str, float], config: RolloutConfig
+) -> tuple[str, list[str]]:
+    """ "promote" or "rollback", with the reasons (every failed criterion, or why it passed)."""
+    reasons = []
+    if canary["verifies"] < config.min_verifies or stable["verifies"] < config.min_verifies:
+        reasons.append(
+            f"too little traffic: {canary['verifies']:.0f} canary and {stable['verifies']:.0f} "
+            f"stable verifies, need {config.min_verifies} each"
+        )
+    drop = stable["acceptance"] - canary["acceptance"]
+    if drop > config.max_acceptance_drop:
+        reasons.append(
+            f"acceptance {canary['acceptance']:.3f} vs stable {stable['acceptance']:.3f} "
+            f"(drop {drop:.3f} > {config.max_acceptance_drop})"
+        )
+    rise = canary["error_rate"] - stable["error_rate"]
+    if rise > config.max_error_rate_rise:
+        reasons.append(
+            f"error rate {canary['error_rate']:.3f} vs stable {stable['error_rate']:.3f} "
+            f"(rise {rise:.3f} > {config.max_error_rate_rise})"
+        )
+    for key in ("latency_p50_ms", "latency_p99_ms"):
+        limit = stable[key] * config.max_latency_ratio + LATENCY_FLOOR_MS
+        if canary[key] > limit:
+            reasons.append(f"{key} {canary[key]:.1f} > {limit:.1f} (stable {stable[key]:.1f})")
+    if reasons:
+        return "rollback", reasons
+    return "promote", [
+        f"acceptance {canary['acceptance']:.3f} vs {stable['acceptance']:.3f}, error rate "
+        f"{canary['error_rate']:.3f} vs {stable['error_rate']:.3f}, p99 "
+        f"{canary['latency_p99_ms']:.1f} vs {stable['latency_p99_ms']:.1f} ms"
+    ]
+
+
+def _next_version(stable: str) -> str:
+    """Application name of the version after `stable` (fedge-v3 after fedge-v2)."""
+    from edge.fleet.app import VERSION_PREFIX, version_app
+
+    return version_app(int(stable.removeprefix(VERSION_PREFIX)) + 1)
+
+
+def _observe(ingress: Any, stable: str, canary: str, config: RolloutConfig) -> dict[str, Any]:
+    """Wait out the window (longer, up to max_window_s, until both arms have enough verifies)."""
+    started = time.monotonic()
+    while True:
+        time.sleep(config.poll_s)
+        figures = ingress.arm_stats.remote().result()
+        elapsed = time.monotonic() - started
+        enough = all(figures[a]["verifies"] >= config.min_verifies for a in (stable, canary))
+        if (elapsed >= config.window_s and enough) or elapsed >= config.max_window_s:
+            return {"window_s": elapsed, **figures}
+
+
+def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
+    """Run one canary rollout against a live fleet's ingress handle; returns the recorded decision."""
+    from ray import serve
+
+    from edge.fleet.app import replica_application
+
+    fleet = pickle.loads(ingress.fleet_config.remote().result())
+    stable = ingress.describe.remote().result()["stable"]
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "adapter": str(config.adapter_dir),
+        "current_adapter": str(fleet.adapter_dir) if fleet.adapter_dir else None,
+        "stable_app": stable,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    }
+    try:
+        check_adapter(fleet.model_dir, config.adapter_dir)
+    except Exception as err:
+        record.update(decision="refused", reasons=[str(err)])
+        return _write(config.run_dir, record)
+    canary = _next_version(stable)
+    record["canary_app"] = canary
+    canary_fleet = replace(fleet, replicas=config.canary_replicas, max_replicas=None)
+    try:
+        serve.run(
+            replica_application(canary_fleet, config.adapter_dir), name=canary, route_prefix=None
+        )
+    except Exception as err:  # the replicas could not load it: no traffic was sent
+        serve.delete(canary)
+        record.update(decision="refused", reasons=[f"canary failed to start: {err}"])
+        return _write(config.run_dir, record)
+    ingress.set_canary.remote(canary, config.canary).result()
+    figures = _observe(ingress, stable, canary, config)
+    decision, reasons = decide(figures[stable], figures[canary], config)
+    record.update(decision=decision, reasons=reasons, figures=figures)
+    if decision == "promote":
+        serve.run(
+            replica_application(fleet, config.adapter_dir), name=canary, route_prefix=None
+        )  # scale the canary up to the fleet's size before it takes all traffic
+        promoted = replace(fleet, adapter_dir=config.adapter_dir)
+        ingress.promote.remote(canary, pickle.dumps(promoted)).result()
+        serve.delete(stable)
+    else:
+        ingress.set_canary.remote(None).result()
+        serve.delete(canary)
+    LOG.info("rollout of %s: %s (%s)", config.adapter_dir, decision, "; ".join(reasons))
+    return _write(config.run_dir, record)
+
+
+def _write(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Record the decision and figures as JSON in the run directory; return the record."""
+    record["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (run_dir / DECISION_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+    return record

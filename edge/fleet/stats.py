@@ -1,0 +1,52 @@
+"""Per-application serving figures (acceptance, errors, latency) the canary rollout compares."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Server-side failures. NOT_FOUND (a lost session the edge reopens), INVALID_ARGUMENT and
+# FAILED_PRECONDITION (the caller's mistakes) and RESOURCE_EXHAUSTED (backpressure) are not.
+ERROR_CODES = frozenset({"UNKNOWN", "INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "DATA_LOSS"})
+LATENCY_METHODS = frozenset({"OpenSession", "Verify"})  # one target pass each; streams are not
+LATENCY_WINDOW = 20_000  # most recent calls kept for the percentiles
+
+
+@dataclass
+class ArmStats:
+    """Running figures of one application (the stable adapter or the canary)."""
+
+    calls: int = 0
+    errors: int = 0
+    verifies: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+
+    def record(self, method: str, code: str, seconds: float, drafted: int, accepted: int) -> None:
+        """Count one finished call."""
+        self.calls += 1
+        self.errors += code in ERROR_CODES
+        if code == "OK" and method == "Verify":
+            self.verifies += 1
+            self.drafted += drafted
+            self.accepted += accepted
+        if method in LATENCY_METHODS:
+            self.latencies.append(seconds)
+
+    def summary(self) -> dict[str, float]:
+        """Counts, acceptance rate (accepted / drafted), error rate and latency p50/p99 in ms."""
+        latency = np.asarray(self.latencies, dtype=float) * 1e3
+        return {
+            "calls": self.calls,
+            "errors": self.errors,
+            "error_rate": self.errors / self.calls if self.calls else 0.0,
+            "verifies": self.verifies,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+            "latency_p50_ms": float(np.percentile(latency, 50)) if latency.size else 0.0,
+            "latency_p99_ms": float(np.percentile(latency, 99)) if latency.size else 0.0,
+        }

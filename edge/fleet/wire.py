@@ -1,0 +1,31 @@
+"""What crosses Ray between the ingress and a replica: relayed replies and caller metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """One relayed reply (or streamed message): status code name, details, payload, replica.
+
+    `trailing` carries a failure's trailing metadata (e.g. a rate limit's retry-after).
+    """
+
+    code: str
+    details: str = ""
+    payload: bytes = b""
+    replica: str = ""
+    trailing: Metadata = ()
+
+
+def clean_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> Metadata:
+    """Caller metadata worth relaying (e.g. authorization): drop gRPC's own and binary keys."""
+    return tuple(
+        (key, value)
+        for key, value in pairs
+        if isinstance(value, str) and not key.startswith(("grpc-", ":")) and key != "user-agent"
+    )

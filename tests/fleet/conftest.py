@@ -1,0 +1,91 @@
+"""Fixtures of the fleet tests: adapters that fit, collapse acceptance or do not fit; one Serve fleet."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fedge.zoo import ZooPaths
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_adapter(model: Any, out: Path, scale: float, seed: int = 0) -> Path:
+    """Wrap `model` in a rank-4 LoRA on every projection with lora_B ~ N(0, scale^2); save it."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="package")
+def good_adapter(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA adapter that barely moves the micro target (a federated round's small update)."""
+    from fedge.models import load_causal_lm
+
+    return save_adapter(
+        load_causal_lm(micro_zoo.target_dir), tmp_path_factory.mktemp("good"), scale=1e-4
+    )
+
+
+@pytest.fixture(scope="package")
+def bad_adapter(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random LoRA weights large enough to wreck the target: acceptance collapses."""
+    from fedge.models import load_causal_lm
+
+    return save_adapter(
+        load_causal_lm(micro_zoo.target_dir), tmp_path_factory.mktemp("bad"), scale=3.0, seed=1
+    )
+
+
+@pytest.fixture(scope="package")
+def misfit_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A well-formed adapter of another (narrower) base model."""
+    torch.manual_seed(0)
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    return save_adapter(other, tmp_path_factory.mktemp("misfit"), scale=0.1)
+
+
+@pytest.fixture(scope="package")
+def fleet(micro_zoo: ZooPaths) -> Iterator[Any]:
+    """One Serve fleet of two micro-target replicas on 127.0.0.1 for every fleet test; Ray stops after."""
+    import ray
+
+    from edge.fleet.app import FleetConfig, start_fleet
+    from edge.verifier.engine import EngineConfig
+
+    config = FleetConfig(
+        micro_zoo.target_dir,
+        replicas=2,
+        replica_cpus=0.0,  # the tests' two cores are shared; Ray must not wait for free CPUs
+        health_period_s=1.0,
+        health_timeout_s=5.0,
+        engine=EngineConfig(max_draft=8),
+    )
+    running = start_fleet(config)
+    yield running
+    running.stop()
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,236 @@
+"""The verifier fleet on Ray Serve, end to end: unchanged edge client, canary rollout, replica death.
+
+One fleet (two micro-target replicas) serves every test, in order: the edge
+client against it, then rollouts (misfit refused, bad rolled back, good
+promoted), then a replica killed under load.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import PreTrainedModel
+
+from edge.client import ClientConfig, EdgeClient, VerifierClient
+from edge.decoder import DecodeConfig, SpeculativeDecoder
+from edge.fleet.rollout import RolloutConfig, run_rollout
+from edge.runtime import TorchDraftRuntime
+from fedge.models import load_causal_lm
+from fedge.zoo import ZooPaths
+
+NEW_TOKENS = 16
+
+
+def greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation."""
+    out = model.generate(  # type: ignore[operator]
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def decode_with_reopen(
+    client: VerifierClient, draft: PreTrainedModel, prompt: list[int], n: int
+) -> tuple[list[int], int]:
+    """Speculative decoding that reopens a lost session (NOT_FOUND) from its committed tokens.
+
+    Returns the tokens and how many times the session was reopened.
+    """
+    committed: list[int] = []
+    reopened = 0
+    while len(committed) < n:
+        decoder = SpeculativeDecoder(
+            TorchDraftRuntime(draft), client, DecodeConfig(max_new_tokens=n - len(committed))
+        )
+        try:
+            for chunk in decoder.stream(prompt + committed):
+                committed += chunk
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                raise
+            reopened += 1
+    return committed[:n], reopened
+
+
+class Load:
+    """Edge sessions decoding in background threads until stopped; records every failure."""
+
+    def __init__(self, port: int, work: Callable[[VerifierClient, int], None], threads: int):
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.done = 0
+        self._threads = [
+            threading.Thread(target=self._loop, args=(port, work, i), daemon=True)
+            for i in range(threads)
+        ]
+
+    def _loop(self, port: int, work: Callable[[VerifierClient, int], None], index: int) -> None:
+        with VerifierClient(ClientConfig(f"127.0.0.1:{port}", timeout_s=60)) as client:
+            while not self.stop.is_set():
+                try:
+                    work(client, index)
+                    self.done += 1
+                except Exception as err:  # every failure is a finding of the test
+                    self.failures.append(repr(err))
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` until true or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def models(micro_zoo: ZooPaths) -> tuple[PreTrainedModel, PreTrainedModel]:
+    return load_causal_lm(micro_zoo.target_dir), load_causal_lm(micro_zoo.draft_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(micro_zoo: ZooPaths) -> list[list[int]]:
+    from edge.prompts import heldout_prompts
+    from fedge.models import load_tokenizer
+
+    base = heldout_prompts(load_tokenizer(micro_zoo.target_dir), 8, 40)
+    return [p[: 4 + 5 * i] for i, p in enumerate(base)]
+
+
+def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
+    fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
+) -> None:
+    target, draft = models
+    expected = [greedy(target, p, NEW_TOKENS) for p in prompts]
+    outputs: dict[int, list[int]] = {}
+    errors: list[str] = []
+
+    def session(i: int) -> None:  # the edge client, unchanged: no reopen, so any lost session fails
+        try:
+            with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}")) as client:
+                edge = EdgeClient(
+                    TorchDraftRuntime(draft), None, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
+                )
+                outputs[i] = [t for c in edge.stream_ids(prompts[i], "speculative") for t in c]
+        except Exception as err:
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert [outputs[i] for i in range(len(prompts))] == expected
+    with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}")) as client:
+        assert list(client.generate(prompts[3], NEW_TOKENS)) == expected[3]
+        with pytest.raises(grpc.RpcError) as caught:
+            client.verify("0" * 32, [1])
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    with grpc.insecure_channel(f"127.0.0.1:{fleet.port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="fedge.edge.v1.Verifier"), timeout=5
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert len(fleet.replica_actors()) == 2
+
+
+def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
+    fleet: Any,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+    misfit_adapter: Path,
+    bad_adapter: Path,
+    good_adapter: Path,
+    tmp_path: Path,
+) -> None:
+    _, draft = models
+
+    def work(client: VerifierClient, i: int) -> None:
+        decode_with_reopen(client, draft, prompts[i % len(prompts)], NEW_TOKENS)
+
+    def rollout(adapter: Path, name: str) -> dict[str, Any]:
+        config = RolloutConfig(
+            adapter_dir=adapter,
+            run_dir=tmp_path / name,
+            canary=0.5,
+            window_s=2.0,
+            min_verifies=15,
+            max_window_s=60.0,
+            poll_s=0.2,
+        )
+        return run_rollout(fleet.ingress, config)
+
+    before = fleet.describe()
+    with Load(fleet.port, work, threads=3) as load:
+        refused = rollout(misfit_adapter, "misfit")
+        assert refused["decision"] == "refused"
+        assert "adapter_model.safetensors" in refused["reasons"][0]
+        assert fleet.describe() == before  # no canary was ever set
+        bad = rollout(bad_adapter, "bad")
+        good = rollout(good_adapter, "good")
+    assert bad["decision"] == "rollback", bad["reasons"]
+    assert any(reason.startswith("acceptance") for reason in bad["reasons"])
+    canary_acceptance = bad["figures"][bad["canary_app"]]["acceptance"]
+    assert canary_acceptance < bad["figures"][bad["stable_app"]]["acceptance"] - 0.05
+    assert good["decision"] == "promote", good["reasons"]
+    assert fleet.describe() == {"stable": good["canary_app"], "canary": None, "fraction": 0.0}
+    assert (tmp_path / "good" / "rollout.json").is_file()
+    assert load.failures == [] and load.done > 0
+
+
+def test_replica_killed_under_load_fails_no_request(
+    fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
+) -> None:
+    import ray
+
+    _, draft = models
+    with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}")) as client:
+        reference = list(client.generate(prompts[5], 48))
+    mismatched: list[list[int]] = []
+
+    def work(client: VerifierClient, i: int) -> None:
+        if i % 2:
+            streamed = list(client.generate(prompts[5], 48))
+            if streamed != reference:
+                mismatched.append(streamed)
+        else:
+            decode_with_reopen(client, draft, prompts[i % len(prompts)], NEW_TOKENS)
+
+    before = fleet.replica_actors()
+    victim_id, victim = sorted(before.items())[0]
+    with Load(fleet.port, work, threads=4) as load:
+        wait_for(lambda: load.done >= 4, 60, "load to start")
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        done_at_kill = load.done
+        wait_for(lambda: load.done >= done_at_kill + 8, 90, "requests after the kill")
+        wait_for(
+            lambda: len(fleet.replica_actors()) == 2 and victim_id not in fleet.replica_actors(),
+            90,
+            "Serve to replace the killed replica",
+        )
+    assert load.failures == []
+    assert mismatched == []
+    assert victim_id not in fleet.ingress.fleet_stats.remote().result()["sessions"]

@@ -1,0 +1,169 @@
+"""Fleet policies, canary decisions and adapter checks, without a Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+from edge.fleet.adapters import AdapterMismatch, check_adapter
+from edge.fleet.rollout import RolloutConfig, decide
+from edge.fleet.routers import (
+    ROUTE_REPLICA,
+    ROUTE_TOKENS,
+    FleetRouter,
+    PowerOfTwoRouter,
+    RoundRobinRouter,
+    TokenAwareRouter,
+    policy_class,
+)
+from fedge.manifest import write_manifest
+
+DEPLOYMENT = DeploymentID(name="verifier", app_name="fedge-v1")
+
+
+@dataclass
+class Replica:
+    """What a router reads of a running replica: its id."""
+
+    replica_id: ReplicaID
+
+
+@dataclass
+class Metadata:
+    internal_request_id: str
+
+
+@dataclass
+class Request:
+    """What a router reads of a pending request: routing kwargs and its id."""
+
+    kwargs: dict[str, Any]
+    metadata: Metadata
+    args: list[Any] = field(default_factory=list)
+
+
+def make_router(cls: type[FleetRouter], affinity: bool = False) -> FleetRouter:
+    router = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(affinity=affinity)
+    return router
+
+
+def replicas(*names: str) -> list[Replica]:
+    return [Replica(ReplicaID(n, DEPLOYMENT)) for n in names]
+
+
+def choose(router: FleetRouter, candidates: list[Replica], request: Request | None) -> list[str]:
+    ranks = asyncio.run(router.choose_replicas(candidates, request))  # type: ignore[arg-type]
+    return [r.replica_id.unique_id for rank in ranks for r in rank]
+
+
+def request(rid: str, tokens: int = 1, home: str = "") -> Request:
+    return Request({ROUTE_TOKENS: tokens, ROUTE_REPLICA: home}, Metadata(rid))
+
+
+def test_round_robin_cycles_through_replicas_whatever_their_load() -> None:
+    router = make_router(RoundRobinRouter)
+    pool = replicas("a", "b", "c")
+    firsts = [choose(router, pool, request(str(i)))[0] for i in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_token_aware_steers_away_from_the_replica_with_pending_tokens() -> None:
+    router = make_router(TokenAwareRouter)
+    a, b = replicas("a", "b")
+    long_prefill = request("p", tokens=400)
+    router.on_request_routed(long_prefill, a.replica_id, None)  # type: ignore[arg-type]
+    for i in range(3):  # three short verifies on b still weigh less than one long prefill on a
+        router.on_request_routed(request(f"v{i}", tokens=5), b.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [a, b], request("new"))[0] == "b"
+    router.on_request_completed(a.replica_id, "p")
+    assert choose(router, [a, b], request("new"))[0] == "a"
+
+
+def test_affinity_sends_a_session_home_and_new_sessions_by_policy() -> None:
+    router = make_router(RoundRobinRouter, affinity=True)
+    pool = replicas("a", "b")
+    assert [choose(router, pool, request(str(i), home="b")) for i in range(3)] == [["b"]] * 3
+    assert choose(router, pool, request("x", home="gone")) in (["a", "b"], ["b", "a"])
+    without = make_router(RoundRobinRouter, affinity=False)
+    assert {choose(without, pool, request(str(i), home="b"))[0] for i in range(4)} == {"a", "b"}
+
+
+def test_power_of_two_offers_two_replicas_in_one_rank() -> None:
+    router = make_router(PowerOfTwoRouter)
+    ranks = asyncio.run(router.choose_replicas(replicas("a", "b", "c"), request("1")))  # type: ignore[arg-type]
+    assert len(ranks) == 1 and len({r.replica_id for r in ranks[0]}) == 2
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="round-robin, least-outstanding, power-of-two"):
+        policy_class("fastest")
+
+
+FIGURES = {
+    "verifies": 100,
+    "acceptance": 0.60,
+    "error_rate": 0.0,
+    "latency_p50_ms": 10.0,
+    "latency_p99_ms": 40.0,
+}
+
+
+def test_decide_promotes_an_equal_canary_and_rolls_back_a_worse_one(tmp_path: Path) -> None:
+    config = RolloutConfig(adapter_dir=tmp_path, run_dir=tmp_path, min_verifies=50)
+    assert decide(FIGURES, dict(FIGURES, acceptance=0.58), config)[0] == "promote"
+    decision, reasons = decide(FIGURES, dict(FIGURES, acceptance=0.10), config)
+    assert decision == "rollback" and "acceptance 0.100" in reasons[0]
+    assert decide(FIGURES, dict(FIGURES, error_rate=0.2), config)[0] == "rollback"
+    assert decide(FIGURES, dict(FIGURES, latency_p99_ms=200.0), config)[0] == "rollback"
+    assert decide(FIGURES, dict(FIGURES, verifies=3), config)[0] == "rollback"
+
+
+def test_good_adapter_fits(micro_zoo: Any, good_adapter: Path) -> None:
+    assert check_adapter(micro_zoo.target_dir, good_adapter)["peft_type"] == "LORA"
+
+
+def test_adapter_with_a_missing_file_is_refused_naming_it(
+    micro_zoo: Any, good_adapter: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_bytes(
+        (good_adapter / "adapter_config.json").read_bytes()
+    )
+    with pytest.raises(AdapterMismatch, match=r"adapter_model\.safetensors is missing"):
+        check_adapter(micro_zoo.target_dir, broken)
+
+
+def test_adapter_of_another_base_model_is_refused_naming_tensor_and_file(
+    micro_zoo: Any, misfit_adapter: Path
+) -> None:
+    with pytest.raises(
+        AdapterMismatch, match=r"adapter_model.safetensors: tensor .*lora_A.* shape"
+    ):
+        check_adapter(micro_zoo.target_dir, misfit_adapter)
+
+
+def test_adapter_whose_weights_changed_after_hashing_is_refused(
+    micro_zoo: Any, good_adapter: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "tampered"
+    copy.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (copy / name).write_bytes((good_adapter / name).read_bytes())
+    write_manifest(copy)
+    weights = bytearray((copy / "adapter_model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (copy / "adapter_model.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(
+        AdapterMismatch, match=r"adapter_model\.safetensors does not match its sha256"
+    ):
+        check_adapter(micro_zoo.target_dir, copy)
+    config = json.loads((copy / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA"
