@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+FLEET_FILE = "fleet.json"
 _console = Console(stderr=True)
 
 
@@ -47,6 +48,9 @@ def fleet_command(
     max_draft: Annotated[int, typer.Option(help="Longest accepted draft.")] = 16,
     max_batch: Annotated[int, typer.Option(help="Verifies per batched forward pass.")] = 32,
     session_ttl_s: Annotated[float, typer.Option(help="Idle session lifetime, seconds.")] = 300.0,
+    run_dir: Annotated[
+        Path, typer.Option(help="Where fleet.json (Ray address, port) goes, for `rollout`.")
+    ] = Path("runs/fleet"),
 ) -> None:
     """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM."""
     from edge.fleet.app import FleetConfig, running_fleet
@@ -72,6 +76,11 @@ def fleet_command(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     with running_fleet(config) as fleet:
+        import ray
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        state = {"ray_address": ray.get_runtime_context().gcs_address, "port": fleet.port}
+        (run_dir / FLEET_FILE).write_text(json.dumps(state))
         sys.stdout.write(f"fleet listening on {host}:{fleet.port}\n")
         sys.stdout.flush()
         stopping.wait()
@@ -87,7 +96,9 @@ def rollout_command(
     run_dir: Annotated[
         Path, typer.Option(help="Directory for rollout.json (decision and figures).")
     ] = Path("runs/rollout"),
-    address: Annotated[str, typer.Option(help="Ray cluster address of the fleet.")] = "auto",
+    fleet: Annotated[
+        Path, typer.Option(help="The fleet's run dir (its fleet.json names the Ray cluster).")
+    ] = Path("runs/fleet"),
 ) -> None:
     """Canary ADAPTER on the running fleet, then promote or roll back automatically."""
     import ray
@@ -104,6 +115,10 @@ def rollout_command(
         min_verifies=min_verifies,
         max_window_s=max(600.0, window),
     )
+    state_file = fleet / FLEET_FILE
+    if not state_file.is_file():
+        raise typer.BadParameter(f"{state_file} is missing; start `fedge verifier fleet` first")
+    address = json.loads(state_file.read_text())["ray_address"]
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     record = run_rollout(serve.get_app_handle(INGRESS_APP), config)
     _console.print_json(json.dumps(record))

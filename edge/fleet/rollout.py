@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pickle
 import time
 from dataclasses import asdict, dataclass, replace
@@ -24,6 +25,7 @@ from edge.fleet.adapters import check_adapter
 
 LOG = logging.getLogger("fedge.fleet")
 DECISION_FILE = "rollout.json"
+NOISE_Z = 2.0  # a drop within 2 standard errors of the tolerance is not held against the canary
 LATENCY_FLOOR_MS = 5.0  # p99 differences below this are noise on a shared CPU
 
 
@@ -69,10 +71,11 @@ def decide(
             f"stable verifies, need {config.min_verifies} each"
         )
     drop = stable["acceptance"] - canary["acceptance"]
-    if drop > config.max_acceptance_drop:
+    noise = NOISE_Z * _acceptance_error(stable, canary)
+    if drop > config.max_acceptance_drop + noise:
         reasons.append(
             f"acceptance {canary['acceptance']:.3f} vs stable {stable['acceptance']:.3f} "
-            f"(drop {drop:.3f} > {config.max_acceptance_drop})"
+            f"(drop {drop:.3f} > {config.max_acceptance_drop} + noise {noise:.3f})"
         )
     rise = canary["error_rate"] - stable["error_rate"]
     if rise > config.max_error_rate_rise:
@@ -91,6 +94,16 @@ def decide(
         f"{canary['error_rate']:.3f} vs {stable['error_rate']:.3f}, p99 "
         f"{canary['latency_p99_ms']:.1f} vs {stable['latency_p99_ms']:.1f} ms"
     ]
+
+
+def _acceptance_error(stable: dict[str, float], canary: dict[str, float]) -> float:
+    """Standard error of the acceptance difference, counting drafted tokens as trials."""
+    variance = sum(
+        side["acceptance"] * (1 - side["acceptance"]) / side["drafted"]
+        for side in (stable, canary)
+        if side["drafted"] > 0
+    )
+    return math.sqrt(variance)
 
 
 def _next_version(stable: str) -> str:

@@ -47,7 +47,7 @@ def bad_adapter(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -
     from fedge.models import load_causal_lm
 
     return save_adapter(
-        load_causal_lm(micro_zoo.target_dir), tmp_path_factory.mktemp("bad"), scale=3.0, seed=1
+        load_causal_lm(micro_zoo.target_dir), tmp_path_factory.mktemp("bad"), scale=20.0, seed=1
     )
 
 

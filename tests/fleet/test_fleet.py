@@ -96,6 +96,11 @@ class Load:
             thread.join(timeout=120)
 
 
+def replaced(now: dict[str, str], before: dict[str, str], victim: str) -> bool:
+    """Two replicas again, the victim gone and a new one in its place."""
+    return len(now) == 2 and victim not in now and bool(set(now) - set(before))
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll `condition` until true or fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -177,7 +182,7 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
             run_dir=tmp_path / name,
             canary=0.5,
             window_s=2.0,
-            min_verifies=15,
+            min_verifies=40,
             max_window_s=60.0,
             poll_s=0.2,
         )
@@ -219,6 +224,7 @@ def test_replica_killed_under_load_fails_no_request(
         else:
             decode_with_reopen(client, draft, prompts[i % len(prompts)], NEW_TOKENS)
 
+    wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas before the kill")
     before = fleet.replica_actors()
     victim_id, victim = sorted(before.items())[0]
     with Load(fleet.port, work, threads=4) as load:
@@ -227,8 +233,8 @@ def test_replica_killed_under_load_fails_no_request(
         done_at_kill = load.done
         wait_for(lambda: load.done >= done_at_kill + 8, 90, "requests after the kill")
         wait_for(
-            lambda: len(fleet.replica_actors()) == 2 and victim_id not in fleet.replica_actors(),
-            90,
+            lambda: replaced(fleet.replica_actors(), before, victim_id),
+            120,
             "Serve to replace the killed replica",
         )
     assert load.failures == []

@@ -108,6 +108,7 @@ def test_unknown_policy_names_the_choices() -> None:
 
 FIGURES = {
     "verifies": 100,
+    "drafted": 4000,
     "acceptance": 0.60,
     "error_rate": 0.0,
     "latency_p50_ms": 10.0,
@@ -118,6 +119,9 @@ FIGURES = {
 def test_decide_promotes_an_equal_canary_and_rolls_back_a_worse_one(tmp_path: Path) -> None:
     config = RolloutConfig(adapter_dir=tmp_path, run_dir=tmp_path, min_verifies=50)
     assert decide(FIGURES, dict(FIGURES, acceptance=0.58), config)[0] == "promote"
+    assert decide(FIGURES, dict(FIGURES, acceptance=0.52), config)[0] == "rollback"
+    few = dict(FIGURES, drafted=100)  # the same drop on 100 drafted tokens each is noise
+    assert decide(few, dict(few, acceptance=0.52), config)[0] == "promote"
     decision, reasons = decide(FIGURES, dict(FIGURES, acceptance=0.10), config)
     assert decision == "rollback" and "acceptance 0.100" in reasons[0]
     assert decide(FIGURES, dict(FIGURES, error_rate=0.2), config)[0] == "rollback"
