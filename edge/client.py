@@ -8,12 +8,23 @@ a network of that round-trip time costs a call that waits for its reply.
 RESOURCE_EXHAUSTED replies are retried: after the server's `fedge-retry-after-ms`
 when it sends one (a per-device rate limit; beyond `max_wait_s` the call raises
 `RateLimited` so the caller can take another route), else with exponential backoff.
+
+Round trips and recovery: after the first session (a real OpenSession, to learn
+the verifier's limits) a session is opened by its first Verify, which carries the
+prompt under an id the client chose; CloseSession is not waited for. The client
+keeps each session's committed tokens, sends the expected length with every
+Verify and retries UNAVAILABLE / DEADLINE_EXCEEDED with the same request (the
+verifier replays a verify it already applied); NOT_FOUND reopens the session from
+the committed tokens, ABORTED reopens it under a fresh id. When the verifier stays
+unreachable for `unreachable_after_s`, calls raise `VerifierUnreachable`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +40,27 @@ from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.tracing import REQUEST_SPAN, VERIFY_SPAN, Tracing, traced_channel
 from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 from edge.verifier.limits import DEVICE_KEY, retry_after_ms
+from fedge.errors import FedgeError
 
 T = TypeVar("T", bound=Message)
 R = TypeVar("R")
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# FAILED_PRECONDITION while retrying: the retry raced its own first attempt, which is still running
+RETRY_RACE = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class VerifierUnreachable(FedgeError):
+    """The verifier answered UNAVAILABLE or DEADLINE_EXCEEDED (or not SERVING) for too long."""
+
+
+@dataclass
+class _EdgeSession:
+    """What the edge knows of one of its sessions: enough to replay or reopen it anywhere."""
+
+    wire_id: str  # the id on the verifier; a fresh one after ABORTED
+    committed: list[int]  # prompt + every token the verifier has returned
+    sampling: Sampling
+    known: bool  # the verifier has (as far as we know) opened it
 
 
 @dataclass(frozen=True)
@@ -50,12 +79,13 @@ class ClientConfig:
     max_wait_s: float = (
         2.0  # longest server-asked retry-after waited out; longer raises RateLimited
     )
+    unreachable_after_s: float = 3.0  # UNAVAILABLE / DEADLINE_EXCEEDED retried this long
 
     def __post_init__(self) -> None:
         host, _, port = self.target.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"ClientConfig.target must be HOST:PORT, got {self.target!r}")
-        for name in ("timeout_s", "added_rtt_s", "backoff_s", "max_wait_s"):
+        for name in ("timeout_s", "added_rtt_s", "backoff_s", "max_wait_s", "unreachable_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ClientConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_retries < 0:
@@ -80,6 +110,11 @@ class VerifierClient:
         self.calls = 0
         self.rate_limited_waits = 0  # retries after a server-named retry-after
         self.overloads = 0  # RESOURCE_EXHAUSTED replies seen (the router reads them)
+        self.retries = 0  # transient failures retried
+        self.reopens = 0  # sessions reopened after NOT_FOUND or ABORTED
+        self._limits: SessionInfo | None = None  # the verifier's, from the first open
+        self._sessions: dict[str, _EdgeSession] = {}
+        self._closing: set[Any] = set()  # fire-and-forget CloseSession calls still in flight
         self.tracing = Tracing(tracer_provider)
         metadata = [("authorization", f"Bearer {config.token}")] if config.token else []
         if config.device_id:
@@ -99,7 +134,10 @@ class VerifierClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close_channel(self) -> None:
-        """Close the underlying channel."""
+        """Let fire-and-forget closes land (closing the channel would cancel them), then close it."""
+        for call in list(self._closing):
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
+                call.result(timeout=self.config.timeout_s)
         self._channel.close()
 
     def __enter__(self) -> VerifierClient:
@@ -148,14 +186,27 @@ class VerifierClient:
         return reply
 
     def open(self, prompt_ids: Sequence[int], sampling: Sampling | None = None) -> SessionInfo:
-        """Open a session (the verifier prefills the prompt)."""
+        """Start a session: a real OpenSession the first time, later opened by its first verify."""
         sampling = sampling or Sampling()
+        if self._limits is None:
+            info = self.open_remote(prompt_ids, sampling)
+            self._limits = info
+            self._sessions[info.session_id] = _EdgeSession(
+                info.session_id, list(prompt_ids), sampling, known=True
+            )
+            return info
+        local_id = uuid.uuid4().hex
+        self._sessions[local_id] = _EdgeSession(local_id, list(prompt_ids), sampling, known=False)
+        limits = self._limits
+        return SessionInfo(
+            local_id, limits.vocab_size, limits.max_draft, limits.max_context, limits.session_ttl_s
+        )
+
+    def open_remote(self, prompt_ids: Sequence[int], sampling: Sampling) -> SessionInfo:
+        """OpenSession: the verifier prefills the prompt now and picks the id."""
         reply = self._unary(
             self._stub.OpenSession,
-            pb.OpenSessionRequest(
-                prompt_ids=list(prompt_ids),
-                sampling=pb.Sampling(temperature=sampling.temperature, seed=sampling.seed),
-            ),
+            pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling)),
             pb.OpenSessionReply,
         )
         return SessionInfo(
@@ -173,7 +224,7 @@ class VerifierClient:
         draft_probs: Sequence[float] = (),
         draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
     ) -> VerifyResult:
-        """Send a draft; returns how many were accepted and the next token."""
+        """Send a draft; returns how many were accepted and the next token (retried, reopened)."""
         request = pb.VerifyRequest(
             session_id=session_id,
             draft_ids=list(draft_ids),
@@ -183,16 +234,76 @@ class VerifierClient:
                 for ids, probs in draft_dists
             ],
         )
+        session = self._sessions.get(session_id)
         with self.tracing.span(
             VERIFY_SPAN, **{"fedge.draft_tokens": len(request.draft_ids)}
         ) as span:
-            reply = self._unary(self._stub.Verify, request, pb.VerifyReply)
+            if session is None:  # not opened through this client: a plain verify
+                reply = self._unary(self._stub.Verify, request, pb.VerifyReply)
+            else:
+                reply = self._verify_session(session, request)
+                session.known = True
+                session.committed += [*draft_ids[: reply.accepted], reply.next_token]
             if span is not None:
                 span.set_attribute("fedge.accepted_tokens", reply.accepted)
         return VerifyResult(reply.accepted, reply.next_token, reply.session_length)
 
+    def _verify_session(self, session: _EdgeSession, request: pb.VerifyRequest) -> pb.VerifyReply:
+        """Verify with the expected length; retry transient failures, reopen a lost session."""
+        request.session_id = session.wire_id
+        request.expected_length = len(session.committed)
+        if not session.known:
+            self._attach_committed(session, request)
+        delay = self.config.backoff_s
+        give_up = time.monotonic() + self.config.unreachable_after_s
+        while True:
+            try:
+                return self._unary(self._stub.Verify, request, pb.VerifyReply)
+            except grpc.RpcError as err:
+                code = err.code()  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.NOT_FOUND and not request.committed_ids:
+                    self._attach_committed(session, request)
+                    continue
+                if code == grpc.StatusCode.ABORTED:  # diverged: start over under a new id
+                    session.wire_id = request.session_id = uuid.uuid4().hex
+                    self._attach_committed(session, request)
+                    continue
+                if code not in (*TRANSIENT, RETRY_RACE):
+                    raise
+                if time.monotonic() > give_up:
+                    raise VerifierUnreachable(
+                        f"verifier at {self.config.target} answered {code.name} for "
+                        f"{self.config.unreachable_after_s} s; decode on the device"
+                    ) from err
+                self.retries += 1
+                time.sleep(delay)
+                delay = min(2 * delay, 0.5)
+
+    def _attach_committed(self, session: _EdgeSession, request: pb.VerifyRequest) -> None:
+        """Make the request (re)open the session from the edge's committed tokens."""
+        self.reopens += int(session.known)
+        del request.committed_ids[:]
+        request.committed_ids.extend(session.committed)
+        request.sampling.CopyFrom(_sampling(session.sampling))
+
     def close(self, session_id: str) -> int:
-        """Close a session; returns the tokens it held."""
+        """Close a session without waiting (fire-and-forget); returns the tokens it held here."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None and not session.known:
+            return len(session.committed)  # the verifier never saw it
+        request = pb.CloseSessionRequest(session_id=session.wire_id if session else session_id)
+        self.calls += 1
+        self.bytes_up += request.ByteSize()
+        call = self._stub.CloseSession.future(
+            request, timeout=self.config.timeout_s, metadata=self._metadata
+        )
+        self._closing.add(call)  # a dropped call object would cancel the RPC when collected
+        call.add_done_callback(self._closing.discard)
+        return len(session.committed) if session else 0
+
+    def close_remote(self, session_id: str) -> int:
+        """CloseSession, waiting for the reply: the tokens the verifier held."""
+        self._sessions.pop(session_id, None)
         reply = self._unary(
             self._stub.CloseSession,
             pb.CloseSessionRequest(session_id=session_id),
@@ -200,12 +311,22 @@ class VerifierClient:
         )
         return int(reply.session_length)
 
+    def health(self) -> int:
+        """The verifier's overall health status (a `HealthCheckResponse.ServingStatus` value)."""
+        reply = self._health.Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=self.config.timeout_s
+        )
+        return int(reply.status)
+
     def ping(self) -> float:
-        """Seconds for one health check (a round trip that touches no model)."""
+        """Seconds for one health check; VerifierUnreachable unless the verifier is SERVING."""
         if self.config.added_rtt_s:
             time.sleep(self.config.added_rtt_s)
         started = time.perf_counter()
-        self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.config.timeout_s)
+        status = self.health()
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)  # type: ignore[arg-type]
+            raise VerifierUnreachable(f"verifier at {self.config.target} is {name}")
         return time.perf_counter() - started + self.config.added_rtt_s
 
     def generate(
@@ -220,7 +341,7 @@ class VerifierClient:
         request = pb.GenerateRequest(
             prompt_ids=list(prompt_ids),
             max_new_tokens=max_new_tokens,
-            sampling=pb.Sampling(temperature=sampling.temperature, seed=sampling.seed),
+            sampling=_sampling(sampling),
             stop_token_id=stop_token_id,
         )
 
@@ -234,6 +355,11 @@ class VerifierClient:
         for reply in itertools.chain([] if first is None else [first], stream):
             self.bytes_down += reply.ByteSize()
             yield int(reply.token_id)
+
+
+def _sampling(sampling: Sampling) -> pb.Sampling:
+    """The engine's Sampling as the proto message."""
+    return pb.Sampling(temperature=sampling.temperature, seed=sampling.seed)
 
 
 # ---------------------------------------------------------------------- edge client library
@@ -429,7 +555,7 @@ class EdgeClient:
             if self._rtt is None:
                 self.verifier.ping()  # a fresh channel's first call also pays for the connection
             rtt = self.verifier.ping()
-        except grpc.RpcError:
+        except (grpc.RpcError, VerifierUnreachable):
             self._rtt = None
             self.router.verifier_down()
             return 0.0

@@ -14,6 +14,18 @@ class Sampling(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class SessionInfo(_message.Message):
+    __slots__ = ("vocab_size", "max_draft", "max_context", "session_ttl_s")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    max_draft: int
+    max_context: int
+    session_ttl_s: float
+    def __init__(self, vocab_size: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_context: _Optional[int] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
     __slots__ = ("prompt_ids", "sampling")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -45,26 +57,34 @@ class DraftDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft_ids", "draft_probs", "draft_dists")
+    __slots__ = ("session_id", "draft_ids", "draft_probs", "draft_dists", "expected_length", "committed_ids", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedScalarFieldContainer[float]
     draft_dists: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
-    def __init__(self, session_id: _Optional[str] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_dists: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
+    expected_length: int
+    committed_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: Sampling
+    def __init__(self, session_id: _Optional[str] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_dists: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., expected_length: _Optional[int] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("accepted", "next_token", "session_length")
+    __slots__ = ("accepted", "next_token", "session_length", "opened")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     session_length: int
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., session_length: _Optional[int] = ...) -> None: ...
+    opened: SessionInfo
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., session_length: _Optional[int] = ..., opened: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

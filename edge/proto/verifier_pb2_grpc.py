@@ -60,14 +60,16 @@ class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
     def OpenSession(self, request, context):
-        """Opens a session: prefills the prompt into the session's KV cache.
+        """Opens a session with a server-chosen id: prefills the prompt into its KV cache.
+        Optional: a Verify carrying committed_ids opens a session without this round trip.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Verifies a draft continuation of the session's sequence with one target pass.
+        """Verifies a draft continuation of the session's sequence with one target pass;
+        opens (or reopens) the session first when it is unknown and committed_ids is set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,6 +77,7 @@ class VerifierServicer:
 
     def CloseSession(self, request, context):
         """Closes a session and frees its KV cache. Closing an unknown session is NOT_FOUND.
+        Clients may send it without waiting for the reply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -29,7 +29,13 @@ from edge import _hf
 from edge.speculative import greedy_choices_verdict, sampling_verdict
 from edge.tracing import NO_TRACING, Tracing
 from edge.verifier.batching import KVGeometry, batched_forward
-from edge.verifier.errors import InvalidRequest, NotReady, Overloaded, SessionBusy
+from edge.verifier.errors import (
+    InvalidRequest,
+    LengthMismatch,
+    NotReady,
+    Overloaded,
+    SessionBusy,
+)
 from edge.verifier.requests import (
     Draft,
     Sampling,
@@ -37,9 +43,11 @@ from edge.verifier.requests import (
     VerifyResult,
     check_ids,
     check_sampling,
+    check_session_id,
+    derive_seed,
     sampling_draft,
 )
-from edge.verifier.sessions import Session, SessionStore
+from edge.verifier.sessions import Replay, Session, SessionStore
 
 LOG = logging.getLogger("fedge.verifier")
 
@@ -60,6 +68,7 @@ class EngineConfig:
     max_draft: int = 16  # acceptance decays geometrically; longer drafts rarely pay
     max_context: int = 0  # 0 = the model's max_position_embeddings
     max_sessions: int = 1024
+    max_sessions_per_token: int = 0  # per bearer token; 0 = max_sessions (no quota)
     session_ttl_s: float = 300.0  # idle sessions expire; the edge reopens with its prompt
     kv_cap_bytes: int = 1 << 30
     batch_window_s: float = 0.002  # wait this long for concurrent verifies to join a batch
@@ -83,6 +92,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {value}")
         if self.torch_threads < 0:
             raise ValueError(f"EngineConfig.torch_threads must be >= 0, got {self.torch_threads}")
+        if not 0 <= self.max_sessions_per_token <= self.max_sessions:
+            raise ValueError(
+                f"EngineConfig.max_sessions_per_token must lie in [0, max_sessions="
+                f"{self.max_sessions}], got {self.max_sessions_per_token}"
+            )
         if self.max_context < 0:
             raise ValueError(f"EngineConfig.max_context must be >= 0, got {self.max_context}")
         if self.batch_window_s < 0:
@@ -127,6 +141,8 @@ class _PrefillJob:
     prompt: list[int]
     sampling: Sampling
     future: Future[SessionInfo]
+    session_id: str  # chosen by the edge, or a fresh uuid
+    owner: str
 
 
 @dataclass
@@ -186,6 +202,7 @@ class VerifierEngine:
             self.config.kv_cap_bytes,
             clock=clock,
             on_evict=lambda reason: self.observer.on_evict(reason),
+            owner_quota=self.config.max_sessions_per_token,
         )
         self._clock = clock
         self._threads = self.config.torch_threads or torch.get_num_threads()
@@ -238,18 +255,26 @@ class VerifierEngine:
             _reject(job.future, error)
 
     # ------------------------------------------------------------------ requests
-    def submit_open(self, prompt_ids: Sequence[int], sampling: Sampling) -> Future[SessionInfo]:
-        """Queue a session open (prompt prefill); the future yields its SessionInfo."""
-        prompt = check_ids("prompt_ids", prompt_ids, self.vocab_size)
+    def submit_open(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: Sampling,
+        session_id: str | None = None,
+        owner: str = "",
+        field: str = "prompt_ids",
+    ) -> Future[SessionInfo]:
+        """Queue a session open (prompt prefill) under `session_id` (default: a fresh id)."""
+        sid = uuid.uuid4().hex if session_id is None else check_session_id(session_id)
+        prompt = check_ids(field, prompt_ids, self.vocab_size)
         if not 1 <= len(prompt) < self.max_context:
             raise InvalidRequest(
-                "prompt_ids",
+                field,
                 f"{len(prompt)} tokens; a prompt must hold 1 .. {self.max_context - 1} tokens "
                 f"(max_context {self.max_context}); shorten it",
             )
         check_sampling(sampling)
         future: Future[SessionInfo] = Future()
-        self._enqueue(_PrefillJob(prompt, sampling, future))
+        self._enqueue(_PrefillJob(prompt, sampling, future, sid, owner))
         return future
 
     def submit_verify(
@@ -258,12 +283,23 @@ class VerifierEngine:
         draft_ids: Sequence[int],
         draft_probs: Sequence[float] = (),
         draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
+        expected_length: int = 0,
+        owner: str = "",
     ) -> Future[VerifyResult]:
-        """Queue a verify of `draft_ids`; the future yields the VerifyResult."""
-        session = self.sessions.get(session_id)
+        """Queue a verify of `draft_ids`; the future yields the VerifyResult.
+
+        `expected_length` > 0 makes it idempotent: a retry of the session's last verify
+        (same expected length and draft) gets that verify's result again.
+        """
+        session = self.sessions.get(session_id, owner)
         draft = self._check_draft(session, draft_ids, draft_probs, draft_dists)
-        self._claim(session)
         future: Future[VerifyResult] = Future()
+        with self.sessions.lock:
+            replay = self._replay(session, draft.ids, expected_length)
+            if replay is not None:
+                future.set_result(replay)
+                return future
+            self._claim(session)
         try:
             trace = self.tracing.capture()
             queued = time.time_ns() if trace is not None else 0
@@ -273,9 +309,24 @@ class VerifierEngine:
             raise
         return future
 
-    def close(self, session_id: str) -> int:
+    def _replay(
+        self, session: Session, draft_ids: list[int], expected_length: int
+    ) -> VerifyResult | None:
+        """None to verify afresh; the stored result for a retry; LengthMismatch otherwise."""
+        if not expected_length or expected_length == session.length or session.busy:
+            return None  # a busy session: _claim refuses, the retry comes back after the reply
+        last = session.last
+        if last and last.start_length == expected_length and list(last.draft_ids) == draft_ids:
+            return last.result
+        raise LengthMismatch(
+            f"expected_length: session {session.session_id!r} holds {session.length} tokens, "
+            f"the request expects {expected_length} and is no retry of its last verify; "
+            "reopen under a new session id with your committed tokens"
+        )
+
+    def close(self, session_id: str, owner: str = "") -> int:
         """Close a session; returns the number of tokens it held."""
-        session = self.sessions.remove(session_id)
+        session = self.sessions.remove(session_id, owner)
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
         return session.length
 
@@ -435,20 +486,20 @@ class VerifierEngine:
             kv = _hf.stack_kv(layers)
         else:
             kv = self.geometry.empty()
-        session_id = uuid.uuid4().hex
-        generator = torch.Generator().manual_seed(job.sampling.seed or int(session_id[:15], 16))
+        seed = job.sampling.seed or derive_seed(job.session_id)
         session = Session(
-            session_id=session_id,
+            session_id=job.session_id,
             kv=kv,
             pending=job.prompt[-1],
             temperature=job.sampling.temperature,
-            generator=generator,
+            generator=torch.Generator().manual_seed(seed),
             last_used=self._clock(),
+            owner=job.owner,
         )
         self.sessions.add(session)
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
         return SessionInfo(
-            session_id,
+            job.session_id,
             self.vocab_size,
             self.config.max_draft,
             self.max_context,
@@ -462,7 +513,7 @@ class VerifierEngine:
         started = time.monotonic()
         times_ns = [time.time_ns()]  # batch start, forward start, forward end, verdicts start
         try:
-            keep = {job.session.session_id for job in batch}
+            keep = {job.session.key for job in batch}
             growth = sum(len(job.draft.ids) + 1 for job in batch) * self.bytes_per_position
             self.sessions.reserve(growth, keep)
             times_ns.append(time.time_ns())
@@ -517,10 +568,13 @@ class VerifierEngine:
             verdict = sampling_verdict(
                 draft.ids, draft.probs, draft.dists, probs, session.generator
             )
+        start = session.length
         keep = verdict.accepted + 1  # the pending token plus the accepted drafts
         kv = torch.cat([session.kv, new_kv[row : row + 1, :, :, :keep]], dim=3)
         self.sessions.set_kv(session, kv)
         session.pending = verdict.next_token
         session.last_used = self._clock()
         self.observer.on_verify(k, verdict.accepted)
-        return VerifyResult(verdict.accepted, verdict.next_token, session.length)
+        result = VerifyResult(verdict.accepted, verdict.next_token, session.length)
+        session.last = Replay(start, tuple(draft.ids), result)
+        return result

@@ -25,6 +25,10 @@ class SessionBusy(VerifierError):
     """A verify is already in flight on this session (FAILED_PRECONDITION)."""
 
 
+class LengthMismatch(VerifierError):
+    """A verify's expected_length disagrees with the session and is no retry (ABORTED)."""
+
+
 class Overloaded(VerifierError):
     """Queue full or KV memory cap reached (RESOURCE_EXHAUSTED); retry with backoff."""
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,6 +14,7 @@ from edge.verifier.errors import InvalidRequest
 
 MAX_TEMPERATURE = 10.0
 PROB_SUM_TOLERANCE = 1e-3  # float32 softmax over a top-k support sums to 1 within ~1e-6
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # 128 random bits fit in 32 hex characters
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,22 @@ def check_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int]:
     return values
 
 
+def derive_seed(session_id: str) -> int:
+    """A session's default sampling seed, from its id (edge-chosen ids need not be hex)."""
+    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:7], "big")
+
+
+def check_session_id(session_id: str) -> str:
+    """A session id is 1 .. 64 characters of [A-Za-z0-9_-]."""
+    if not SESSION_ID.fullmatch(session_id):
+        raise InvalidRequest(
+            "session_id",
+            f"{session_id[:80]!r} is not 1 .. 64 characters of [A-Za-z0-9_-]; "
+            "use 32 random hex characters",
+        )
+    return session_id
+
+
 def check_sampling(sampling: Sampling) -> None:
     """Temperature must lie in [0, MAX_TEMPERATURE]; seed must be non-negative."""
     if not 0.0 <= sampling.temperature <= MAX_TEMPERATURE:
@@ -88,7 +108,7 @@ def sampling_draft(
         dense[i] = dense_row(i, support, probs, vocab_size)
     q = torch.tensor([float(p) for p in draft_probs], dtype=torch.float64)
     for i, token in enumerate(ids):
-        if not 0.0 < float(q[i]) <= 1.0:
+        if not 0.0 < float(q[i]) <= 1.0:  # also refuses NaN: every comparison with NaN is False
             raise InvalidRequest("draft_probs", f"entry {i} is {float(q[i])}, not in (0, 1]")
         if abs(float(dense[i, token]) - float(q[i])) > PROB_SUM_TOLERANCE:
             raise InvalidRequest(
@@ -113,7 +133,12 @@ def dense_row(
     if len(set(ids)) != len(ids):
         raise InvalidRequest(f"{field}.token_ids", "ids must be distinct")
     values = torch.tensor([float(p) for p in probs], dtype=torch.float64)
-    if bool((values < 0).any()) or abs(float(values.sum()) - 1.0) > PROB_SUM_TOLERANCE:
+    bad = [j for j, p in enumerate(values.tolist()) if not (math.isfinite(p) and 0.0 <= p <= 1.0)]
+    if bad:
+        raise InvalidRequest(
+            f"{field}.probs", f"entry {bad[0]} is {float(values[bad[0]])}, not in [0, 1]"
+        )
+    if abs(float(values.sum()) - 1.0) > PROB_SUM_TOLERANCE:
         raise InvalidRequest(
             f"{field}.probs",
             f"must be non-negative and sum to 1 (±{PROB_SUM_TOLERANCE}), sum is {float(values.sum()):.6f}",

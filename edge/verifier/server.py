@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import logging
 import signal
 import threading
@@ -31,12 +32,11 @@ from edge.tracing import Tracing, server_interceptors
 from edge.verifier.engine import EngineConfig, VerifierEngine
 from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 from edge.verifier.metrics import VerifierMetrics
-from edge.verifier.service import VerifierService
+from edge.verifier.service import AUTH_HEADER, VerifierService
 
 T = TypeVar("T")
 LOG = logging.getLogger("fedge.verifier")
 SERVICE_NAME = "fedge.edge.v1.Verifier"
-AUTH_HEADER = "authorization"
 BEARER = "Bearer "
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 EXIT_ENGINE_DIED = 3  # `serve` exits with this when the engine's worker dies, for a supervisor
@@ -52,6 +52,7 @@ class ServerConfig:
     port: int = 0  # 0 = any free port; create_server returns the bound one
     engine: EngineConfig = field(default_factory=EngineConfig)
     token: str | None = None  # bearer token every Verifier call must carry
+    tokens: tuple[str, ...] = ()  # more accepted tokens (one per client); sessions are per token
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key enables TLS
     tls_key: Path | None = None
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = any
@@ -60,6 +61,7 @@ class ServerConfig:
     rate_limits: RateLimitConfig = field(
         default_factory=RateLimitConfig
     )  # per device; off by default
+    max_message_bytes: int = 4 << 20  # largest request; a full sampling draft is ~16 x 32 x 8 B
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -69,8 +71,14 @@ class ServerConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServerConfig.port must lie in [0, 65535], got {self.port}")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("ServerConfig.token must not be blank; omit it to disable auth")
+        if any(not t.strip() for t in self.accepted_tokens):
+            raise ValueError(
+                "ServerConfig.token/tokens must not be blank; omit them to disable auth"
+            )
+        if self.max_message_bytes < 1024:
+            raise ValueError(
+                f"ServerConfig.max_message_bytes must be >= 1024, got {self.max_message_bytes}"
+            )
         for name in ("grace_s", "drain_notice_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -83,6 +91,11 @@ class ServerConfig:
                 f"ServerConfig.rate_limits.verify_burst={self.rate_limits.verify_burst} is below "
                 f"the cost of the longest verify (max_draft + 1 = {longest_verify}); raise it"
             )
+
+    @property
+    def accepted_tokens(self) -> tuple[str, ...]:
+        """Every bearer token the server accepts (empty = no auth)."""
+        return ((self.token,) if self.token is not None else ()) + self.tokens
 
 
 def load_verifier_model(model_dir: Path, adapter_dir: Path | None = None) -> PreTrainedModel:
@@ -106,8 +119,8 @@ def load_verifier_model(model_dir: Path, adapter_dir: Path | None = None) -> Pre
 class _BearerAuth(grpc.aio.ServerInterceptor):
     """Reject Verifier calls whose `authorization` metadata is not `Bearer <token>`; health stays open."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = BEARER + token
+    def __init__(self, tokens: tuple[str, ...]) -> None:
+        self._expected = [(BEARER + token).encode() for token in tokens]
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort(
@@ -127,9 +140,15 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         if method.startswith(HEALTH_METHOD_PREFIX):
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())  # type: ignore[attr-defined]
-        if metadata.get(AUTH_HEADER) == self._expected:
+        if self._accepts(str(metadata.get(AUTH_HEADER, ""))):
             return await continuation(handler_call_details)
         return self._deny_stream if method.endswith("/Generate") else self._deny_unary
+
+    def _accepts(self, header: str) -> bool:
+        """Constant-time comparison against every accepted token (no early exit on a match)."""
+        given = header.encode()
+        matches = [hmac.compare_digest(given, expected) for expected in self._expected]
+        return any(matches)
 
 
 class VerifierServer:
@@ -146,12 +165,16 @@ class VerifierServer:
         self.health = health.aio.HealthServicer()
         self.tracing = Tracing(tracer_provider)
         interceptors: list[grpc.aio.ServerInterceptor] = server_interceptors(tracer_provider)
-        if config.token:
-            interceptors.append(_BearerAuth(config.token))
+        if config.accepted_tokens:
+            interceptors.append(_BearerAuth(config.accepted_tokens))
         if config.rate_limits.enabled:
             limiter = RateLimiter(config.rate_limits)
             interceptors.append(RateLimitInterceptor(limiter, SERVICE_NAME))
-        self.grpc = grpc.aio.server(interceptors=interceptors)
+        limits = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ]
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=limits)
         pb_grpc.add_VerifierServicer_to_server(
             VerifierService(lambda: self.engine, self.metrics), self.grpc
         )

@@ -1,20 +1,29 @@
-"""gRPC servicer of the verifier: maps proto messages to engine calls and engine errors to codes."""
+"""gRPC servicer of the verifier: maps proto messages to engine calls and engine errors to codes.
+
+Every handler has one shape, `_handle`: time the call, validate and submit off the
+event loop, await the engine, map a VerifierError to its status code, count the
+outcome (OK, the error's code, CANCELLED, UNKNOWN). Callers that go away are
+handled where they can leave work behind: an abandoned submit is cancelled, and a
+session opened for a caller that left is closed.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
-from typing import NoReturn
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.engine import Sampling, SessionInfo, VerifierEngine
+from edge.verifier.engine import Sampling, SessionInfo, VerifierEngine, VerifyResult
 from edge.verifier.errors import (
     InvalidRequest,
+    LengthMismatch,
     NotReady,
     Overloaded,
     SessionBusy,
@@ -23,10 +32,15 @@ from edge.verifier.errors import (
 )
 from edge.verifier.metrics import VerifierMetrics
 
+R = TypeVar("R")
+AUTH_HEADER = "authorization"
+VALIDATION_THREADS = 2  # request validation and densifying run here, off the event loop
+
 STATUS_OF: dict[type[VerifierError], grpc.StatusCode] = {
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
+    LengthMismatch: grpc.StatusCode.ABORTED,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
 }
@@ -45,48 +59,125 @@ def sampling_from(message: pb.Sampling) -> Sampling:
     return Sampling(temperature=float(message.temperature), seed=int(message.seed))
 
 
+def info_message(info: SessionInfo) -> pb.SessionInfo:
+    """A session's limits as the proto message."""
+    return pb.SessionInfo(
+        vocab_size=info.vocab_size,
+        max_draft=info.max_draft,
+        max_context=info.max_context,
+        session_ttl_s=info.session_ttl_s,
+    )
+
+
+def owner_of(context: grpc.aio.ServicerContext) -> str:
+    """Session owner: a digest of the caller's bearer token ("" without one)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == AUTH_HEADER:
+            return hashlib.sha256(str(value).encode()).hexdigest()[:16]
+    return ""
+
+
 class VerifierService(pb_grpc.VerifierServicer):
-    """Thin servicer: each handler validates nothing itself; the engine does, the codes come from STATUS_OF."""
+    """Thin servicer: the engine validates; `_handle` maps outcomes to codes and metrics."""
 
     def __init__(
         self, engine_ref: Callable[[], VerifierEngine | None], metrics: VerifierMetrics
     ) -> None:
         self._engine_ref = engine_ref
         self._metrics = metrics
+        self._pool = ThreadPoolExecutor(VALIDATION_THREADS, thread_name_prefix="verifier-validate")
 
     def _engine(self) -> VerifierEngine:
-        """The running engine, or NotReady while the model loads or the server drains."""
+        """The running engine, or NotReady while the model loads, the server drains or it died."""
         engine = self._engine_ref()
         if engine is None or not engine.running:
-            raise NotReady("verifier is loading its model or draining; retry shortly")
+            raise NotReady("verifier is loading its model, draining or down; retry shortly")
         return engine
+
+    def _count(self, method: str, code: str) -> None:
+        """Count one call's outcome."""
+        self._metrics.requests.labels(method=method, code=code).inc()
+
+    async def _handle(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        work: Callable[[VerifierEngine], Awaitable[R]],
+        started: float | None = None,
+        last: bool = True,
+    ) -> R:
+        """Run `work` on the engine; a VerifierError ends the call with its mapped status.
+
+        A stream runs one `_handle` per step; only its `last` step counts OK and latency.
+        """
+        started = time.perf_counter() if started is None else started
+        try:
+            result = await work(self._engine())
+        except VerifierError as error:
+            await self._abort(context, method, error)
+        except asyncio.CancelledError:
+            self._count(method, grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception:
+            self._count(method, grpc.StatusCode.UNKNOWN.name)
+            raise
+        if last:
+            self._ok(method, started)
+        return result
+
+    def _ok(self, method: str, started: float) -> None:
+        """Count a success and its latency."""
+        self._count(method, "OK")
+        self._metrics.latency.labels(method=method).observe(time.perf_counter() - started)
 
     async def _abort(
         self, context: grpc.aio.ServicerContext, method: str, error: VerifierError
     ) -> NoReturn:
         """Count the failure and end the call with the mapped status (abort raises)."""
         code = status_of(error)
-        self._metrics.requests.labels(method=method, code=code.name).inc()
+        self._count(method, code.name)
         await context.abort(code, str(error))
         raise AssertionError("grpc.aio context.abort returned instead of raising")
 
-    def _ok(self, method: str, started: float) -> None:
-        """Count a success and its latency."""
-        self._metrics.requests.labels(method=method, code="OK").inc()
-        self._metrics.latency.labels(method=method).observe(time.perf_counter() - started)
+    async def _submit(
+        self,
+        submit: Callable[[], Future[R]],
+        orphan: Callable[[R], None] | None = None,
+    ) -> R:
+        """Validate and queue off the event loop, then await the engine's result.
+
+        If the caller goes away first, the queued work is cancelled (the engine skips
+        it) and `orphan` receives a result that was produced anyway.
+        """
+        handoff = self._pool.submit(submit)
+        try:
+            pending = await asyncio.wrap_future(handoff)
+            return await asyncio.wrap_future(pending)
+        except asyncio.CancelledError:
+            handoff.add_done_callback(lambda done: _abandon(done, orphan))
+            raise
 
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenSessionReply:
-        """Prefill the prompt into a new session."""
-        started = time.perf_counter()
-        try:
-            engine = self._engine()
-            future = engine.submit_open(list(request.prompt_ids), sampling_from(request.sampling))
-            info = await _opened(engine, future)
-        except VerifierError as error:
-            await self._abort(context, "OpenSession", error)
-        self._ok("OpenSession", started)
+        """Prefill the prompt into a new session with a server-chosen id."""
+        owner = owner_of(context)
+
+        async def work(engine: VerifierEngine) -> SessionInfo:
+            sampling = sampling_from(request.sampling)
+            return await self._submit(
+                lambda: engine.submit_open(list(request.prompt_ids), sampling, owner=owner),
+                lambda info: _close_quietly(engine, info.session_id, owner),
+            )
+
+        info = await self._handle("OpenSession", context, work)
+        context.add_done_callback(  # the reply may still be lost (deadline): the id with it
+            lambda done: (
+                _close_quietly(self._engine_ref(), info.session_id, owner)
+                if done.cancelled()
+                else None
+            )
+        )
         return pb.OpenSessionReply(
             session_id=info.session_id,
             vocab_size=info.vocab_size,
@@ -98,45 +189,75 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def Verify(
         self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifyReply:
-        """Queue the draft for the next batched pass and await its verdict."""
-        started = time.perf_counter()
-        try:
-            future = self._engine().submit_verify(
+        """Verify the draft in the next batched pass; (re)open the session first if asked to."""
+        owner = owner_of(context)
+
+        def submit(engine: VerifierEngine) -> Future[VerifyResult]:
+            return engine.submit_verify(
                 request.session_id,
                 list(request.draft_ids),
                 list(request.draft_probs),
                 [(list(d.token_ids), list(d.probs)) for d in request.draft_dists],
+                expected_length=request.expected_length,
+                owner=owner,
             )
-            result = await asyncio.wrap_future(future)
-        except VerifierError as error:
-            await self._abort(context, "Verify", error)
-        self._ok("Verify", started)
+
+        async def work(engine: VerifierEngine) -> tuple[VerifyResult, SessionInfo | None]:
+            try:
+                return await self._submit(lambda: submit(engine)), None
+            except SessionNotFound:
+                if not request.committed_ids:
+                    raise
+            committed = list(request.committed_ids)
+            if request.expected_length and request.expected_length != len(committed):
+                raise InvalidRequest(
+                    "expected_length",
+                    f"{request.expected_length} differs from len(committed_ids)={len(committed)}",
+                )
+            sampling = sampling_from(request.sampling)
+            info = await self._submit(
+                lambda: engine.submit_open(
+                    committed, sampling, request.session_id, owner, field="committed_ids"
+                ),
+                lambda info: _close_quietly(engine, info.session_id, owner),
+            )
+            return await self._submit(lambda: submit(engine)), info
+
+        result, opened = await self._handle("Verify", context, work)
         return pb.VerifyReply(
             accepted=result.accepted,
             next_token=result.next_token,
             session_length=result.session_length,
+            opened=info_message(opened) if opened else None,
         )
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionReply:
         """Free a session's KV cache."""
-        started = time.perf_counter()
-        try:
-            length = self._engine().close(request.session_id)
-        except VerifierError as error:
-            await self._abort(context, "CloseSession", error)
-        self._ok("CloseSession", started)
-        return pb.CloseSessionReply(session_length=length)
+        owner = owner_of(context)
+
+        async def work(engine: VerifierEngine) -> int:
+            return engine.close(request.session_id, owner)
+
+        return pb.CloseSessionReply(
+            session_length=await self._handle("CloseSession", context, work)
+        )
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateReply]:
-        """Cloud-only decoding: one empty-draft verify per token, batched with everyone else's."""
+    ) -> None:
+        """Cloud-only decoding: one empty-draft verify per token, batched with everyone else's.
+
+        Written with `context.write` rather than as an async generator: a cancelled call
+        then raises inside this coroutine, so `finally` frees the session at once (a
+        suspended generator's `finally` would wait for garbage collection).
+        """
+        owner = owner_of(context)
+        opened: list[str] = []
         started = time.perf_counter()
-        session_id = ""
-        try:
-            engine = self._engine()
+
+        async def start(engine: VerifierEngine) -> SessionInfo:
             prompt = list(request.prompt_ids)
             room = engine.max_context - len(prompt)
             if not 1 <= request.max_new_tokens <= max(room, 1):
@@ -144,43 +265,53 @@ class VerifierService(pb_grpc.VerifierServicer):
                     "max_new_tokens",
                     f"{request.max_new_tokens} is outside 1 .. {room} for a {len(prompt)}-token prompt",
                 )
-            info = await _opened(
-                engine, engine.submit_open(prompt, sampling_from(request.sampling))
+            sampling = sampling_from(request.sampling)
+            info = await self._submit(
+                lambda: engine.submit_open(prompt, sampling, owner=owner),
+                lambda info: _close_quietly(engine, info.session_id, owner),
             )
-            session_id = info.session_id
-            for _ in range(request.max_new_tokens):
-                result = await asyncio.wrap_future(engine.submit_verify(session_id, []))
-                yield pb.GenerateReply(token_id=result.next_token)
-                if request.HasField("stop_token_id") and result.next_token == request.stop_token_id:
+            opened.append(info.session_id)
+            return info
+
+        def step(engine: VerifierEngine) -> Awaitable[VerifyResult]:
+            return self._submit(lambda: engine.submit_verify(info.session_id, [], owner=owner))
+
+        try:
+            info = await self._handle("Generate", context, start, started, last=False)
+            for produced in range(1, request.max_new_tokens + 1):
+                result = await self._handle("Generate", context, step, started, last=False)
+                stop = (
+                    request.HasField("stop_token_id") and result.next_token == request.stop_token_id
+                )
+                if stop or produced == request.max_new_tokens:
+                    self._ok("Generate", started)
+                await context.write(pb.GenerateReply(token_id=result.next_token))
+                if stop:
                     break
-        except VerifierError as error:
-            await self._abort(context, "Generate", error)
         finally:
-            if session_id:
-                _close_quietly(self._engine_ref(), session_id)
-        self._ok("Generate", started)
+            for session_id in opened:
+                _close_quietly(self._engine_ref(), session_id, owner)
 
 
-async def _opened(engine: VerifierEngine, future: Future[SessionInfo]) -> SessionInfo:
-    """Await a session open; if the caller goes first, close the session once it exists."""
-    try:
-        return await asyncio.wrap_future(future)
-    except asyncio.CancelledError:
-        future.add_done_callback(lambda done: _close_orphan(engine, done))
-        raise
+def _abandon(handoff: Future[Future[R]], orphan: Callable[[R], None] | None) -> None:
+    """The caller left: cancel its queued work; hand a result produced anyway to `orphan`."""
+    if handoff.cancelled() or handoff.exception() is not None:
+        return
+    pending = handoff.result()
+    pending.cancel()
+    if orphan is not None:
+        pending.add_done_callback(
+            lambda done: (
+                orphan(done.result()) if not done.cancelled() and done.exception() is None else None
+            )
+        )
 
 
-def _close_orphan(engine: VerifierEngine, future: Future[SessionInfo]) -> None:
-    """Close the session an abandoned open created (nothing if the open never ran)."""
-    if not future.cancelled() and future.exception() is None:
-        _close_quietly(engine, future.result().session_id)
-
-
-def _close_quietly(engine: VerifierEngine | None, session_id: str) -> None:
-    """Free a Generate stream's session; it may already be gone (evicted, cancelled)."""
+def _close_quietly(engine: VerifierEngine | None, session_id: str, owner: str) -> None:
+    """Free a session nobody will use; it may already be gone (evicted, cancelled)."""
     if engine is None:
         return
     try:
-        engine.close(session_id)
+        engine.close(session_id, owner)
     except SessionNotFound:
         return

@@ -10,7 +10,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edge.verifier.errors import Overloaded, SessionNotFound
+from edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
+from edge.verifier.requests import VerifyResult
+
+
+def session_key(owner: str, session_id: str) -> str:
+    """Store key of a session: ids are scoped by owner (bearer token), so tokens never collide."""
+    return f"{owner}/{session_id}"
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The last verify applied to a session, kept so that its retry gets the same reply."""
+
+    start_length: int  # session length before that verify
+    draft_ids: tuple[int, ...]
+    result: VerifyResult
 
 
 @dataclass
@@ -23,20 +38,29 @@ class Session:
     temperature: float
     generator: torch.Generator
     last_used: float
+    owner: str = ""  # digest of the bearer token that opened it ("" without auth)
     busy: bool = False
     nbytes: int = field(default=0)
+    last: Replay | None = None
 
     @property
     def length(self) -> int:
         """Committed tokens: everything in the KV cache plus the pending token."""
         return int(self.kv.shape[3]) + 1
 
+    @property
+    def key(self) -> str:
+        """The store key (owner-scoped id)."""
+        return session_key(self.owner, self.session_id)
+
 
 class SessionStore:
     """Holds sessions under three limits; evicts idle sessions least-recently-used first.
 
     Thread-safe: the gRPC threads open, look up and close; the engine's worker
-    thread grows KV caches. A busy session (verify in flight) is never evicted.
+    thread grows KV caches. A busy session (verify in flight) is never evicted. An
+    owner (bearer token) holds at most `owner_quota` sessions: at its quota it evicts
+    its own least recently used idle session, never another owner's.
     """
 
     def __init__(
@@ -46,9 +70,11 @@ class SessionStore:
         cap_bytes: int,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[str], None] | None = None,
+        owner_quota: int = 0,
     ) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.lock = threading.RLock()
+        self._owner_quota = owner_quota or max_sessions
         self._max_sessions = max_sessions
         self._ttl_s = ttl_s
         self._cap_bytes = cap_bytes
@@ -70,6 +96,17 @@ class SessionStore:
         """Admit a session, making room by expiry and LRU eviction; Overloaded if impossible."""
         with self.lock:
             self.expire()
+            if session.key in self._sessions:
+                raise SessionBusy(
+                    f"session {session.session_id!r} is already open (a retry racing its first "
+                    "attempt?); retry the verify without committed_ids"
+                )
+            while self.owned_by(session.owner) >= self._owner_quota:
+                if not self._evict_one(keep=set(), owner=session.owner):
+                    raise Overloaded(
+                        f"this token's {self._owner_quota} sessions are all busy (per-token "
+                        "quota); close some or retry later"
+                    )
             while len(self._sessions) >= self._max_sessions:
                 if not self._evict_one(keep=set()):
                     raise Overloaded(
@@ -78,26 +115,33 @@ class SessionStore:
             session.nbytes = _nbytes(session.kv)
             self.reserve(session.nbytes, keep=set())
             session.last_used = self._clock()
-            self._sessions[session.session_id] = session
+            self._sessions[session.key] = session
             self._total_bytes += session.nbytes
 
-    def get(self, session_id: str) -> Session:
+    def owned_by(self, owner: str) -> int:
+        """Sessions held by `owner`."""
+        with self.lock:
+            return sum(1 for s in self._sessions.values() if s.owner == owner)
+
+    def get(self, session_id: str, owner: str = "") -> Session:
         """Look a session up and mark it most recently used; SessionNotFound if absent or expired."""
+        key = session_key(owner, session_id)
         with self.lock:
             self.expire()
-            session = self._sessions.get(session_id)
+            session = self._sessions.get(key)
             if session is None:
                 raise SessionNotFound(
-                    f"session {session_id!r} is unknown, closed, expired or evicted; open a new session"
+                    f"session {session_id!r} is unknown, closed, expired or evicted; reopen it "
+                    "by resending the verify with committed_ids"
                 )
             session.last_used = self._clock()
-            self._sessions.move_to_end(session_id)
+            self._sessions.move_to_end(key)
             return session
 
-    def remove(self, session_id: str) -> Session:
+    def remove(self, session_id: str, owner: str = "") -> Session:
         """Drop a session and free its KV; SessionNotFound if absent."""
         with self.lock:
-            session = self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_key(owner, session_id), None)
             if session is None:
                 raise SessionNotFound(
                     f"session {session_id!r} is unknown, closed, expired or evicted"
@@ -109,7 +153,7 @@ class SessionStore:
         """Replace a session's KV cache, keeping the byte count right."""
         with self.lock:
             nbytes = _nbytes(kv)
-            if session.session_id in self._sessions:
+            if self._sessions.get(session.key) is session:
                 self._total_bytes += nbytes - session.nbytes
             session.kv = kv
             session.nbytes = nbytes
@@ -136,13 +180,14 @@ class SessionStore:
                 self._on_evict("ttl")
             return len(stale)
 
-    def _evict_one(self, keep: set[str]) -> bool:
-        """Evict the least recently used idle session not in `keep`; False when none qualifies."""
+    def _evict_one(self, keep: set[str], owner: str | None = None) -> bool:
+        """Evict the least recently used idle session not in `keep` (of `owner`, if given)."""
         for sid, session in self._sessions.items():
-            if not session.busy and sid not in keep:
-                self._total_bytes -= self._sessions.pop(sid).nbytes
-                self._on_evict("lru")
-                return True
+            if session.busy or sid in keep or owner not in (None, session.owner):
+                continue
+            self._total_bytes -= self._sessions.pop(sid).nbytes
+            self._on_evict("lru" if owner is None else "quota")
+            return True
         return False
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import random
 import threading
@@ -72,10 +73,13 @@ async def misbehave(port: int, prompts: list[list[int]], seed: int) -> None:
                 request = pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=40)
                 async for _ in stub.Generate(request, timeout=rng.uniform(0.001, 0.05)):
                     pass
-            elif kind == 2:  # an open whose deadline expires while it is queued or prefilling
-                await stub.OpenSession(
-                    pb.OpenSessionRequest(prompt_ids=prompt), timeout=rng.uniform(0.0005, 0.01)
-                )
+            elif kind == 2:  # an opening verify whose deadline expires; the edge then closes
+                sid = f"adversary-{i}"
+                opening = pb.VerifyRequest(session_id=sid, draft_ids=[5], committed_ids=prompt)
+                with contextlib.suppress(grpc.RpcError):
+                    await stub.Verify(opening, timeout=rng.uniform(0.0005, 0.01))
+                closing = pb.CloseSessionRequest(session_id=sid)
+                await stub.CloseSession(closing, timeout=PATIENCE_S)
             elif kind == 3:  # a verify cancelled in flight; the client then closes its session
                 opening = pb.OpenSessionRequest(prompt_ids=prompt)
                 sid = (await stub.OpenSession(opening, timeout=PATIENCE_S)).session_id
@@ -137,6 +141,12 @@ def test_cancelled_calls_never_wedge_the_verifier(
     assert engine.running and engine.death is None
     assert health_status(server.port) == health_pb2.HealthCheckResponse.SERVING
     poll(lambda: len(engine.sessions) == 0, 10, "abandoned sessions to be closed")
+    registry = server.server.metrics.registry
+    cancelled = registry.get_sample_value(
+        "fedge_verifier_requests_total", {"method": "Generate", "code": "CANCELLED"}
+    )
+    assert cancelled is not None and cancelled >= 1  # cancelled calls are counted
+    assert registry.get_sample_value("fedge_verifier_worker_alive") == 1.0
     with VerifierClient(ClientConfig(f"127.0.0.1:{server.port}", timeout_s=10)) as client:
         assert list(client.generate(prompts[0], NEW_TOKENS)) == expected[0]
 
@@ -155,7 +165,8 @@ def test_dead_worker_means_not_serving_and_a_failing_exit(server: BackgroundServ
     # Prepare
     assert server.server is not None and server.server.engine is not None
     engine = server.server.engine
-    worker = next(t for t in threading.enumerate() if t.name == "verifier-engine")
+    worker = engine._thread  # this server's worker (other tests' engines may be alive too)
+    assert worker is not None
 
     async def wait_for_exit() -> int:
         assert server.server is not None
