@@ -10,9 +10,10 @@ session opened for a caller that left is closed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NoReturn, TypeVar
 
@@ -149,7 +150,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         If the caller goes away first, the queued work is cancelled (the engine skips
         it) and `orphan` receives a result that was produced anyway.
         """
-        handoff = self._pool.submit(submit)
+        # run in a copy of this call's context, so the engine sees its trace context
+        handoff = self._pool.submit(contextvars.copy_context().run, submit)
         try:
             pending = await asyncio.wrap_future(handoff)
             return await asyncio.wrap_future(pending)
@@ -246,15 +248,13 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> None:
+    ) -> AsyncIterator[pb.GenerateReply]:
         """Cloud-only decoding: one empty-draft verify per token, batched with everyone else's.
 
-        Written with `context.write` rather than as an async generator: a cancelled call
-        then raises inside this coroutine, so `finally` frees the session at once (a
-        suspended generator's `finally` would wait for garbage collection).
+        The session is freed by a done-callback of the call, not a `finally`: a cancelled
+        stream suspended at a `yield` runs its `finally` only when garbage collected.
         """
         owner = owner_of(context)
-        opened: list[str] = []
         started = time.perf_counter()
 
         async def start(engine: VerifierEngine) -> SessionInfo:
@@ -270,27 +270,23 @@ class VerifierService(pb_grpc.VerifierServicer):
                 lambda: engine.submit_open(prompt, sampling, owner=owner),
                 lambda info: _close_quietly(engine, info.session_id, owner),
             )
-            opened.append(info.session_id)
+            context.add_done_callback(
+                lambda _: _close_quietly(self._engine_ref(), info.session_id, owner)
+            )
             return info
 
         def step(engine: VerifierEngine) -> Awaitable[VerifyResult]:
             return self._submit(lambda: engine.submit_verify(info.session_id, [], owner=owner))
 
-        try:
-            info = await self._handle("Generate", context, start, started, last=False)
-            for produced in range(1, request.max_new_tokens + 1):
-                result = await self._handle("Generate", context, step, started, last=False)
-                stop = (
-                    request.HasField("stop_token_id") and result.next_token == request.stop_token_id
-                )
-                if stop or produced == request.max_new_tokens:
-                    self._ok("Generate", started)
-                await context.write(pb.GenerateReply(token_id=result.next_token))
-                if stop:
-                    break
-        finally:
-            for session_id in opened:
-                _close_quietly(self._engine_ref(), session_id, owner)
+        info = await self._handle("Generate", context, start, started, last=False)
+        for produced in range(1, request.max_new_tokens + 1):
+            result = await self._handle("Generate", context, step, started, last=False)
+            stop = request.HasField("stop_token_id") and result.next_token == request.stop_token_id
+            if stop or produced == request.max_new_tokens:
+                self._ok("Generate", started)
+            yield pb.GenerateReply(token_id=result.next_token)
+            if stop:
+                break
 
 
 def _abandon(handoff: Future[Future[R]], orphan: Callable[[R], None] | None) -> None:
