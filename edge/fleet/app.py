@@ -184,6 +184,15 @@ def replica_actors(app: str) -> dict[str, str]:
     }
 
 
+def ingress_application(spec: IngressSpec) -> Any:
+    """The gRPC ingress deployment (one replica, no CPU reserved), bound and ready for `serve.run`."""
+    from ray import serve
+
+    return serve.deployment(name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})(
+        FleetIngress
+    ).bind(spec)
+
+
 def start_fleet(config: FleetConfig) -> Fleet:
     """Deploy version 1 (N replicas) and the ingress; returns once the ingress listens."""
     from ray import serve
@@ -192,9 +201,7 @@ def start_fleet(config: FleetConfig) -> Fleet:
     stable = version_app(1)
     serve.run(replica_application(config), name=stable, route_prefix=None)
     ingress = serve.run(
-        serve.deployment(name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})(
-            FleetIngress
-        ).bind(IngressSpec(stable, config.host, config.port, pickle.dumps(config))),
+        ingress_application(IngressSpec(stable, config.host, config.port, pickle.dumps(config))),
         name=INGRESS_APP,
         route_prefix=None,
     )

@@ -13,16 +13,23 @@ the manifest on purpose and expects the check to name the fault.
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
+import json
 import os
 import re
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import click
+import jsonschema
 import kubernetes_validate
+import pydantic
 import pytest
+import ray
 import typer
 import yaml
 
@@ -38,6 +45,15 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 HEALTH_SERVICES = ("", SERVICE_NAME)  # what the verifier's grpc.health.v1 servicer reports
 Obj = dict[str, Any]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _schemas_read_once() -> Iterator[None]:
+    """kubernetes-validate parses its schema files on every call; read each once per module."""
+    utils = kubernetes_validate.utils
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(utils, "schema_contents", functools.cache(utils.schema_contents))
+        yield
 
 
 def load(name: str) -> list[Obj]:
@@ -176,14 +192,20 @@ def verifier_problems(deployment: Obj) -> list[str]:
     readiness = container.get("readinessProbe", {}).get("grpc", {}).get("service")
     if readiness != SERVICE_NAME:
         problems.append(f"readinessProbe must check service {SERVICE_NAME!r}, got {readiness!r}")
-    env = {e["name"]: e for e in container.get("env", [])}
-    ref = env.get(TOKEN_ENV, {}).get("valueFrom", {}).get("secretKeyRef")
-    if ref != documented_secret():
-        problems.append(f"{TOKEN_ENV} must come from the Secret docs/fleet.md creates, got {ref}")
+    problems += token_problems(container)
     drain_s = config.drain_notice_s + config.grace_s  # NOT_SERVING notice, then in-flight grace
     if pod.get("terminationGracePeriodSeconds", 30) <= drain_s:
         problems.append(f"terminationGracePeriodSeconds must exceed the {drain_s:.0f} s drain")
     return problems
+
+
+def token_problems(container: Obj) -> list[str]:
+    """The bearer token comes from the Secret the docs create."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    ref = env.get(TOKEN_ENV, {}).get("valueFrom", {}).get("secretKeyRef")
+    if ref != documented_secret():
+        return [f"{TOKEN_ENV} must come from the Secret docs/fleet.md creates, got {ref}"]
+    return []
 
 
 def documented_secret() -> dict[str, str]:
@@ -329,3 +351,257 @@ def test_a_broken_manifest_is_refused(name: str) -> None:
 def test_docs_apply_every_manifest() -> None:
     applied = set(re.findall(r"kubectl apply -f deploy/k8s/(\S+\.yaml)", DOCS.read_text()))
     assert applied == {p.name for p in K8S.glob("*.yaml")}
+
+
+# ------------------------------------------------------------------- the fleet: RayService
+CRD_SCHEMA = K8S / "schema" / "rayservice-v1.json"  # KubeRay's CRD, pruned (see its $comment)
+CORE_MARKER = "x-fedge-core-type"  # where the pruned CRD embeds a core Kubernetes type
+KUBERAY_HEAD_LABELS = {"ray.io/node-type": "head"}  # KubeRay adds these to the head pod
+WRAP: dict[str, Callable[[Obj], Obj]] = {  # an embedded object as a core object of its own
+    "io.k8s.api.core.v1.PodTemplateSpec": lambda v: {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": "embedded"},
+        "template": v,
+    },
+    "io.k8s.api.core.v1.Service": lambda v: {"apiVersion": "v1", "kind": "Service", **v},
+}
+
+
+def embedded_core(schema: Obj, value: Any, path: str) -> Iterator[tuple[str, str, Obj]]:
+    """(path, core type, object) of each Kubernetes object the pruned CRD marks as embedded."""
+    if CORE_MARKER in schema:
+        yield path, schema[CORE_MARKER], value
+    elif isinstance(value, dict):
+        for key, sub in value.items():
+            if key in schema.get("properties", {}):
+                yield from embedded_core(schema["properties"][key], sub, f"{path}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            yield from embedded_core(schema["items"], item, f"{path}[{index}]")
+
+
+def crd_problems(rayservice: Obj) -> list[str]:
+    """The RayService against KubeRay's CRD; its pod templates and Services against the core schema."""
+    schema = json.loads(CRD_SCHEMA.read_text())
+    problems = [
+        f"RayService {'.'.join(str(p) for p in error.path)}: {error.message}"
+        for error in jsonschema.Draft7Validator(schema).iter_errors(rayservice)
+    ]
+    for path, core, value in embedded_core(schema, rayservice, ""):
+        problems += [f"{path}: {p}" for p in schema_problems(WRAP[core](value))]
+    return problems
+
+
+def _models(annotation: Any) -> list[type[pydantic.BaseModel]]:
+    """The pydantic models inside a field's type (list[X], X | None, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    return [model for arg in typing.get_args(annotation) for model in _models(arg)]
+
+
+def unknown_fields(model: type[pydantic.BaseModel], data: Any, path: str) -> list[str]:
+    """Keys Ray's Serve schema would silently ignore (it allows extra fields), recursively."""
+    if not isinstance(data, dict):
+        return []
+    fields = model.model_fields
+    problems = [
+        f"{path}.{key}: no such field in {model.__name__}" for key in data if key not in fields
+    ]
+    for name, info in fields.items():
+        values = data.get(name)
+        for sub in _models(info.annotation):
+            for value in values if isinstance(values, list) else [values]:
+                problems += unknown_fields(sub, value, f"{path}.{name}")
+    return problems
+
+
+def build(application: Obj) -> Any:
+    """Run an application's Serve builder (`import_path`) on its args, as Serve would."""
+    module, _, attr = application["import_path"].partition(":")
+    return getattr(importlib.import_module(module), attr)(application.get("args") or {})
+
+
+def serve_config_problems(config: Obj) -> list[str]:
+    """serveConfigV2: Ray's schema (strict), then each application built from its args."""
+    from ray.serve.schema import ServeDeploySchema
+
+    problems = unknown_fields(ServeDeploySchema, config, "serveConfigV2")
+    try:
+        ServeDeploySchema.model_validate(config)
+    except pydantic.ValidationError as err:
+        problems.append(f"serveConfigV2: {err}")
+    for application in config.get("applications", []):
+        try:
+            built = build(application)
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            problems.append(f"application {application.get('name')}: {err}")
+            continue
+        deployment = built._bound_deployment.name  # the application's ingress deployment
+        for override in application.get("deployments", []):
+            if override["name"] != deployment:
+                problems.append(
+                    f"application {application['name']} overrides deployment "
+                    f"{override['name']!r}; it has {deployment!r}"
+                )
+    return problems
+
+
+def fleet_problems(objects: list[Obj]) -> list[str]:
+    """The fleet shape: schemas, Serve config, and what ties the ingress, head pod and Service."""
+    rayservice, service = objects
+    problems = crd_problems(rayservice) + schema_problems(service)
+    if problems:
+        return problems
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    templates = [head["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        problems += pod_problems(template)
+        problems += [p for c in template["spec"]["containers"] for p in token_problems(c)]
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    problems += serve_config_problems(config)
+    head_template = {
+        "metadata": {"labels": {**head["template"]["metadata"]["labels"], **KUBERAY_HEAD_LABELS}},
+        "spec": head["template"]["spec"],
+    }
+    problems += service_problems(service, head_template)
+    head_ports = {
+        p.get("name"): p["containerPort"]
+        for c in head["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    head_resources = json.loads(json.loads(head["rayStartParams"].get("resources", '"{}"')))
+    for application in config["applications"]:
+        args = application.get("args") or {}
+        if "port" in args and args["port"] not in head_ports.values():
+            problems.append(f"{application['name']} listens on {args['port']}: no head port")
+        if args.get("host") in LOOPBACK:
+            problems.append(f"{application['name']} listens on loopback {args['host']}")
+        for override in application.get("deployments", []):
+            wanted = override.get("ray_actor_options", {}).get("resources", {})
+            for resource in set(wanted) - set(head_resources):
+                problems.append(
+                    f"{application['name']} needs Ray resource {resource!r}: no node has it"
+                )
+    if cluster.get("rayVersion") != ray.__version__:
+        problems.append(f"rayVersion {cluster.get('rayVersion')} is not Ray {ray.__version__}")
+    return problems
+
+
+def fleet_shape() -> list[Obj]:
+    return load("fleet-rayservice.yaml")
+
+
+def test_fleet_manifests_pass_every_check() -> None:
+    objects = fleet_shape()
+    assert [o["kind"] for o in objects] == ["RayService", "Service"]
+    assert fleet_problems(objects) == []
+
+
+def test_fleet_image_carries_the_clusters_ray() -> None:
+    (rayservice, _) = fleet_shape()
+    version = rayservice["spec"]["rayClusterConfig"]["rayVersion"]
+    assert f"rayproject/ray:{version}-" in (REPO / "deploy" / "Dockerfile").read_text()
+
+
+def _cluster(objects: list[Obj]) -> Obj:
+    return objects[0]["spec"]["rayClusterConfig"]
+
+
+def _serve(mutate: Callable[[Obj], object]) -> Callable[[list[Obj]], None]:
+    """A breakage of the Serve config inside the RayService."""
+
+    def apply(objects: list[Obj]) -> None:
+        config = yaml.safe_load(objects[0]["spec"]["serveConfigV2"])
+        mutate(config)
+        objects[0]["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+
+    return apply
+
+
+def _head(objects: list[Obj]) -> Obj:
+    return _cluster(objects)["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
+    "misspelt RayService field": (
+        lambda o: _cluster(o)["headGroupSpec"].update(
+            rayStartParam=_cluster(o)["headGroupSpec"].pop("rayStartParams")
+        ),
+        "'rayStartParam' was unexpected",
+    ),
+    "worker group without maxReplicas": (
+        lambda o: _cluster(o)["workerGroupSpecs"][0].pop("maxReplicas"),
+        "'maxReplicas' is a required property",
+    ),
+    "misspelt field in an embedded pod template": (
+        lambda o: _head(o).update(imagePulPolicy=_head(o).pop("imagePullPolicy")),
+        "'imagePulPolicy' was unexpected",
+    ),
+    "worker may run as root": (
+        lambda o: _cluster(o)["workerGroupSpecs"][0]["template"]["spec"]["securityContext"].pop(
+            "runAsNonRoot"
+        ),
+        "runAsNonRoot",
+    ),
+    "misspelt Serve config field": (
+        _serve(lambda c: c["applications"][0].update(import_paths="x")),
+        "import_paths: no such field",
+    ),
+    "import path that does not resolve": (
+        _serve(lambda c: c["applications"][0].update(import_path="edge.fleet.kuberay:replica_app")),
+        "replica_app",
+    ),
+    "builder arg it does not know": (
+        _serve(lambda c: c["applications"][0]["args"].update(replica=3)),
+        "unknown args ['replica']",
+    ),
+    "unknown load-balancing policy": (
+        _serve(lambda c: c["applications"][0]["args"].update(policy="random")),
+        "unknown load-balancing policy 'random'",
+    ),
+    "override of a deployment the application lacks": (
+        _serve(lambda c: c["applications"][1]["deployments"][0].update(name="ingres")),
+        "overrides deployment 'ingres'",
+    ),
+    "ingress on a port the head does not expose": (
+        _serve(lambda c: c["applications"][1]["args"].update(port=50062)),
+        "listens on 50062: no head port",
+    ),
+    "ingress on loopback": (
+        _serve(lambda c: c["applications"][1]["args"].update(host="127.0.0.1")),
+        "listens on loopback",
+    ),
+    "ingress pinned to a resource no node has": (
+        lambda o: _cluster(o)["headGroupSpec"]["rayStartParams"].update(resources='"{}"'),
+        "needs Ray resource 'fedge_ingress'",
+    ),
+    "Service targets a port the head lacks": (
+        lambda o: o[1]["spec"]["ports"][0].update(targetPort="grpc"),
+        "targets 'grpc': no such pod port",
+    ),
+    "Service selects worker pods": (
+        lambda o: o[1]["spec"]["selector"].update({"ray.io/node-type": "worker"}),
+        "does not select pods",
+    ),
+    "rayVersion other than the installed Ray": (
+        lambda o: _cluster(o).update(rayVersion="2.9.0"),
+        "rayVersion 2.9.0",
+    ),
+    "worker token from another Secret": (
+        lambda o: _cluster(o)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(
+            env=[{"name": TOKEN_ENV, "value": "inline"}]
+        ),
+        "must come from the Secret",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FLEET_BREAKAGES))
+def test_a_broken_fleet_manifest_is_refused(name: str) -> None:
+    mutate, expected = FLEET_BREAKAGES[name]
+    objects = copy.deepcopy(fleet_shape())
+    mutate(objects)
+    problems = fleet_problems(objects)
+    assert any(expected in p for p in problems), problems

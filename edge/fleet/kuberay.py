@@ -1,0 +1,86 @@
+"""Ray Serve application builders: the fleet declared in a Serve config (KubeRay RayService, `serve deploy`).
+
+A Serve config names an application by `import_path` and hands it `args`; these
+builders turn those args into the same applications `fedge verifier fleet` deploys
+imperatively (`edge.fleet.app`): `replicas_app` is one model version's `verifier`
+deployment of N replicas behind the chosen request router, `ingress_app` the gRPC
+front door speaking `fedge.edge.v1.Verifier` on `host:port`. The bearer token is
+read from $FEDGE_VERIFIER_TOKEN of the process that builds the application, so it
+comes from a Kubernetes Secret and never sits in the config (deploy/k8s).
+
+On KubeRay the config is declarative: a new adapter version is rolled out by adding
+its application (and moving the ingress's `stable`) in the RayService, not by
+`fedge verifier rollout`, whose imperatively added applications the operator would
+remove on its next reconcile.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from edge.fleet.app import FleetConfig, ingress_application, replica_application
+from edge.fleet.ingress import IngressSpec
+from edge.verifier.engine import EngineConfig
+
+TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine.)
+    "model": "model_dir",
+    "adapter": "adapter_dir",
+    "replicas": "replicas",
+    "min_replicas": "min_replicas",
+    "max_replicas": "max_replicas",
+    "policy": "policy",
+    "affinity": "affinity",
+    "target_queue": "target_queue",
+    "replica_cpus": "replica_cpus",
+    "max_draft": "engine.max_draft",
+    "max_batch": "engine.max_batch",
+    "session_ttl_s": "engine.session_ttl_s",
+}
+INGRESS_ARGS = ("stable", "host", "port")
+
+
+def _check(args: Mapping[str, Any], known: Any, app: str) -> None:
+    """Refuse args the builder does not know, naming them and the known ones."""
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{app} application: unknown args {unknown}; known: {', '.join(sorted(known))}"
+        )
+
+
+def fleet_config(args: Mapping[str, Any]) -> FleetConfig:
+    """The FleetConfig of a `replicas_app` args mapping (model required; paths as strings)."""
+    _check(args, VERSION_ARGS, "version")
+    if "model" not in args:
+        raise ValueError("version application: args.model (the base model directory) is required")
+    fleet: dict[str, Any] = {"token": os.environ.get(TOKEN_ENV) or None}
+    engine: dict[str, Any] = {}
+    for arg, value in args.items():
+        field = VERSION_ARGS[arg]
+        if field in ("model_dir", "adapter_dir"):
+            value = None if value is None else Path(value)
+        if field.startswith("engine."):
+            engine[field.removeprefix("engine.")] = value
+        else:
+            fleet[field] = value
+    return FleetConfig(engine=EngineConfig(**engine), **fleet)
+
+
+def replicas_app(args: dict[str, Any]) -> Any:
+    """Serve builder: one model version's `verifier` deployment (see VERSION_ARGS)."""
+    return replica_application(fleet_config(args))
+
+
+def ingress_app(args: dict[str, Any]) -> Any:
+    """Serve builder: the gRPC ingress in front of application `stable` on `host:port`."""
+    _check(args, INGRESS_ARGS, "ingress")
+    if "stable" not in args:
+        raise ValueError("ingress application: args.stable (the version application) is required")
+    spec = IngressSpec(
+        str(args["stable"]), str(args.get("host", "0.0.0.0")), int(args.get("port", 50061))
+    )
+    return ingress_application(spec)
