@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from edge.speculative import expected_tokens_per_pass
 
+MAX_POSITIONS = 32  # draft positions with their own acceptance estimate (the verifier caps k lower)
+
 
 def round_seconds(g: int, draft_step_s: float, call_s: float, call_per_token_s: float) -> float:
     """Wall time of one round: g draft steps, then a verify call costing c0 + c1 * g."""
@@ -81,11 +83,15 @@ class EstimatorConfig:
 class SpeculationEstimator:
     """Online estimates of acceptance, draft step time and verify call cost, updated per verify.
 
-        Acceptance is the maximum-likelihood rate of a truncated geometric: each round adds its
-        accepted tokens as successes and one failure if the target rejected a drafted token
-        (accepted/drafted would count the tokens after a rejection, never tried, as failures).
-        The call cost is a decayed ridge-regression line c0 + c1 * g over the draft lengths seen (the
-    ridge keeps noise in a few calls from inventing a per-token cost that would shorten drafts).
+    Acceptance is the maximum-likelihood rate of a truncated geometric: each round adds its
+    accepted tokens as successes and one failure if the target rejected a drafted token
+    (accepted/drafted would count the tokens after a rejection, never tried, as failures).
+    Acceptance is also kept per draft position (the chance that token i is accepted when tokens
+    before it were), shrunk towards the pooled rate: a draft that agrees in runs has rising
+    conditional acceptance, so the i.i.d. E(a, g) would undervalue long drafts; `expected_tokens`
+    uses the per-position rates. The call cost is a decayed ridge-regression line c0 + c1 * g
+    over the draft lengths seen (the ridge keeps noise in a few calls from inventing a per-token
+    cost that would shorten drafts).
     """
 
     def __init__(self, config: EstimatorConfig | None = None) -> None:
@@ -96,6 +102,8 @@ class SpeculationEstimator:
         self._steps = 0.0  # decayed drafted tokens and their seconds
         self._step_seconds = 0.0
         self._n = self._sg = self._sc = self._sgg = self._sgc = 0.0  # sums for the call-cost line
+        self._tried = [0.0] * MAX_POSITIONS  # decayed trials and successes per draft position
+        self._kept = [0.0] * MAX_POSITIONS
         self.verifies = 0
 
     # ---- updates ------------------------------------------------------------------------------
@@ -110,6 +118,9 @@ class SpeculationEstimator:
         d = self.config.decay
         self._successes = d * self._successes + accepted
         self._failures = d * self._failures + (1.0 if accepted < drafted else 0.0)
+        for i in range(MAX_POSITIONS):  # position i was tried when every token before it was kept
+            self._tried[i] = d * self._tried[i] + (1.0 if i <= accepted and i < drafted else 0.0)
+            self._kept[i] = d * self._kept[i] + (1.0 if i < accepted else 0.0)
         if drafted:
             self._steps = d * self._steps + drafted
             self._step_seconds = d * self._step_seconds + draft_seconds
@@ -126,6 +137,21 @@ class SpeculationEstimator:
     def acceptance(self) -> float:
         """Per-token acceptance a (kept below 1 so E stays finite)."""
         return min(0.99, self._successes / (self._successes + self._failures))
+
+    def acceptance_at(self, position: int) -> float:
+        """Chance that draft token `position` (0-based) is kept when all before it were."""
+        pooled, w = self.acceptance, self.config.prior_trials
+        if position >= MAX_POSITIONS:
+            return pooled
+        return min(0.99, (self._kept[position] + w * pooled) / (self._tried[position] + w))
+
+    def expected_tokens(self, g: int) -> float:
+        """Expected tokens per verify at draft length g: 1 + sum_j prod_{i<j} a_i."""
+        total, run = 1.0, 1.0
+        for i in range(g):
+            run *= self.acceptance_at(i)
+            total += run
+        return total
 
     @property
     def draft_step_s(self) -> float:
@@ -150,9 +176,11 @@ class SpeculationEstimator:
     def rate(self, g: int) -> float:
         """Expected tokens per second at draft length g under the current estimates."""
         c0, c1 = self.call_line
-        return tokens_per_second(g, self.acceptance, self.draft_step_s, max(c0, 1e-6), c1)
+        return self.expected_tokens(g) / round_seconds(g, self.draft_step_s, max(c0, 1e-6), c1)
 
     def best_draft_len(self, lo: int, hi: int) -> int:
         """The draft length in [lo, hi] that maximises expected tokens per second now."""
-        c0, c1 = self.call_line
-        return best_draft_len(self.acceptance, self.draft_step_s, max(c0, 1e-6), c1, lo, hi)
+        if not 0 <= lo <= hi:
+            raise ValueError(f"best_draft_len needs 0 <= lo <= hi, got lo={lo}, hi={hi}")
+        rates = {g: self.rate(g) for g in range(lo, hi + 1)}
+        return max(rates, key=lambda g: (rates[g], -g))

@@ -60,6 +60,18 @@ def test_acceptance_is_the_truncated_geometric_mle() -> None:
     assert est.draft_step_s == pytest.approx(0.001)
 
 
+def test_acceptance_per_position_values_runs() -> None:
+    """Rounds of 4 drafted: all kept, then 0 kept. Position 0 tried twice, kept once (1/2);
+    positions 1-3 tried once, kept once (1, capped at 0.99): E(2) = 1 + 0.5 + 0.5 * 0.99, where
+    the pooled MLE (4 of 5 trials, a = 0.8) would give (1 - 0.8^3) / 0.2 = 2.44."""
+    est = exact_estimator()
+    est.observe(4, 4, 0.004, 0.1)
+    est.observe(4, 0, 0.004, 0.1)
+    assert [est.acceptance_at(i) for i in range(4)] == pytest.approx([0.5, 0.99, 0.99, 0.99])
+    assert est.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.5 * 0.99)
+    assert est.acceptance == pytest.approx(0.8)
+
+
 def test_call_cost_line_from_two_draft_lengths() -> None:
     """Calls of 120 ms at g = 2 and 140 ms at g = 6: mean g 4, variance 4, covariance 0.02, so
     without the ridge slope 5 ms per token and intercept 110 ms; with the default ridge (4) the
