@@ -1,4 +1,4 @@
-"""The edge stage of `fedge demo`: export the draft, serve the adapted target, decode speculatively."""
+"""The edge stage of `fedge demo`: export and quantize the draft, serve the adapted target, decode speculatively."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from edge.export import ExportConfig, export_draft
 from edge.prompts import heldout_prompts
 from edge.runtime import load_draft_runtime
 from edge.verifier.server import BackgroundServer, ServerConfig
-from fedge.zoo import ZooPaths
 
 VALIDATION_PROMPTS = 8
 DEMO_PROMPTS = 6
@@ -26,28 +25,28 @@ METRICS_NAME = "edge_metrics.json"
 
 
 def edge_stage(
-    zoo: ZooPaths, adapter_dir: Path | None, run_dir: Path, console: Console
+    target_dir: Path, draft_dir: Path, adapter_dir: Path | None, run_dir: Path, console: Console
 ) -> dict[str, Any]:
-    """Export the zoo's draft, serve target (+ adapter) on 127.0.0.1:0, generate, report, stop.
+    """Export + quantize `draft_dir`, serve target (+ adapter) on 127.0.0.1:0, generate, report, stop.
 
-    Returns (and writes to `run_dir/edge_metrics.json`) acceptance, tokens/s and target
-    passes per token of speculative decoding, with cloud-only decoding beside it.
+    The edge runs the 4-bit draft when it validated (else the fastest valid variant). Returns
+    (and writes to `run_dir/edge_metrics.json`) acceptance, tokens/s and target passes per
+    token of speculative decoding, with cloud-only decoding beside it, and each variant's
+    decode step.
     """
     from fedge.models import load_tokenizer
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(zoo.target_dir)
+    tokenizer = load_tokenizer(target_dir)
     prompts = heldout_prompts(tokenizer, VALIDATION_PROMPTS + DEMO_PROMPTS, PROMPT_TOKENS)
-    with console.status("exporting the draft to ONNX (fp32 + int8) and validating it"):
+    with console.status("exporting the draft to ONNX (fp32, int8, int4) and validating it"):
         manifest = export_draft(
-            zoo.draft_dir, run_dir / "draft", prompts[:VALIDATION_PROMPTS], ExportConfig()
+            draft_dir, run_dir / "draft", prompts[:VALIDATION_PROMPTS], ExportConfig()
         )
-    runtime = load_draft_runtime(run_dir / "draft")
-    variants = {
-        k: (v["valid"], round(v["greedy_agreement"], 3)) for k, v in manifest["variants"].items()
-    }
-    console.print(f"draft exported: {variants} (valid, greedy agreement); runtime {runtime.name}")
-    config = ServerConfig(zoo.target_dir, adapter_dir=adapter_dir, drain_notice_s=0.0)
+    quantized = manifest["variants"].get("int4", {}).get("valid", False)
+    runtime = load_draft_runtime(run_dir / "draft", "onnx-int4" if quantized else "auto")
+    console.print(_variants_table(manifest))
+    config = ServerConfig(target_dir, adapter_dir=adapter_dir, drain_notice_s=0.0)
     rows: list[dict[str, Any]] = []
     with console.status("starting the verifier"), BackgroundServer(config) as server:
         console.print(
@@ -75,6 +74,9 @@ def edge_stage(
                 )
         sample = tokenizer.decode(tokens, skip_special_tokens=True)
     summary = _summarize(rows, runtime.name, adapter_dir)
+    summary["decode_step_ms"] = {
+        k: round(v["decode_step_s"] * 1e3, 4) for k, v in manifest["variants"].items()
+    }
     console.print(_table(rows, summary))
     console.print(f"[dim]last completion: {sample[:120]!r}[/dim]")
     (run_dir / METRICS_NAME).write_text(json.dumps({"summary": summary, "prompts": rows}, indent=2))
@@ -103,6 +105,24 @@ def _summarize(
         "cloud_only_tokens_per_s": round(mean("cloud_tokens_per_s"), 1),
         "greedy_identical": all(r["identical_to_cloud_greedy"] for r in rows),
     }
+
+
+def _variants_table(manifest: dict[str, Any]) -> Table:
+    """Each exported variant: valid, agreement with the torch draft, decode step, size."""
+    table = Table(title="draft exports (ONNX Runtime, one decode step after a short prefill)")
+    for column in ("variant", "valid", "agreement with torch", "decode ms", "vs fp32", "bytes"):
+        table.add_column(column)
+    fp32 = manifest["variants"]["fp32"]["decode_step_s"]
+    for name, v in manifest["variants"].items():
+        table.add_row(
+            name,
+            "yes" if v["valid"] else "NO",
+            f"{v['greedy_agreement']:.3f}",
+            f"{v['decode_step_s'] * 1e3:.3f}",
+            f"{fp32 / v['decode_step_s']:.2f}x",
+            f"{v['bytes']:,}",
+        )
+    return table
 
 
 def _table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> Table:

@@ -1,13 +1,18 @@
 """`fedge demo`: the main job end to end, each stage showing progress, results in one run directory.
 
-zoo (build or reuse) -> federated LoRA fine-tuning with SecAgg + DP -> edge: int8 draft decoding
-speculatively against the verifier serving the federated adapter -> one summary JSON.
+zoo card -> federated LoRA fine-tuning (plain, then SecAgg+ with DP) -> draft realigned to the
+federated target through the same federation -> edge: the realigned 4-bit draft decoding
+speculatively against the verifier serving the federated adapter -> report.md with plots,
+demo_summary.json, and TensorBoard round metrics under the run directory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -29,9 +34,10 @@ def card_table(zoo: ZooPaths) -> Table:
         table.add_column(column)
     for role in ("target", "draft"):
         row = card[role]
+        own = f" ({row['own_parameters']:,} own)" if "own_parameters" in row else ""
         table.add_row(
             role,
-            f"{row['parameters']:,}",
+            f"{row['parameters']:,}{own}",
             f"{row['training_tokens']:,}",
             str(row.get("training_seconds")),
             f"{row['heldout_perplexity']:.1f}",
@@ -44,39 +50,103 @@ def card_table(zoo: ZooPaths) -> Table:
     return table
 
 
+def quiet_libraries() -> None:
+    """Silence framework logs, library warnings and progress bars (`--verbose` keeps them)."""
+    from simulations.runner import QUIET_ENV
+
+    os.environ[QUIET_ENV] = "1"  # Ray workers' logs stay off the console
+    os.environ.setdefault("FLWR_LOG_LEVEL", "WARNING")
+    os.environ["PYTHONWARNINGS"] = "ignore"  # inherited by Ray's worker processes
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["RAY_DEDUP_LOGS"] = "1"
+    warnings.filterwarnings("ignore")
+    for name in ("flwr", "ray", "transformers", "torch", "onnxruntime", "root", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)
+    from flwr.supercore.logger import update_console_handler
+    from transformers.utils import logging as hf_logging
+
+    update_console_handler(level="WARNING", timestamps=False, colored=True)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:  # datasets is optional for the demo
+        pass
+
+
 def run_demo(preset: str, out: Path | None, console: Console) -> dict[str, Any]:
     """Run every stage of the main job and return (and write) the summary."""
     from edge.demo import edge_stage
-    from simulations.demo import federated_stage
+    from simulations.demo import federated_stage, perplexity_table, realignment_stage
+    from simulations.report import write_report
 
     run_dir = out or Path("runs") / f"demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     run_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"preset": preset, "run_dir": str(run_dir), "stages": {}}
     started = time.perf_counter()
+    timings: dict[str, float] = {}
 
-    console.rule("[bold]1/3 model zoo")
+    def lap(stage: str, since: float) -> float:
+        timings[stage] = round(time.perf_counter() - since, 1)
+        return time.perf_counter()
+
+    console.rule("[bold]1/5 model zoo")
+    tick = time.perf_counter()
     zoo = build_zoo(preset, console=console)
     console.print(card_table(zoo))
     summary["stages"]["zoo"] = {"root": str(zoo.root), "card": zoo.card}
+    tick = lap("zoo", tick)
 
-    console.rule("[bold]2/3 federated LoRA fine-tuning")
-    adapter_dir = federated_stage(zoo, run_dir / "federation", console)
-    summary["stages"]["federation"] = {"adapter_dir": str(adapter_dir)}
+    console.rule("[bold]2/5 federated LoRA fine-tuning")
+    plain = federated_stage(zoo, run_dir / "federation", console)
+    tick = lap("federation", tick)
 
-    console.rule("[bold]3/3 edge: speculative decoding against the verifier")
-    summary["stages"]["edge"] = edge_stage(zoo, adapter_dir, run_dir / "edge", console)
+    console.rule("[bold]3/5 the same federation under SecAgg+ and distributed DP")
+    private = federated_stage(zoo, run_dir / "federation-private", console, private=True)
+    console.print(perplexity_table([plain, private]))
+    summary["stages"]["federation"] = {"plain": plain.as_dict(), "private": private.as_dict()}
+    tick = lap("federation_private", tick)
 
+    console.rule("[bold]4/5 realigning the draft to the federated target")
+    realigned_dir, acceptance = realignment_stage(zoo, plain, run_dir / "realign-draft", console)
+    summary["stages"]["realignment"] = {
+        "draft_dir": str(realigned_dir),
+        "clients": [r.as_row() for r in acceptance],
+    }
+    tick = lap("realignment", tick)
+
+    console.rule("[bold]5/5 edge: realigned 4-bit draft, speculative decoding against the verifier")
+    summary["stages"]["edge"] = edge_stage(
+        zoo.target_dir, realigned_dir, plain.adapter_dir, run_dir / "edge", console
+    )
+    lap("edge", tick)
+
+    summary["timings_s"] = timings
     summary["seconds"] = round(time.perf_counter() - started, 1)
     (run_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str))
-    console.print(f"[green]demo finished in {summary['seconds']} s; results in {run_dir}")
+    report = write_report(summary, run_dir)
+    console.print(
+        f"[green]demo finished in {summary['seconds']} s; report {report}; "
+        f"`tensorboard --logdir {run_dir / 'tensorboard'}`"
+    )
     return summary
 
 
 def demo(
     preset: str = typer.Option("demo", help=f"Zoo preset, one of {sorted(PRESETS)}."),
     out: Path | None = typer.Option(None, help="Run directory (default: runs/demo-<time>)."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Show framework logs, library warnings and progress bars."
+    ),
 ) -> None:
-    """Run the main job: zoo, federated fine-tuning with SecAgg + DP, edge speculative decoding."""
+    """Run the main job: zoo, federated fine-tuning (plain, SecAgg+ with DP), draft realignment, edge."""
     if preset not in PRESETS:
         raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if not verbose:
+        quiet_libraries()
     run_demo(preset, out, Console())

@@ -1,32 +1,71 @@
-"""The federated stage of ``fedge demo``: a short federation on the zoo's target, perplexity before/after.
+"""The federated stages of ``fedge demo``: fine-tune the target, the same under SecAgg+ and DP, realign the draft.
 
-Runs the ``demo`` scenario (``simulations/scenarios/demo.toml``) on Flower's
-simulation engine with the given zoo's target model on the natural partition.
-Privacy plugs in by configuration: ``FEDGE_DEMO_SET`` holds space-separated
-``key=value`` overrides (the keys of ``fedge simulate --set``), e.g. SecAgg+ with
-distributed DP and a budget stop (names from ``server/privacy/factories.py``)::
-
-    FEDGE_DEMO_SET="weighting=uniform aggregator=server.privacy.factories:secagg_distributed_dp
-      client-mods=clients.privacy.mods:distributed_dp_mod,clients.secagg.mod:secaggplus_mod
-      privacy-budget=server.privacy.factories:rdp_budget max-epsilon=8"
+Runs the ``demo`` scenario (``simulations/scenarios/demo.toml``: the demo zoo's target, one
+client per stdlib package, every client in every round) on Flower's simulation engine.
+Perplexity is reported twice: on the participating clients' own held-out code (what the
+federation is for) and on the whole corpus's held-out code (every package, most of which no
+client holds). The private run adds SecAgg+ with distributed DP (``PRIVATE_OVERRIDES``) and
+reports its epsilon and what it costs in perplexity. Round metrics also go to TensorBoard
+(``<run>/tensorboard/<label>``). ``FEDGE_DEMO_SET`` holds space-separated ``key=value``
+overrides for every run (the keys of ``fedge simulate --set``).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from fedge.zoo import ZooPaths
 from server.rundir import MetricsLog
-from simulations.runner import load_scenario, run_simulation
+from simulations.realign import ClientAcceptance, acceptance_by_client, participating, realign_draft
+from simulations.runner import Scenario, load_scenario, run_simulation
 
 DEMO_SCENARIO = "demo"
 DEMO_OVERRIDES_ENV = "FEDGE_DEMO_SET"
+PRIVATE_OVERRIDES: dict[str, Any] = {  # SecAgg+ with distributed DP, RDP accounting
+    "aggregator": "server.privacy.factories:secagg_distributed_dp",
+    "privacy-budget": "server.privacy.factories:rdp_budget",
+    "weighting": "uniform",
+    "dp-clip-norm": 0.1,
+    "dp-noise-multiplier": 0.3,
+    "dp-min-survival": 0.75,
+}
+
+
+@dataclass(frozen=True)
+class FederationResult:
+    """What one federation produced and how much it moved perplexity."""
+
+    label: str
+    run_dir: Path
+    adapter_dir: Path
+    merged_dir: Path
+    partitions: list[int]  # clients that trained in at least one round
+    participating_before: float  # server's perplexity on the participants' held-out code, round 0
+    participating_after: float  # ... after the last round
+    corpus_before: float  # server's whole-corpus held-out perplexity, round 0
+    corpus_after: float  # ... after the last round
+    epsilon: float | None  # privacy spent (None without DP)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready figures."""
+        return {
+            "label": self.label,
+            "run_dir": str(self.run_dir),
+            "adapter_dir": str(self.adapter_dir),
+            "partitions": self.partitions,
+            "participating_perplexity": [self.participating_before, self.participating_after],
+            "corpus_perplexity": [self.corpus_before, self.corpus_after],
+            "epsilon": self.epsilon,
+        }
 
 
 def demo_overrides(extra: str | None = None) -> dict[str, str]:
@@ -41,38 +80,138 @@ def demo_overrides(extra: str | None = None) -> dict[str, str]:
     return out
 
 
-def federated_stage(zoo: ZooPaths, run_dir: Path, console: Console) -> Path:
-    """Fine-tune LoRA adapters of ``zoo.target_dir`` federatedly; return the final peft adapter dir."""
-    overrides: dict[str, Any] = {"model": str(zoo.target_dir), **demo_overrides()}
-    scenario = load_scenario(DEMO_SCENARIO, overrides)
+def demo_scenario(zoo: ZooPaths, private: bool = False) -> Scenario:
+    """The demo scenario on `zoo`'s target, optionally with SecAgg+ and distributed DP."""
+    overrides: dict[str, Any] = {"model": str(zoo.target_dir), "save-merged": True}
+    if private:
+        overrides.update(PRIVATE_OVERRIDES)
+    return load_scenario(DEMO_SCENARIO, {**overrides, **demo_overrides()})
+
+
+def federated_stage(
+    zoo: ZooPaths, run_dir: Path, console: Console, private: bool = False
+) -> FederationResult:
+    """Fine-tune LoRA adapters of the zoo's target federatedly; report perplexity both ways."""
+    scenario = demo_scenario(zoo, private)
     cfg = scenario.config
-    console.rule("[bold]federated LoRA fine-tuning")
+    label = "secagg+dp" if private else "plain"
     console.print(
-        f"{scenario.num_supernodes} clients (natural partition: one stdlib package each), "
-        f"{cfg.strategy}, {cfg.num_server_rounds} rounds, LoRA r={cfg.train.lora_r} on "
-        f"{cfg.train.lora_target_modules}, aggregator {cfg.aggregator}"
+        f"{scenario.num_supernodes} clients (one stdlib package each), {cfg.strategy}, "
+        f"{cfg.num_server_rounds} rounds, LoRA r={cfg.train.lora_r}, aggregator {cfg.aggregator}"
     )
-    with console.status("running the Flower simulation") as status:
+    _run(scenario, run_dir, run_dir.parent / "tensorboard" / label, console, "federation")
+    rows = [r for r in MetricsLog(run_dir).rows() if r.get("perplexity") is not None]
+    epsilon = rows[-1].get("epsilon")
+    result = FederationResult(
+        label,
+        run_dir,
+        run_dir / "final" / "adapter",
+        run_dir / "final" / "merged",
+        participating(run_dir),
+        rows[0]["participants_perplexity"],
+        rows[-1]["participants_perplexity"],
+        rows[0]["perplexity"],
+        rows[-1]["perplexity"],
+        float(epsilon) if private and isinstance(epsilon, (int, float)) else None,
+    )
+    console.print(perplexity_table([result]))
+    return result
 
-        def on_row(row: Any) -> None:
+
+def perplexity_table(results: list[FederationResult]) -> Table:
+    """Before/after perplexity per federation, on the clients' data and on the whole corpus."""
+    table = Table(title="held-out perplexity: base model -> federated adapter")
+    for column in ("federation", "participating clients' code", "whole corpus", "epsilon"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(
+            r.label,
+            _change(r.participating_before, r.participating_after),
+            _change(r.corpus_before, r.corpus_after),
+            f"{r.epsilon:.2f}" if r.epsilon is not None else "-",
+        )
+    return table
+
+
+def realignment_stage(
+    zoo: ZooPaths, federation: FederationResult, run_dir: Path, console: Console
+) -> tuple[Path, list[ClientAcceptance]]:
+    """Realign the draft to the federated target through the same federation; measure it per client."""
+    scenario = demo_scenario(zoo)
+    console.print(
+        f"the same {scenario.num_supernodes} clients distil the draft's LoRA adapter from the "
+        "federated target on their own data"
+    )
+    merged = _run(
+        scenario,
+        run_dir,
+        run_dir.parent / "tensorboard" / "realign-draft",
+        console,
+        "draft realignment",
+        teacher=federation.merged_dir,
+        draft=zoo.draft_dir,
+    )
+    models = {
+        "base_target": zoo.target_dir,
+        "federated_target": federation.merged_dir,
+        "base_draft": zoo.draft_dir,
+        "realigned_draft": merged,
+    }
+    with console.status("measuring acceptance on each client's held-out prompts"):
+        rows = acceptance_by_client(scenario.config, federation.partitions, models)
+    console.print(acceptance_table(rows))
+    return merged, rows
+
+
+def acceptance_table(rows: list[ClientAcceptance]) -> Table:
+    """Greedy agreement of the draft with the target per client, before and after realignment."""
+    table = Table(title="draft acceptance (greedy agreement) on each client's held-out prompts")
+    for column in (
+        "client",
+        "base draft / base target",
+        "base draft / fed. target",
+        "realigned / fed. target",
+    ):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(str(r.partition), f"{r.base:.1%}", f"{r.drifted:.1%}", f"{r.realigned:.1%}")
+    mean = [float(np.mean([getattr(r, k) for r in rows])) for k in ("base", "drifted", "realigned")]
+    table.add_row("mean", *(f"{m:.1%}" for m in mean))
+    return table
+
+
+def _run(
+    scenario: Scenario,
+    run_dir: Path,
+    logdir: Path,
+    console: Console,
+    what: str,
+    teacher: Path | None = None,
+    draft: Path | None = None,
+) -> Path:
+    """Run one federation (a realignment when `teacher` is given) with live round scalars."""
+    from simulations.tensorboard import RoundScalars
+
+    rounds = scenario.config.num_server_rounds
+    with (
+        console.status(f"{what}: starting the Flower simulation") as status,
+        RoundScalars(logdir) as scalars,
+    ):
+
+        def on_row(row: Mapping[str, Any]) -> None:
+            scalars(row)
             ppl = row.get("perplexity")
-            status.update(
-                f"round {row['round']}/{cfg.num_server_rounds}: perplexity {ppl:.2f}"
-                if isinstance(ppl, float)
-                else f"round {row['round']}"
-            )
+            shown = f"perplexity {ppl:.2f}" if isinstance(ppl, float) else str(row.get("status"))
+            status.update(f"{what}: round {row['round']}/{rounds}, {shown}")
 
+        if teacher is not None and draft is not None:
+            return realign_draft(scenario, draft, teacher, run_dir, on_row=on_row)
         outcome = run_simulation(scenario, run_dir, on_row=on_row)
-    rows = MetricsLog(run_dir).rows()
     if outcome is None or outcome.status == "failed" or outcome.adapter_dir is None:
         message = outcome.message if outcome is not None else "the ServerApp did not finish"
-        raise RuntimeError(f"federated stage failed: {message} (run dir {run_dir})")
-    ok = [r for r in rows if r.get("perplexity") is not None]
-    before, after = ok[0]["perplexity"], ok[-1]["perplexity"]
-    table = Table("held-out perplexity", "value")
-    table.add_row("base model (round 0)", f"{before:.2f}")
-    table.add_row(f"global adapter (round {ok[-1]['round']})", f"{after:.2f}")
-    table.add_row("change", f"{(after - before) / before:+.1%}")
-    console.print(table)
-    console.print(f"adapter: {outcome.adapter_dir}  merged: {run_dir / 'final' / 'merged'}")
+        raise RuntimeError(f"{what} failed: {message} (run dir {run_dir})")
     return Path(outcome.adapter_dir)
+
+
+def _change(before: float, after: float) -> str:
+    return f"{before:.2f} -> {after:.2f} ({(after - before) / before:+.1%})"

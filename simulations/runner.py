@@ -32,6 +32,7 @@ from simulations.devicesim.config import DeviceConfig
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 ENGINES = ("ray", "inprocess")
 NODE_STATE_DIR = "node-state"  # the in-process engine's Context.state files, per device
+QUIET_ENV = "FEDGE_QUIET"  # "1": Ray workers' logs stay out of the console
 _SCENARIO_FILE = "scenario.toml"
 
 
@@ -164,7 +165,10 @@ def backend_config(scenario: Scenario) -> dict[str, Any]:
     resources: dict[str, float] = {"num_cpus": scenario.client_cpus}
     if torch.cuda.is_available() and scenario.client_gpus > 0:
         resources["num_gpus"] = scenario.client_gpus
-    return {"client_resources": resources, "init_args": {"num_cpus": os.cpu_count() or 1}}
+    init_args: dict[str, Any] = {"num_cpus": os.cpu_count() or 1}
+    if os.environ.get(QUIET_ENV) == "1":  # `fedge demo` without --verbose: no worker output
+        init_args.update(log_to_driver=False, logging_level="ERROR")
+    return {"client_resources": resources, "init_args": init_args}
 
 
 def run_simulation(

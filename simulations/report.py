@@ -1,0 +1,180 @@
+"""The demo's report: one Markdown file with its figures and plots, written into the run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+REPORT_NAME = "report.md"
+
+
+def write_report(summary: dict[str, Any], run_dir: Path) -> Path:
+    """Render `summary` (as `fedge demo` builds it) to `run_dir/report.md` with PNG plots beside it."""
+    stages = summary["stages"]
+    plots = {
+        "rounds": _plot_rounds(stages["federation"], run_dir / "perplexity_rounds.png"),
+        "acceptance": _plot_acceptance(
+            stages["realignment"]["clients"], run_dir / "acceptance.png"
+        ),
+    }
+    lines = [
+        f"# fedge demo ({summary['preset']} zoo)",
+        "",
+        f"Run directory `{summary['run_dir']}`; {summary['seconds']} s in all "
+        f"({', '.join(f'{k} {v} s' for k, v in summary['timings_s'].items())}). "
+        "Round metrics for TensorBoard: `tensorboard --logdir " + f"{run_dir / 'tensorboard'}`.",
+        "",
+        *_zoo_section(stages["zoo"]["card"]),
+        *_federation_section(stages["federation"], plots["rounds"]),
+        *_realignment_section(stages["realignment"]["clients"], plots["acceptance"]),
+        *_edge_section(stages["edge"]),
+    ]
+    path = run_dir / REPORT_NAME
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _zoo_section(card: dict[str, Any]) -> list[str]:
+    target, draft, agreement = card["target"], card["draft"], card["agreement"]
+    own = f" ({draft['own_parameters']:,} own)" if "own_parameters" in draft else ""
+    return [
+        "## 1. Model zoo",
+        "",
+        "| model | parameters | training tokens | held-out perplexity |",
+        "|---|---|---|---|",
+        f"| target | {target['parameters']:,} | {target['training_tokens']:,} | "
+        f"{target['heldout_perplexity']:.1f} |",
+        f"| draft | {draft['parameters']:,}{own} | {draft['training_tokens']:,} | "
+        f"{draft['heldout_perplexity']:.1f} |",
+        "",
+        f"Draft greedy agreement with the target {agreement['greedy_rate']:.1%}, "
+        f"{agreement['tokens_per_verify_draft4']:.2f} tokens per verification at draft length 4.",
+        "",
+    ]
+
+
+def _federation_section(federation: dict[str, Any], plot: str) -> list[str]:
+    lines = [
+        "## 2-3. Federated LoRA fine-tuning, plain and under SecAgg+ with distributed DP",
+        "",
+        "Perplexity of the base target and of the target with the federated adapter, on the "
+        "participating clients' own held-out code and on the whole corpus's held-out code.",
+        "",
+        "| federation | clients | participating clients' code | whole corpus | epsilon |",
+        "|---|---|---|---|---|",
+    ]
+    for run in (federation["plain"], federation["private"]):
+        eps = f"{run['epsilon']:.2f}" if run["epsilon"] is not None else "-"
+        lines.append(
+            f"| {run['label']} | {len(run['partitions'])} | "
+            f"{_change(*run['participating_perplexity'])} | {_change(*run['corpus_perplexity'])} "
+            f"| {eps} |"
+        )
+    plain = federation["plain"]["participating_perplexity"][1]
+    private = federation["private"]["participating_perplexity"][1]
+    privacy_png = Path(federation["private"]["run_dir"]) / "privacy.png"
+    lines += [
+        "",
+        f"Cost of privacy on the clients' code: {private:.2f} vs {plain:.2f} "
+        f"({(private - plain) / plain:+.1%}).",
+        "",
+        f"![perplexity per round]({plot})",
+        "",
+    ]
+    if privacy_png.is_file():
+        lines += [f"![privacy]({privacy_png.resolve()})", ""]
+    return lines
+
+
+def _realignment_section(clients: list[dict[str, Any]], plot: str) -> list[str]:
+    lines = [
+        "## 4. Draft realigned to the federated target (same federation, clients distil)",
+        "",
+        "Greedy agreement of draft with target on each client's held-out prompts "
+        "(the acceptance rate of greedy speculative decoding).",
+        "",
+        "| client | base draft / base target | base draft / federated target | "
+        "realigned draft / federated target |",
+        "|---|---|---|---|",
+    ]
+    for c in clients:
+        lines.append(
+            f"| {c['partition']} | {c['base_vs_base']:.1%} | {c['base_vs_federated']:.1%} | "
+            f"{c['realigned_vs_federated']:.1%} |"
+        )
+    return [*lines, "", f"![acceptance per client]({plot})", ""]
+
+
+def _edge_section(edge: dict[str, Any]) -> list[str]:
+    steps = edge.get("decode_step_ms", {})
+    fp32 = steps.get("fp32")
+    variants = ", ".join(
+        f"{k} {v:.3f} ms ({fp32 / v:.2f}x fp32)" if fp32 else f"{k} {v:.3f} ms"
+        for k, v in steps.items()
+    )
+    return [
+        "## 5. Edge: realigned quantized draft against the verifier serving the federated adapter",
+        "",
+        f"Draft runtime `{edge['draft_runtime']}`; decode step per variant: {variants}.",
+        "",
+        "| acceptance | target passes / token | speculative tok/s | cloud-only tok/s | "
+        "greedy output = cloud's |",
+        "|---|---|---|---|---|",
+        f"| {edge['acceptance']:.2f} | {edge['passes_per_token']:.2f} | "
+        f"{edge['speculative_tokens_per_s']:.0f} | {edge['cloud_only_tokens_per_s']:.0f} | "
+        f"{'yes' if edge['greedy_identical'] else 'NO'} |",
+        "",
+        "```json",
+        json.dumps(edge, indent=2),
+        "```",
+    ]
+
+
+def _plot_rounds(federation: dict[str, Any], out: Path) -> str:
+    """Whole-corpus perplexity per round for the plain and the private federation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from server.rundir import MetricsLog
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for run in (federation["plain"], federation["private"]):
+        rows = [r for r in MetricsLog(Path(run["run_dir"])).rows() if r.get("perplexity")]
+        ax.plot(
+            [r["round"] for r in rows], [r["perplexity"] for r in rows], "o-", label=run["label"]
+        )
+    ax.set(xlabel="round", ylabel="whole-corpus held-out perplexity", title="federation")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out.name
+
+
+def _plot_acceptance(clients: list[dict[str, Any]], out: Path) -> str:
+    """Three bars per client: base/base, base/federated, realigned/federated agreement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("base_vs_base", "base_vs_federated", "realigned_vs_federated")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.27
+    for i, key in enumerate(keys):
+        xs = [j + (i - 1) * width for j in range(len(clients))]
+        ax.bar(xs, [c[key] for c in clients], width, label=key.replace("_", " "))
+    ax.set_xticks(range(len(clients)), [str(c["partition"]) for c in clients])
+    ax.set(xlabel="client", ylabel="greedy agreement", ylim=(0, 1), title="draft acceptance")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out.name
+
+
+def _change(before: float, after: float) -> str:
+    return f"{before:.2f} -> {after:.2f} ({(after - before) / before:+.1%})"
