@@ -79,8 +79,11 @@ def quiet_libraries() -> None:
         pass
 
 
-def run_demo(preset: str, out: Path | None, console: Console) -> dict[str, Any]:
-    """Run every stage of the main job and return (and write) the summary."""
+def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") -> dict[str, Any]:
+    """Run every stage of the main job and return (and write) the summary.
+
+    `engine` replaces the demo scenario's simulation engine ("ray" or "inprocess").
+    """
     from edge.demo import edge_stage
     from simulations.demo import federated_stage, perplexity_table, realignment_stage
     from simulations.report import write_report
@@ -103,17 +106,21 @@ def run_demo(preset: str, out: Path | None, console: Console) -> dict[str, Any]:
     tick = lap("zoo", tick)
 
     console.rule("[bold]2/5 federated LoRA fine-tuning")
-    plain = federated_stage(zoo, run_dir / "federation", console)
+    plain = federated_stage(zoo, run_dir / "federation", console, engine=engine)
     tick = lap("federation", tick)
 
     console.rule("[bold]3/5 the same federation under SecAgg+ and distributed DP")
-    private = federated_stage(zoo, run_dir / "federation-private", console, private=True)
+    private = federated_stage(
+        zoo, run_dir / "federation-private", console, private=True, engine=engine
+    )
     console.print(perplexity_table([plain, private]))
     summary["stages"]["federation"] = {"plain": plain.as_dict(), "private": private.as_dict()}
     tick = lap("federation_private", tick)
 
     console.rule("[bold]4/5 realigning the draft to the federated target")
-    realigned_dir, acceptance = realignment_stage(zoo, plain, run_dir / "realign-draft", console)
+    realigned_dir, acceptance = realignment_stage(
+        zoo, plain, run_dir / "realign-draft", console, engine
+    )
     summary["stages"]["realignment"] = {
         "draft_dir": str(realigned_dir),
         "clients": [r.as_row() for r in acceptance],
@@ -143,10 +150,15 @@ def demo(
     verbose: bool = typer.Option(
         False, "--verbose", help="Show framework logs, library warnings and progress bars."
     ),
+    engine: str = typer.Option(
+        "", help="Simulation engine: ray (Flower's) or inprocess; default: the scenario's (ray)."
+    ),
 ) -> None:
     """Run the main job: zoo, federated fine-tuning (plain, SecAgg+ with DP), draft realignment, edge."""
     if preset not in PRESETS:
         raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if engine not in ("", "ray", "inprocess"):
+        raise typer.BadParameter(f"unknown engine {engine!r}; choose ray or inprocess")
     if not verbose:
         quiet_libraries()
-    run_demo(preset, out, Console())
+    run_demo(preset, out, Console(), engine)

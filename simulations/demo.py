@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ PRIVATE_OVERRIDES: dict[str, Any] = {  # SecAgg+ with distributed DP, RDP accoun
     "privacy-budget": "server.privacy.factories:rdp_budget",
     "weighting": "uniform",
     "dp-clip-norm": 0.1,
-    "dp-noise-multiplier": 0.3,
+    "dp-noise-multiplier": 0.5,
     "dp-min-survival": 0.75,
 }
 
@@ -80,23 +80,28 @@ def demo_overrides(extra: str | None = None) -> dict[str, str]:
     return out
 
 
-def demo_scenario(zoo: ZooPaths, private: bool = False) -> Scenario:
-    """The demo scenario on `zoo`'s target, optionally with SecAgg+ and distributed DP."""
+def demo_scenario(zoo: ZooPaths, private: bool = False, engine: str = "") -> Scenario:
+    """The demo scenario on `zoo`'s target, optionally with SecAgg+ and distributed DP.
+
+    `engine` replaces the scenario's engine ("ray": Flower's simulation, "inprocess").
+    """
     overrides: dict[str, Any] = {"model": str(zoo.target_dir), "save-merged": True}
     if private:
         overrides.update(PRIVATE_OVERRIDES)
-    return load_scenario(DEMO_SCENARIO, {**overrides, **demo_overrides()})
+    scenario = load_scenario(DEMO_SCENARIO, {**overrides, **demo_overrides()})
+    return replace(scenario, engine=engine) if engine else scenario
 
 
 def federated_stage(
-    zoo: ZooPaths, run_dir: Path, console: Console, private: bool = False
+    zoo: ZooPaths, run_dir: Path, console: Console, private: bool = False, engine: str = ""
 ) -> FederationResult:
     """Fine-tune LoRA adapters of the zoo's target federatedly; report perplexity both ways."""
-    scenario = demo_scenario(zoo, private)
+    scenario = demo_scenario(zoo, private, engine)
     cfg = scenario.config
     label = "secagg+dp" if private else "plain"
     console.print(
-        f"{scenario.num_supernodes} clients (one stdlib package each), {cfg.strategy}, "
+        f"{scenario.num_supernodes} clients (one stdlib package each), {scenario.engine} engine, "
+        f"{cfg.strategy}, "
         f"{cfg.num_server_rounds} rounds, LoRA r={cfg.train.lora_r}, aggregator {cfg.aggregator}"
     )
     _run(scenario, run_dir, run_dir.parent / "tensorboard" / label, console, "federation")
@@ -134,10 +139,10 @@ def perplexity_table(results: list[FederationResult]) -> Table:
 
 
 def realignment_stage(
-    zoo: ZooPaths, federation: FederationResult, run_dir: Path, console: Console
+    zoo: ZooPaths, federation: FederationResult, run_dir: Path, console: Console, engine: str = ""
 ) -> tuple[Path, list[ClientAcceptance]]:
     """Realign the draft to the federated target through the same federation; measure it per client."""
-    scenario = demo_scenario(zoo)
+    scenario = demo_scenario(zoo, engine=engine)
     console.print(
         f"the same {scenario.num_supernodes} clients distil the draft's LoRA adapter from the "
         "federated target on their own data"
