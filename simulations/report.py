@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ def write_report(summary: dict[str, Any], run_dir: Path) -> Path:
         "Round metrics for TensorBoard: `tensorboard --logdir " + f"{run_dir / 'tensorboard'}`.",
         "",
         *_zoo_section(stages["zoo"]["card"]),
-        *_federation_section(stages["federation"], plots["rounds"]),
+        *_federation_section(stages["federation"], plots["rounds"], run_dir),
         *_realignment_section(stages["realignment"]["clients"], plots["acceptance"]),
         *_edge_section(stages["edge"]),
     ]
@@ -54,7 +55,7 @@ def _zoo_section(card: dict[str, Any]) -> list[str]:
     ]
 
 
-def _federation_section(federation: dict[str, Any], plot: str) -> list[str]:
+def _federation_section(federation: dict[str, Any], plot: str, run_dir: Path) -> list[str]:
     lines = [
         "## 2-3. Federated LoRA fine-tuning, plain and under SecAgg+ with distributed DP",
         "",
@@ -82,8 +83,8 @@ def _federation_section(federation: dict[str, Any], plot: str) -> list[str]:
         f"![perplexity per round]({plot})",
         "",
     ]
-    if privacy_png.is_file():
-        lines += [f"![privacy]({privacy_png.resolve()})", ""]
+    if privacy_png.is_file():  # linked relative to the report, so the run directory can move
+        lines += [f"![privacy]({os.path.relpath(privacy_png, run_dir)})", ""]
     return lines
 
 
