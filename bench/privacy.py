@@ -2,14 +2,18 @@
 
 1. SecAgg+ (ours, Message API) against plain aggregation, at 10 and 50 clients per round,
    and side by side Flower's legacy ``SecAggPlusWorkflow`` against legacy plain FedAvg, all
-   on the same vector size, each on Flower's simulation engine (Ray), ratios per pair.
-2. DP-SGD (Opacus) step time against the same non-private AdamW step on the zoo model's LoRA.
+   on the same vector size, each on Flower's simulation engine (Ray), ratios per pair. Like
+   with like: both SecAgg+ use n/2 shares and threshold 2/3, both get one untimed warm-up
+   round, both are timed per fit round (send, receive, aggregate).
+2. DP-SGD (Opacus) local round (PrivacyEngine + make_private + steps, as a client runs it)
+   against the same non-private AdamW round on the zoo model's LoRA.
 3. Privacy-utility: central-DP federations at several noise multipliers; epsilon spent vs
-   final held-out perplexity.
+   final held-out perplexity, on a zoo and a schedule where plain training improves it.
 
 Usage: ``python bench/privacy.py [--clients 10,50] [--size 100000] [--rounds 3]
-[--sweep-model zoo:default] [--sweep-noise 0,0.3,1,3] [--skip secagg,dpsgd,sweep]``. The last line of
-output is one JSON object, also written to ``bench/results/privacy.json``.
+[--sweep-model zoo:demo] [--sweep-noise 0,0.3,1,3] [--skip secagg,dpsgd,sweep]``. The last
+line of output is one JSON object, also written to ``bench/results/privacy.json``; every
+part records the load average next to its figures.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ for _k, _v in {
     os.environ.setdefault(_k, _v)
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "privacy.json"
+HALF, THRESHOLD = 0.5, 2 / 3  # legacy SecAggPlusWorkflow's graph for both sides: n/2 shares, t 2/3
 BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": os.cpu_count() or 2}}
 
 
@@ -43,7 +48,12 @@ def _vector(seed: int, size: int) -> np.ndarray:
 
 
 def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]:
-    """Seconds per round of plain vs SecAgg+ (default graph, and n/2 shares) on the Message API."""
+    """Seconds of each round: plain vs SecAgg+ (legacy's graph: n/2 shares; and our default).
+
+    Each variant gets one untimed warm-up round (imports, actor caches, and for SecAgg+ the
+    once-per-run key advertisement), then ``rounds`` timed ``aggregate`` calls: send the
+    train messages, receive, sum (the same boundary as one legacy fit round).
+    """
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
@@ -77,22 +87,26 @@ def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]
         content = RecordDict({keys.REC_CONFIG: ConfigRecord({keys.CFG_CLIENT_MODS: ""})})
         variants = {
             "plain": PlainAggregator(),
-            "secagg": SecAggPlusAggregator(SecAggConfig()),
-            "secagg_half_shares": SecAggPlusAggregator(SecAggConfig(num_shares=0.5)),
+            "secagg_half_shares": SecAggPlusAggregator(
+                SecAggConfig(num_shares=HALF, reconstruction_threshold=THRESHOLD)
+            ),
+            "secagg_default_graph": SecAggPlusAggregator(SecAggConfig()),
         }
         for name, agg in variants.items():
-            agg.aggregate(grid, 0, nodes, content, spec, 600)  # warm-up: imports, actor caches
-            t0 = time.perf_counter()
+            agg.aggregate(grid, 0, nodes, content, spec, 600)  # warm-up, untimed
+            times: list[float] = []
             stages: dict[str, float] = {}
             for r in range(rounds):
+                t0 = time.perf_counter()
                 result = agg.aggregate(grid, r + 1, nodes, content, spec, 600)
+                times.append(time.perf_counter() - t0)
                 if result.summed is None:
                     raise RuntimeError(f"{name} round failed: {result.rejected}")
                 for stage, sec in getattr(agg, "last_stage_seconds", {}).items():
                     stages[stage] = stages.get(stage, 0.0) + sec / rounds
-            out[name] = (time.perf_counter() - t0) / rounds
+            out[name] = times
             if stages:
-                out[f"{name}_stages"] = {k: round(v, 3) for k, v in stages.items()}  # type: ignore[assignment]
+                out[f"{name}_stages"] = {k: round(v, 3) for k, v in stages.items()}
 
     run_simulation(
         server_app=server_app,
@@ -103,8 +117,12 @@ def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]
     return out
 
 
-def legacy_round_time(num_clients: int, size: int, rounds: int, secure: bool) -> float:
-    """Seconds per round of Flower's legacy FedAvg workflow, with or without SecAggPlusWorkflow."""
+def legacy_round_times(num_clients: int, size: int, rounds: int, secure: bool) -> list[float]:
+    """Seconds of each fit round of Flower's legacy workflow, with or without SecAggPlusWorkflow.
+
+    Only the fit phase of each round is timed (send the fit messages, receive, aggregate),
+    the same boundary as one ``aggregate`` call of ours; round 1 is the warm-up.
+    """
     from flwr.app import Context
     from flwr.client import NumPyClient
     from flwr.client.mod import secaggplus_mod
@@ -113,6 +131,7 @@ def legacy_round_time(num_clients: int, size: int, rounds: int, secure: bool) ->
     from flwr.server import LegacyContext, ServerConfig
     from flwr.server.strategy import FedAvg
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.server.workflow.default_workflows import default_fit_workflow
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
@@ -127,7 +146,7 @@ def legacy_round_time(num_clients: int, size: int, rounds: int, secure: bool) ->
         return VectorClient(int(context.node_config["partition-id"])).to_client()
 
     client_app = ClientApp(client_fn=client_fn, mods=[secaggplus_mod] if secure else [])
-    timing: dict[str, float] = {}
+    times: list[float] = []
     server_app = ServerApp()
 
     @server_app.main()
@@ -140,12 +159,20 @@ def legacy_round_time(num_clients: int, size: int, rounds: int, secure: bool) ->
             initial_parameters=ndarrays_to_parameters([np.zeros(size, np.float32)]),
         )
         legacy = LegacyContext(
-            context=context, config=ServerConfig(num_rounds=rounds), strategy=strategy
+            context=context, config=ServerConfig(num_rounds=rounds + 1), strategy=strategy
         )
-        fit = SecAggPlusWorkflow(num_shares=0.5, reconstruction_threshold=2 / 3) if secure else None
-        t0 = time.perf_counter()
-        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
-        timing["seconds"] = (time.perf_counter() - t0) / rounds
+        fit = (
+            SecAggPlusWorkflow(num_shares=HALF, reconstruction_threshold=THRESHOLD)
+            if secure
+            else default_fit_workflow
+        )
+
+        def timed_fit(grid: Grid, ctx: Context) -> None:
+            t0 = time.perf_counter()
+            fit(grid, ctx)
+            times.append(time.perf_counter() - t0)
+
+        DefaultWorkflow(fit_workflow=timed_fit)(grid, legacy)
 
     run_simulation(
         server_app=server_app,
@@ -153,94 +180,102 @@ def legacy_round_time(num_clients: int, size: int, rounds: int, secure: bool) ->
         num_supernodes=num_clients,
         backend_config=BACKEND,
     )  # type: ignore[arg-type]
-    return timing["seconds"]
+    return times[1:]
 
 
 def secagg_overhead(clients: list[int], size: int, rounds: int) -> dict[str, Any]:
-    """Round-time ratios at each client count."""
+    """Round-time ratios at each client count: ours and legacy, same graph, warm-up, boundary."""
     out: dict[str, Any] = {}
     for n in clients:
         ours = ours_round_times(n, size, rounds)
-        legacy_plain = legacy_round_time(n, size, rounds, secure=False)
-        legacy_secure = legacy_round_time(n, size, rounds, secure=True)
+        legacy_plain = float(np.mean(legacy_round_times(n, size, rounds, secure=False)))
+        legacy_secure = float(np.mean(legacy_round_times(n, size, rounds, secure=True)))
+        plain = float(np.mean(ours["plain"]))
+        half = float(np.mean(ours["secagg_half_shares"]))
+        default = float(np.mean(ours["secagg_default_graph"]))
         out[str(n)] = {
-            "ours_plain_s": round(ours["plain"], 3),
-            "ours_secagg_s": round(ours["secagg"], 3),
-            "ours_secagg_half_shares_s": round(ours["secagg_half_shares"], 3),
-            "ours_ratio": round(ours["secagg"] / ours["plain"], 3),
-            "ours_half_shares_ratio": round(ours["secagg_half_shares"] / ours["plain"], 3),
+            "ours_plain_s": round(plain, 3),
+            "ours_secagg_s": round(half, 3),
+            "ours_ratio": round(half / plain, 3),
+            "ours_default_graph_s": round(default, 3),
+            "ours_default_graph_ratio": round(default / plain, 3),
             "legacy_plain_s": round(legacy_plain, 3),
             "legacy_secaggplus_s": round(legacy_secure, 3),
             "legacy_ratio": round(legacy_secure / legacy_plain, 3),
-            "ours_secagg_stage_s": ours.get("secagg_stages", {}),
+            "ours_secagg_stage_s": ours.get("secagg_half_shares_stages", {}),
+            "loadavg": _loadavg(),
         }
         print(f"secagg n={n}: {out[str(n)]}", flush=True)
     return out
 
 
+def _loadavg() -> str:
+    """The 1/5/15-minute load average, recorded next to every figure."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 # ---------------------------------------------------------------- 2. DP-SGD overhead
-def dpsgd_overhead(model: str, steps: int, batch_size: int, seq_len: int) -> dict[str, Any]:
-    """Median seconds per step: Opacus DP-SGD vs the same AdamW step without privacy.
+def dpsgd_overhead(
+    model: str, rounds: int, steps: int, batch_size: int, seq_len: int
+) -> dict[str, Any]:
+    """Seconds per local round: DP-SGD (make_private + steps + unhook) vs the same plain AdamW round.
 
-    Both run on the same peft model (fp32, the same LoRA tensors trainable); the non-private
-    step runs with Opacus' hooks disabled. Steps alternate between the two so that load
-    from other processes hits both alike.
+    Both train the same LoRA tensors of the same peft model in fp32 on the same records;
+    a DP-SGD round is exactly what a client runs (``train_dpsgd``: PrivacyEngine and
+    make_private every round, Poisson batches, secure noise, accountant). Rounds
+    alternate so load from other processes hits both alike; the first of each is warm-up.
     """
-    import warnings
-
     import torch
-    from opacus import PrivacyEngine
 
-    from clients.privacy.dpsgd import lm_loss, token_records
+    from clients.privacy.dpsgd import DPSGDConfig, lm_loss, token_records, train_dpsgd
     from clients.privacy.local import apply_ffa
     from fedge.lm import holder
     from fedge.lm.config import TrainConfig
 
     cfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, precision="fp32")
     lm = holder.get_lora_model(holder.resolve_model(model), cfg)
-    tokens = np.random.default_rng(0).integers(0, 256, size=400 * (seq_len + 1))
+    tokens = np.random.default_rng(0).integers(0, 256, size=40 * batch_size * (seq_len + 1))
     records = token_records(tokens, seq_len)
-    out: dict[str, Any] = {"model": model, "batch_size": batch_size, "seq_len": seq_len}
+    out: dict[str, Any] = {
+        "model": model,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "steps_per_round": steps,
+    }
     for label, ffa in (("", False), ("ffa_", True)):
         apply_ffa(lm.model, ffa)
-        params = [p for p in lm.model.parameters() if p.requires_grad]
-        plain_opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
-        dp_opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
-        loader = torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(records), batch_size=batch_size
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            private, dp_optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
-                module=lm.model,
-                optimizer=dp_opt,
-                data_loader=loader,
-                noise_multiplier=1.0,
-                max_grad_norm=1.0,
-            )
-        rng = np.random.default_rng(1)
+        dp = DPSGDConfig(noise_multiplier=1.0, max_grad_norm=1.0, ffa_lora=ffa)
         times: dict[str, list[float]] = {"plain": [], "dp": []}
-        for step in range(2 * steps + 4):
-            batch = records[rng.integers(0, len(records), batch_size)]
-            kind = "dp" if step % 2 else "plain"
-            if kind == "dp":
-                private.enable_hooks()
-                model, opt = private, dp_optimizer
-            else:
-                private.disable_hooks()
-                model, opt = lm.model, plain_opt
+        rng = np.random.default_rng(1)
+        for r in range(2 * rounds + 2):
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            lm_loss(model, batch).backward()
-            opt.step()
-            if step >= 4:  # the first two of each are warm-up
+            if r % 2:
+                train_dpsgd(
+                    lm.model,
+                    tokens,
+                    steps=steps,
+                    batch_size=batch_size,
+                    seq_len=seq_len,
+                    lr=1e-3,
+                    dp=dp,
+                    state={},
+                )
+                kind = "dp"
+            else:
+                params = [p for p in lm.model.parameters() if p.requires_grad]
+                opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+                lm.model.train()
+                for _ in range(steps):
+                    batch = records[rng.integers(0, len(records), batch_size)]
+                    opt.zero_grad(set_to_none=True)
+                    lm_loss(lm.model, batch).backward()
+                    opt.step()
+                kind = "plain"
+            if r >= 2:
                 times[kind].append(time.perf_counter() - t0)
-        private._close()
-        for p in lm.model.parameters():
-            p.grad = None
         plain_s, dp_s = float(np.median(times["plain"])), float(np.median(times["dp"]))
-        out[f"{label}plain_step_s"] = round(plain_s, 4)
-        out[f"{label}dpsgd_step_s"] = round(dp_s, 4)
+        out[f"{label}plain_round_s"] = round(plain_s, 4)
+        out[f"{label}dpsgd_round_s"] = round(dp_s, 4)
         out[f"{label}ratio"] = round(dp_s / plain_s, 3)
     apply_ffa(lm.model, False)
     return out
@@ -248,7 +283,7 @@ def dpsgd_overhead(model: str, steps: int, batch_size: int, seq_len: int) -> dic
 
 # ---------------------------------------------------------------- 3. privacy-utility sweep
 def privacy_utility(
-    model: str, noise_levels: list[float], rounds: int, clients: int
+    model: str, noise_levels: list[float], rounds: int, clients: int, steps: int, lr: float
 ) -> list[dict[str, Any]]:
     """Federations on `model`: plain, SecAgg+, central DP per noise level, SecAgg+ with DDP."""
     from flwr.app import Context
@@ -266,10 +301,10 @@ def privacy_utility(
         "num-server-rounds": rounds,
         "min-available-nodes": clients,
         "min-train-nodes": clients,
-        "local-steps": 8,
+        "local-steps": steps,
         "batch-size": 8,
         "seq-len": 64,
-        "lr": 0.01,
+        "lr": lr,
         "client-eval": False,
         "save-merged": False,
         "server-eval-batches": 16,
@@ -342,11 +377,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size", type=int, default=100_000, help="floats per client vector")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dpsgd-model", default="zoo:micro")
-    p.add_argument("--dpsgd-steps", type=int, default=20)
-    p.add_argument("--sweep-model", default="zoo:default")
+    p.add_argument("--dpsgd-rounds", type=int, default=4, help="timed local rounds per kind")
+    p.add_argument("--dpsgd-steps", type=int, default=30, help="steps per local round")
+    p.add_argument("--sweep-model", default="zoo:demo")
     p.add_argument("--sweep-noise", default="0,0.3,1,3")
-    p.add_argument("--sweep-rounds", type=int, default=4)
+    p.add_argument("--sweep-rounds", type=int, default=8)
     p.add_argument("--sweep-clients", type=int, default=4)
+    p.add_argument("--sweep-steps", type=int, default=16, help="local steps per round")
+    p.add_argument("--sweep-lr", type=float, default=0.03)
     p.add_argument("--skip", default="", help="comma list of parts to skip: secagg,dpsgd,sweep")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -355,16 +393,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         clients = [int(c) for c in args.clients.split(",")]
         result["secagg"] = secagg_overhead(clients, args.size, args.rounds)
     if "dpsgd" not in skip:
-        result["dpsgd"] = dpsgd_overhead(args.dpsgd_model, args.dpsgd_steps, 8, 64)
+        result["dpsgd"] = dpsgd_overhead(
+            args.dpsgd_model, args.dpsgd_rounds, args.dpsgd_steps, 8, 64
+        )
+        result["dpsgd"]["loadavg"] = _loadavg()
         print(f"dpsgd: {result['dpsgd']}", flush=True)
     if "sweep" not in skip:
         noise = [float(z) for z in args.sweep_noise.split(",")]
-        points = privacy_utility(args.sweep_model, noise, args.sweep_rounds, args.sweep_clients)
+        points = privacy_utility(
+            args.sweep_model,
+            noise,
+            args.sweep_rounds,
+            args.sweep_clients,
+            args.sweep_steps,
+            args.sweep_lr,
+        )
         by_run = {p["run"]: p for p in points}
         result["privacy_utility"] = {
             "model": args.sweep_model,
             "clients": args.sweep_clients,
             "rounds": args.sweep_rounds,
+            "local_steps": args.sweep_steps,
+            "lr": args.sweep_lr,
+            "loadavg": _loadavg(),
             "points": points,
             # a real (micro) federation round: SecAgg+ over plain, training and evaluation included
             "federation_secagg_round_ratio": round(

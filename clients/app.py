@@ -35,6 +35,7 @@ from clients.privacy.local import (
     ffa_enabled,
     train_dpsgd_round,
 )
+from clients.privacy.policy import dpsgd_budget, node_policy
 from clients.state import CommittedStore, ContextStore, DiskStore
 from clients.trainer import build_optimizer, random_windows, resolve_optimizer, run_local_steps
 from fedge import keys
@@ -192,7 +193,7 @@ def train(msg: Message, context: Context) -> Message:
                 lr=cfg.lr,
                 hook=hook,
                 ledger=node_ledger(context),
-                max_epsilon=float(config.get(keys.CFG_MAX_EPSILON, 0.0)),
+                max_epsilon=dpsgd_budget(node_policy(context.node_config), config),
             )
         except BudgetExhausted as exc:  # this client stops contributing, the server hears why
             return Message(Error(code=ERROR_BUDGET, reason=str(exc)), reply_to=msg)

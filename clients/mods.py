@@ -1,55 +1,103 @@
-"""One app-level Flower mod that applies the mods the run's config names, chosen per call.
+"""The ClientApp's one app-level mod: this node's privacy policy, then mods from a fixed registry.
 
-``ClientApp(mods=[...])`` is fixed when the module is imported, but which mods a run
-wants (SecAgg+, distributed-DP clipping and noise, ...) is configuration. So the
-ClientApp installs :func:`dispatch_mods` only, and it reads ``client-mods`` from the
-message's ``config`` ConfigRecord (falling back to the run config) on every call:
-a comma-separated list of ``"package.module:mod"`` paths, applied outermost first,
-each a Flower mod ``mod(msg, context, call_next) -> Message``.
+``ClientApp(mods=[...])`` is fixed at import time, but which mods a run wants
+(SecAgg+, distributed-DP clipping and noise, fault injection) is configuration, so
+the ClientApp installs :func:`dispatch_mods` only. On every call it
+
+1. checks train messages against this node's :class:`clients.privacy.policy.PrivacyPolicy`
+   and answers a violation with an error reply naming the rule (the server reports it);
+2. applies the mods ``client-mods`` names (message config, else run config), outermost
+   first, each looked up in :data:`REGISTRY`, plus any the policy requires.
+
+No module path from a message is ever imported: a name outside the registry is
+refused with an error reply listing the registered names. The old dotted names of
+the registered mods are accepted as aliases (a string lookup, never an import).
 
 Contract for mods: a mod that handles a message itself (e.g. a SecAgg+ key-setup
 stage, recognised by its own ConfigRecord key) returns a reply without calling
 ``call_next``; a mod that post-processes the ``contribution`` ArrayRecord of a train
 reply must keep its keys, shapes and float32 dtype (see :mod:`fedge.keys`).
-Every message the server sends carries the ``config`` record, so mods are found
-under both ``flwr run`` and ``run_simulation`` (whose run config is empty).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
-from flwr.app import Context, Message
+from flwr.app import Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
+from clients.faults import fault_mod
+from clients.privacy.mods import distributed_dp_mod
+from clients.privacy.policy import ERROR_POLICY, PolicyRefusal, check_train, node_policy
+from clients.secagg.mod import secaggplus_mod
 from fedge import keys
-from fedge.plugins import load_dotted
+from fedge.privacy.wire import KEY_DP_NOISE_STD
+from fedge.secagg import wire as secagg_wire
+
+MOD_SECAGG = "secagg"
+MOD_DISTRIBUTED_DP = "distributed-dp"
+MOD_FAULTS = "faults"
+REGISTRY: dict[str, Mod] = {
+    MOD_SECAGG: secaggplus_mod,
+    MOD_DISTRIBUTED_DP: distributed_dp_mod,
+    MOD_FAULTS: fault_mod,
+}
+# Dotted names earlier configs used; looked up as strings, never imported.
+ALIASES = {
+    "clients.secagg.mod:secaggplus_mod": MOD_SECAGG,
+    "clients.privacy.mods:distributed_dp_mod": MOD_DISTRIBUTED_DP,
+    "clients.faults:fault_mod": MOD_FAULTS,
+}
 
 
-def configured_mod_paths(msg: Message, context: Context) -> list[str]:
-    """Return the mod paths named by ``client-mods`` in the message config or the run config."""
+def configured_mods(msg: Message, context: Context) -> list[str]:
+    """Registry names of the mods ``client-mods`` asks for; anything else is refused."""
     raw: object = ""
     if msg.has_content() and keys.REC_CONFIG in msg.content.config_records:
         raw = msg.content.config_records[keys.REC_CONFIG].get(keys.CFG_CLIENT_MODS, "")
     if not raw:
         raw = context.run_config.get(keys.CFG_CLIENT_MODS, "")
     if not isinstance(raw, str):
-        raise ValueError(f"config key '{keys.CFG_CLIENT_MODS}' must be a string, got {raw!r}")
-    return [p.strip() for p in raw.split(",") if p.strip()]
+        raise PolicyRefusal(f"config key '{keys.CFG_CLIENT_MODS}' must be a string, got {raw!r}")
+    names = []
+    for item in (p.strip() for p in raw.split(",") if p.strip()):
+        name = ALIASES.get(item, item)
+        if name not in REGISTRY:
+            raise PolicyRefusal(
+                f"'{keys.CFG_CLIENT_MODS}' names {item!r}, which is not a registered mod; this "
+                f"client never imports a module a message names. Registered: {', '.join(REGISTRY)}"
+            )
+        names.append(name)
+    return names
 
 
-@functools.lru_cache(maxsize=32)
-def _resolve(path: str) -> Mod:
-    """Import one mod by dotted path (cached per worker process)."""
-    return load_dotted(path, what=f"client mod (config key '{keys.CFG_CLIENT_MODS}')")  # type: ignore[return-value]
+def required_mods(msg: Message, names: list[str]) -> list[str]:
+    """The mods to run: the configured ones, plus those this node's privacy demands.
+
+    A SecAgg+ stage always runs the SecAgg+ mod (outermost) and a train message
+    carrying a distributed-DP noise level always runs the noise mod, whatever the
+    server listed: otherwise a server could ask for DP and then skip the client's noise.
+    """
+    out = list(names)
+    config = msg.content.config_records.get(keys.REC_CONFIG) if msg.has_content() else None
+    if msg.has_content() and secagg_wire.SECAGG_RECORD in msg.content.config_records:
+        out = [MOD_SECAGG, *(n for n in out if n != MOD_SECAGG)]
+    if config is not None and KEY_DP_NOISE_STD in config and MOD_DISTRIBUTED_DP not in out:
+        out.append(MOD_DISTRIBUTED_DP)
+    return out
 
 
 def dispatch_mods(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Apply the configured mods around ``call_next`` (outermost first)."""
+    """Check the node's privacy policy, then apply the registered mods around ``call_next``."""
+    try:
+        names = required_mods(msg, configured_mods(msg, context))
+        if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN:
+            check_train(node_policy(context.node_config), msg, context)
+    except (PolicyRefusal, ValueError) as exc:
+        return Message(Error(code=ERROR_POLICY, reason=f"privacy policy: {exc}"), reply_to=msg)
     handler: ClientAppCallable = call_next
-    for path in reversed(configured_mod_paths(msg, context)):
-        handler = _wrap(_resolve(path), handler)
+    for name in reversed(names):
+        handler = _wrap(REGISTRY[name], handler)
     return handler(msg, context)
 
 

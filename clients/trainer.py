@@ -17,7 +17,6 @@ import torch
 
 from fedge.lm.config import TrainConfig
 from fedge.lm.evaluate import MIN_WINDOW
-from fedge.plugins import load_dotted
 from strategies.base import ClientHook
 
 
@@ -48,15 +47,12 @@ def build_optimizer(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Return (model, optimizer) for the trainable params; the ONE place DP-SGD replaces.
 
-    ``name`` is "adamw", "sgd" or "package.module:factory" with this function's
-    signature minus ``name`` (a factory may wrap the model, as Opacus does).
+    ``name`` is "adamw" or "sgd" (``TrainConfig`` refuses anything else): a client never
+    imports an optimizer a message names.
     """
-    if name == "adamw":
-        return model, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     if name == "sgd":
         return model, torch.optim.SGD(params, lr=cfg.lr)
-    factory = load_dotted(name, what="config key 'optimizer'")
-    return factory(model, params, cfg)  # type: ignore[return-value]
+    return model, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
 
 
 # ---------------------------------------------------------------- the local loop

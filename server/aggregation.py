@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 
 from fedge import keys
 from fedge.plugins import load_dotted
+from server.grid import exchange_messages
 from strategies.base import Arrays, sum_contributions
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class AggregateResult:
     accepted: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    summed_metrics: dict[str, float] = field(default_factory=dict)  # SecAgg+: only their sums
     bytes_up: int = 0
     bytes_down: int = 0
 
@@ -136,7 +138,7 @@ class PlainAggregator:
             )
             for nid in node_ids
         ]
-        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        replies = exchange_messages(grid, messages, timeout)
         sent = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         result = AggregateResult(summed=None, bytes_down=record_dict_bytes(content) * len(messages))
         valid: list[tuple[float, int, Arrays]] = []

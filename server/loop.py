@@ -511,7 +511,7 @@ def _row(
     connected: int = 0,
 ) -> dict[str, Any]:
     """One metrics row (NaN becomes null in JSON)."""
-    per_client = list(result.metrics.values()) if result else []
+    per_client = _per_client_metrics(result)
     counted = float(result.summed[keys.KEY_COUNT][0]) if result and result.summed else 0.0
     train_losses = [m[keys.MET_TRAIN_LOSS] for m in per_client if keys.MET_TRAIN_LOSS in m]
     train_secs = [m.get(keys.MET_TRAIN_SECONDS, 0.0) for m in per_client]
@@ -550,6 +550,17 @@ def _row(
         "worker_calls_max": max((m.get(keys.MET_CALLS, 0.0) for m in per_client), default=0.0),
         "rejected": {str(n): why for n, why in sorted(result.rejected.items())} if result else {},
     }
+
+
+def _per_client_metrics(result: AggregateResult | None) -> list[dict[str, float]]:
+    """Each accepted client's metrics; under SecAgg+, where only their sum reached the server,
+    every accepted client is given the mean (so means and sums are right, maxima are means)."""
+    if result is None:
+        return []
+    if result.metrics or not result.summed_metrics or not result.accepted:
+        return list(result.metrics.values())
+    mean = {k: v / len(result.accepted) for k, v in result.summed_metrics.items()}
+    return [mean] * len(result.accepted)
 
 
 def _num(x: float) -> float | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
+from clients.privacy.ledger import node_ledger
+from clients.privacy.policy import requested_dp
 from fedge import keys
 from fedge.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
 from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution
@@ -20,7 +22,8 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     C and std come from the ``config`` record (``dp-clip-norm``, ``dp-noise-std``) that
     ``server.privacy.aggregators.DistributedDPAggregator`` adds. Listed after the SecAgg+ mod
     in ``client-mods``, it runs before masking, so the server never sees an un-noised update.
-    The noise is drawn from the OS CSPRNG, never from a seed the server could know.
+    The noise is drawn from the OS CSPRNG, never from a seed the server could know; the
+    release is recorded in this node's privacy ledger (``clients.privacy.ledger``).
     """
     if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
         return call_next(msg, context)
@@ -46,4 +49,7 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     clipped, _ = clip_contribution(arrays, clip)
     noised = add_gaussian_noise(clipped, std, skip)
     reply.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in noised.items()})
+    dp = requested_dp(config)
+    if dp is not None:  # this node released a noised update: its own ledger counts it
+        node_ledger(context).record_release(dp.noise_multiplier)
     return reply

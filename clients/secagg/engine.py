@@ -1,4 +1,14 @@
-"""Client half of SecAgg+ as a state machine whose state lives in a Flower ConfigRecord."""
+"""Client half of SecAgg+ as a state machine whose state lives in a Flower ConfigRecord.
+
+Keys are agreed once per server session: two X25519 key pairs, advertised when the
+server asks. Each round is then two exchanges. *Collect*: the client trains, masks
+its quantized input with a fresh self mask and one pairwise mask per neighbour
+(seeded by HKDF from the pair's X25519 secret, both node ids and the round id),
+and sends it with its self-mask seed Shamir-shared among its neighbours, each share
+encrypted to its holder. *Unmask*: it reveals the self-mask shares of live
+neighbours and, for dropped ones, this round's pairwise seed, never both for one
+node and never a long-term key. A round id is accepted once, so masks never repeat.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +19,6 @@ import numpy as np
 from cryptography.fernet import InvalidToken
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt
-from flwr.common.secure_aggregation.secaggplus_utils import (
-    share_keys_plaintext_concat,
-    share_keys_plaintext_separate,
-)
 
 from fedge.errors import FedgeError
 from fedge.secagg import wire
@@ -22,6 +28,7 @@ from fedge.secagg.crypto import (
     agree,
     fernet_key,
     generate_keypair,
+    pair_info,
     split_secret,
 )
 from fedge.secagg.vectors import Layout, prg_mask, quantize
@@ -29,18 +36,20 @@ from fedge.secagg.vectors import Layout, prg_mask, quantize
 Contribute = Callable[[], Mapping[str, np.ndarray]]
 
 # Fields of the client's state record (wire.SECAGG_STATE_RECORD).
-_S_ROUND = "round"
-_S_STAGE = "stage"
+_S_SESSION = "session"
 _S_SK1 = "sk1"
 _S_SK2 = "sk2"
-_S_SEED = "self-seed"
-_S_PEERS = "peers"
-_S_PEER_PK1 = "peer-pk1"
-_S_PEER_PK2 = "peer-pk2"
-_S_OWNERS = "share-owners"
-_S_SEED_SHARES = "seed-shares"
-_S_SK_SHARES = "sk-shares"
-_S_MASK_PEERS = "mask-peers"
+_S_PK1 = "pk1"
+_S_PK2 = "pk2"
+_S_PINNED = "pinned-ids"  # packed ids, parallel to _S_PINNED_PK1 / _S_PINNED_PK2
+_S_PINNED_PK1 = "pinned-pk1"
+_S_PINNED_PK2 = "pinned-pk2"
+_S_USED = "used-rounds"  # every round id this session has seen
+_S_ROUND = "round"
+_S_STAGE = "stage"
+_S_NEIGHBOURS = "neighbours"
+_S_THRESHOLD = "threshold"
+_S_OWN_SHARE = "own-share"
 _SETTINGS = (
     wire.KEY_THRESHOLD,
     wire.KEY_NEIGHBOURS,
@@ -51,22 +60,17 @@ _SETTINGS = (
     wire.KEY_SCALE_VALUES,
     wire.KEY_MASKED_RECORD,
 )
-_PREVIOUS = {
-    wire.STAGE_SHARE_KEYS: wire.STAGE_SETUP,
-    wire.STAGE_COLLECT: wire.STAGE_SHARE_KEYS,
-    wire.STAGE_UNMASK: wire.STAGE_COLLECT,
-}
 
 
 class SecAggProtocolError(FedgeError):
-    """A SecAgg+ stage message was out of order or malformed; the client refuses it."""
+    """A SecAgg+ stage message was out of order, malformed or unsafe; the client refuses it."""
 
 
 class SecAggClientEngine:
-    """Answer SecAgg+ stage messages for node `node_id`, keeping secrets in `state`.
+    """Answer SecAgg+ stage messages for node ``node_id``, keeping secrets in ``state``.
 
-    The server side is `server.secagg.engine.SecAggServerEngine`. The state record must be the
-    same object across the four stages of a round (Flower's `context.state` provides that).
+    The server side is ``server.secagg.engine.SecAggServerEngine``. ``state`` must be the
+    same record across a session's messages (Flower's ``context.state`` provides that).
     """
 
     def __init__(self, node_id: int, state: ConfigRecord) -> None:
@@ -74,200 +78,245 @@ class SecAggClientEngine:
         self.state = state
 
     def handle(self, content: RecordDict, contribute: Contribute) -> RecordDict:
-        """Run the stage named in `content` and return the reply content."""
+        """Run the stage named in ``content`` and return the reply content."""
         rec = content.config_records.get(wire.SECAGG_RECORD)
         if rec is None:
             raise SecAggProtocolError(
                 f"message has no {wire.SECAGG_RECORD!r} record; send it from the SecAgg+ aggregator"
             )
         stage = str(rec.get(wire.KEY_STAGE, ""))
-        round_id = str(rec.get(wire.KEY_ROUND, ""))
-        if stage == wire.STAGE_SETUP:
-            self.state.clear()
-            self.state[_S_ROUND] = round_id
-        elif stage in _PREVIOUS:
-            if self.state.get(_S_ROUND) != round_id or self.state.get(_S_STAGE) != _PREVIOUS[stage]:
-                raise SecAggProtocolError(
-                    f"stage {stage!r} of round {round_id} arrived after stage "
-                    f"{self.state.get(_S_STAGE)!r} of round {self.state.get(_S_ROUND)!r}; "
-                    "each round must run setup, share-keys, collect-masked-input, unmask in order"
-                )
+        session = str(rec.get(wire.KEY_SESSION, ""))
+        if stage == wire.STAGE_ADVERTISE:
+            out = self._advertise(session)
+        elif self.state.get(_S_SESSION) != session:
+            raise SecAggProtocolError(
+                f"stage {stage!r} of key session {session!r}, but this node holds keys of "
+                f"session {self.state.get(_S_SESSION)!r}; the server must ask it to advertise keys"
+            )
+        elif stage == wire.STAGE_COLLECT:
+            out = self._collect(rec, contribute)
+        elif stage == wire.STAGE_UNMASK:
+            out = self._unmask(rec)
         else:
             raise SecAggProtocolError(
                 f"unknown SecAgg+ stage {stage!r}; expected one of {wire.STAGES}"
             )
-        handlers = {
-            wire.STAGE_SETUP: lambda: self._setup(rec),
-            wire.STAGE_SHARE_KEYS: lambda: self._share_keys(rec),
-            wire.STAGE_COLLECT: lambda: self._collect(rec, contribute),
-            wire.STAGE_UNMASK: lambda: self._unmask(rec),
-        }
-        reply = handlers[stage]()
-        self.state[_S_STAGE] = stage
-        if stage == wire.STAGE_UNMASK:
-            self.state.clear()  # the round is over; forget every secret
-        reply_rec = reply.config_records.get(wire.SECAGG_RECORD, ConfigRecord())
+        reply_rec = out.config_records.get(wire.SECAGG_RECORD, ConfigRecord())
         reply_rec[wire.KEY_STAGE] = stage
-        reply_rec[wire.KEY_ROUND] = round_id
-        reply[wire.SECAGG_RECORD] = reply_rec
-        return reply
+        reply_rec[wire.KEY_SESSION] = session
+        if wire.KEY_ROUND in rec:
+            reply_rec[wire.KEY_ROUND] = rec[wire.KEY_ROUND]
+        out[wire.SECAGG_RECORD] = reply_rec
+        return out
 
     # ------------------------------------------------------------------ stages
-    def _setup(self, rec: ConfigRecord) -> RecordDict:
-        """Store the settings, create two key pairs and a self-mask seed; publish the public keys."""
-        for key in _SETTINGS:
-            if key not in rec:
-                raise SecAggProtocolError(f"setup message lacks field {key!r}")
-            self.state[key] = rec[key]
-        self.state[wire.KEY_OMIT_ZERO] = wire.get_str_list(rec, wire.KEY_OMIT_ZERO)
-        sk1, pk1 = generate_keypair()
-        sk2, pk2 = generate_keypair()
-        self.state[_S_SK1] = sk1
-        self.state[_S_SK2] = sk2
-        self.state[_S_SEED] = os.urandom(32)
-        out = ConfigRecord({wire.KEY_PK1: pk1, wire.KEY_PK2: pk2})
-        return RecordDict({wire.SECAGG_RECORD: out})
-
-    def _share_keys(self, rec: ConfigRecord) -> RecordDict:
-        """Shamir-share the seed and mask key among the peers; encrypt each share to its holder."""
-        peers = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_PEERS))
-        pk1s = wire.get_bytes_list(rec, wire.KEY_PEER_PK1)
-        pk2s = wire.get_bytes_list(rec, wire.KEY_PEER_PK2)
-        allowed = set(wire.unpack_ids(wire.get_bytes(self.state, wire.KEY_NEIGHBOURS))) | {
-            self.node_id
-        }
-        threshold = int(wire.get_number(self.state, wire.KEY_THRESHOLD))
-        if len(pk1s) != len(peers) or len(pk2s) != len(peers) or self.node_id not in peers:
-            raise SecAggProtocolError("share-keys message: peer list and public keys do not match")
-        if set(peers) - allowed:
-            raise SecAggProtocolError(
-                "share-keys message names peers outside this node's neighbours"
-            )
-        if len(set(pk1s)) != len(pk1s) or len(set(pk2s)) != len(pk2s):
-            raise SecAggProtocolError("share-keys message repeats a public key; refusing")
-        if len(peers) < threshold:
-            raise SecAggProtocolError(
-                f"only {len(peers)} peers left, below the reconstruction threshold {threshold}"
-            )
-        seed_shares = split_secret(wire.get_bytes(self.state, _S_SEED), threshold, len(peers))
-        sk_shares = split_secret(wire.get_bytes(self.state, _S_SK1), threshold, len(peers))
-        sk2 = wire.get_bytes(self.state, _S_SK2)
-        dsts: list[int] = []
-        cts: list[bytes] = []
-        for peer, pk2, b_share, s_share in zip(peers, pk2s, seed_shares, sk_shares, strict=True):
-            if peer == self.node_id:
-                self._keep_shares(peer, b_share, s_share)
-                continue
-            key = fernet_key(agree(sk2, pk2, SHARE_PURPOSE))
-            plain = share_keys_plaintext_concat(self.node_id, peer, b_share, s_share)
-            dsts.append(peer)
-            cts.append(encrypt(key, plain))
-        self.state[_S_PEERS] = wire.pack_ids(peers)
-        self.state[_S_PEER_PK1] = pk1s
-        self.state[_S_PEER_PK2] = pk2s
-        out = ConfigRecord({wire.KEY_DESTINATIONS: wire.pack_ids(dsts), wire.KEY_CIPHERTEXTS: cts})
+    def _advertise(self, session: str) -> RecordDict:
+        """Create this session's two key pairs (once) and publish the public keys."""
+        if not session:
+            raise SecAggProtocolError("advertise-keys message has no session id")
+        if self.state.get(_S_SESSION) != session:
+            self.state.clear()
+            self.state[_S_SESSION] = session
+            self.state[_S_SK1], self.state[_S_PK1] = generate_keypair()
+            self.state[_S_SK2], self.state[_S_PK2] = generate_keypair()
+            self.state[_S_USED] = []
+        out = ConfigRecord({wire.KEY_PK1: self.state[_S_PK1], wire.KEY_PK2: self.state[_S_PK2]})
         return RecordDict({wire.SECAGG_RECORD: out})
 
     def _collect(self, rec: ConfigRecord, contribute: Contribute) -> RecordDict:
-        """Store peers' shares, train, then send the quantized input under self and pairwise masks."""
-        sources = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_SOURCES))
-        cts = wire.get_bytes_list(rec, wire.KEY_CIPHERTEXTS)
-        peers = wire.unpack_ids(wire.get_bytes(self.state, _S_PEERS))
-        pk1 = dict(zip(peers, wire.get_bytes_list(self.state, _S_PEER_PK1), strict=True))
-        pk2 = dict(zip(peers, wire.get_bytes_list(self.state, _S_PEER_PK2), strict=True))
-        threshold = int(wire.get_number(self.state, wire.KEY_THRESHOLD))
-        if len(sources) != len(cts) or len(set(sources)) != len(sources):
-            raise SecAggProtocolError("collect message: sources and ciphertexts do not match")
-        if set(sources) - set(peers) or self.node_id in sources:
-            raise SecAggProtocolError("collect message forwards shares from non-peers")
-        if len(sources) + 1 < threshold:
+        """Check the round, train, mask; return the masked input and the encrypted seed shares."""
+        round_id = str(rec.get(wire.KEY_ROUND, ""))
+        used = wire.get_str_list(self.state, _S_USED)
+        if not round_id or round_id in used:
             raise SecAggProtocolError(
-                f"only {len(sources)} peers shared keys; with threshold {threshold} this "
-                "node's masks could not be protected, so it does not send its input"
+                f"round id {round_id!r} was already used in this session; reusing it would repeat "
+                "this node's pairwise masks, so it refuses"
             )
-        sk2 = wire.get_bytes(self.state, _S_SK2)
-        for src, ct in zip(sources, cts, strict=True):
-            try:
-                plain = decrypt(fernet_key(agree(sk2, pk2[src], SHARE_PURPOSE)), ct)
-            except InvalidToken as exc:
-                raise SecAggProtocolError(f"share from node {src} does not decrypt") from exc
-            s, d, b_share, s_share = share_keys_plaintext_separate(plain)
-            if s != src or d != self.node_id:
-                raise SecAggProtocolError(f"share from node {src} is addressed {s}->{d}")
-            self._keep_shares(src, b_share, s_share)
-        self.state[_S_MASK_PEERS] = wire.pack_ids(sources)
+        for key in _SETTINGS:
+            if key not in rec:
+                raise SecAggProtocolError(f"collect message lacks field {key!r}")
+        neighbours = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_NEIGHBOURS))
+        pk1s = wire.get_bytes_list(rec, wire.KEY_PEER_PK1)
+        pk2s = wire.get_bytes_list(rec, wire.KEY_PEER_PK2)
+        threshold = int(wire.get_number(rec, wire.KEY_THRESHOLD))
+        self._check_neighbourhood(neighbours, pk1s, pk2s, threshold)
+        self.state[_S_USED] = [*used, round_id]
+        self.state[_S_ROUND] = round_id
+        self.state[_S_STAGE] = wire.STAGE_COLLECT
+        self.state[_S_NEIGHBOURS] = wire.pack_ids(neighbours)
+        self.state[_S_THRESHOLD] = threshold
 
         arrays = dict(contribute())
-        for name in wire.get_str_list(self.state, wire.KEY_OMIT_ZERO):
+        for name in wire.get_str_list(rec, wire.KEY_OMIT_ZERO):
             if name in arrays and np.any(arrays.pop(name)):
                 raise SecAggProtocolError(
                     f"contribution {name!r} must be zero (FFA-LoRA freezes lora_A) but is not; "
                     "freeze it (dp-ffa-lora) or turn FFA-LoRA off on the server"
                 )
-        scales = wire.get_scales(self.state)
-        layout = Layout.of(arrays, scales)
-        modulus = int(wire.get_number(self.state, wire.KEY_MODULUS_RANGE))
+        layout = Layout.of(arrays, wire.get_scales(rec))
+        modulus = int(wire.get_number(rec, wire.KEY_MODULUS_RANGE))
         q = quantize(
             layout.flatten(arrays),
-            wire.get_number(self.state, wire.KEY_CLIPPING_RANGE),
-            int(wire.get_number(self.state, wire.KEY_QUANTIZATION_RANGE)),
+            wire.get_number(rec, wire.KEY_CLIPPING_RANGE),
+            int(wire.get_number(rec, wire.KEY_QUANTIZATION_RANGE)),
             np.random.default_rng(),
         )
+        seed = os.urandom(32)  # fresh self mask every round
         # uint32 arithmetic wraps mod 2**32, a multiple of m: reduce mod m once at the end
-        masked = q + prg_mask(wire.get_bytes(self.state, _S_SEED), layout.size, modulus)
-        sk1 = wire.get_bytes(self.state, _S_SK1)
-        for peer in sources:
-            mask = prg_mask(agree(sk1, pk1[peer], MASK_PURPOSE), layout.size, modulus)
+        masked = q + prg_mask(seed, layout.size, modulus)
+        for peer, pk1 in zip(neighbours, pk1s, strict=True):
+            mask = prg_mask(self._pair_seed(peer, pk1, round_id), layout.size, modulus)
             if self.node_id < peer:
                 masked += mask
             else:
                 masked -= mask
         masked &= np.uint32(modulus - 1)
-        record = ArrayRecord(
+
+        shares = split_secret(seed, threshold, len(neighbours) + 1)
+        self.state[_S_OWN_SHARE] = shares[-1]
+        cts = [
+            encrypt(
+                self._share_key(peer, pk2, round_id), _share_plaintext(self.node_id, peer, share)
+            )
+            for peer, pk2, share in zip(neighbours, pk2s, shares, strict=False)
+        ]
+        out = ConfigRecord(
+            {wire.KEY_DESTINATIONS: wire.pack_ids(neighbours), wire.KEY_CIPHERTEXTS: cts}
+        )
+        masked_record = ArrayRecord(
             {k: Array(np.ascontiguousarray(v)) for k, v in layout.split(masked).items()}
         )
-        masked_name = str(self.state[wire.KEY_MASKED_RECORD])
-        return RecordDict({masked_name: record})
+        return RecordDict(
+            {wire.SECAGG_RECORD: out, str(rec[wire.KEY_MASKED_RECORD]): masked_record}
+        )
 
     def _unmask(self, rec: ConfigRecord) -> RecordDict:
-        """Reveal self-seed shares of live peers and mask-key shares of dropped peers, never both."""
+        """Reveal self-mask shares of live neighbours and this round's seeds with dropped ones."""
+        round_id = str(rec.get(wire.KEY_ROUND, ""))
+        if self.state.get(_S_ROUND) != round_id or self.state.get(_S_STAGE) != wire.STAGE_COLLECT:
+            raise SecAggProtocolError(
+                f"unmask of round {round_id!r} arrived, but this node's last step was "
+                f"{self.state.get(_S_STAGE)!r} of round {self.state.get(_S_ROUND)!r}; each round "
+                "runs collect-masked-input, then one unmask"
+            )
+        self.state[_S_STAGE] = wire.STAGE_UNMASK  # one unmask per round, even if this one fails
         active = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_ACTIVE))
         dropped = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_DROPPED))
-        mask_peers = set(wire.unpack_ids(wire.get_bytes(self.state, _S_MASK_PEERS)))
+        neighbours = wire.unpack_ids(wire.get_bytes(self.state, _S_NEIGHBOURS))
+        threshold = int(wire.get_number(self.state, _S_THRESHOLD))
         if set(active) & set(dropped):
             raise SecAggProtocolError(
                 "unmask message lists a node as both live and dropped; refusing"
             )
         if self.node_id not in active:
             raise SecAggProtocolError("unmask message lists this node as not live; refusing")
-        if (set(active) | set(dropped)) - mask_peers - {self.node_id}:
+        if (set(active) | set(dropped)) - set(neighbours) - {self.node_id}:
             raise SecAggProtocolError(
-                "unmask message asks for shares of nodes this node never masked with"
+                "unmask message asks about nodes outside this node's neighbourhood"
             )
-        owners = wire.unpack_ids(wire.get_bytes(self.state, _S_OWNERS))
-        seed_shares = dict(
-            zip(owners, wire.get_bytes_list(self.state, _S_SEED_SHARES), strict=True)
-        )
-        sk_shares = dict(zip(owners, wire.get_bytes_list(self.state, _S_SK_SHARES), strict=True))
-        out_owners = [u for u in active if u in seed_shares] + [
-            u for u in dropped if u in sk_shares
-        ]
-        out_shares = [seed_shares[u] for u in active if u in seed_shares]
-        out_shares += [sk_shares[u] for u in dropped if u in sk_shares]
+        if len(set(active)) < threshold:
+            raise SecAggProtocolError(
+                f"only {len(set(active))} live nodes in this neighbourhood, below the threshold "
+                f"{threshold}; unmasking now could expose an input, so this node refuses"
+            )
+        sources = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_SOURCES))
+        cts = wire.get_bytes_list(rec, wire.KEY_CIPHERTEXTS)
+        if len(sources) != len(cts) or set(sources) - set(active) or self.node_id in sources:
+            raise SecAggProtocolError(
+                "unmask message forwards shares that do not match live neighbours"
+            )
+        pk2 = self._pinned(neighbours)[1]
+        owners, shares = [self.node_id], [wire.get_bytes(self.state, _S_OWN_SHARE)]
+        for src, ct in zip(sources, cts, strict=True):
+            try:
+                plain = decrypt(self._share_key(src, pk2[src], round_id), ct)
+            except InvalidToken as exc:
+                raise SecAggProtocolError(f"share from node {src} does not decrypt") from exc
+            s, d, share = _share_fields(plain)
+            if s != src or d != self.node_id:
+                raise SecAggProtocolError(f"share from node {src} is addressed {s}->{d}")
+            owners.append(src)
+            shares.append(share)
+        pk1 = self._pinned(neighbours)[0]
+        seeds = [self._pair_seed(u, pk1[u], round_id) for u in dropped]
         out = ConfigRecord(
-            {wire.KEY_SHARE_OWNERS: wire.pack_ids(out_owners), wire.KEY_SHARES: out_shares}
+            {
+                wire.KEY_SHARE_OWNERS: wire.pack_ids(owners),
+                wire.KEY_SHARES: shares,
+                wire.KEY_SEED_PEERS: wire.pack_ids(dropped),
+                wire.KEY_SEEDS: seeds,
+            }
         )
         return RecordDict({wire.SECAGG_RECORD: out})
 
-    # ------------------------------------------------------------------ state helpers
-    def _keep_shares(self, owner: int, seed_share: bytes, sk_share: bytes) -> None:
-        owners = (
-            wire.unpack_ids(wire.get_bytes(self.state, _S_OWNERS))
-            if _S_OWNERS in self.state
+    # ------------------------------------------------------------------ helpers
+    def _check_neighbourhood(
+        self, neighbours: list[int], pk1s: list[bytes], pk2s: list[bytes], threshold: int
+    ) -> None:
+        """Refuse an unsafe neighbourhood: low threshold, repeated or swapped public keys."""
+        k = len(neighbours) + 1
+        if 2 * threshold <= k:
+            raise SecAggProtocolError(
+                f"threshold {threshold} is not more than half of this node's neighbourhood of {k}; "
+                "with it the server could rebuild both secrets of a node, so it refuses"
+            )
+        if threshold > k or len(pk1s) != len(neighbours) or len(pk2s) != len(neighbours):
+            raise SecAggProtocolError(
+                "collect message: neighbours, keys and threshold do not match"
+            )
+        if self.node_id in neighbours or len(set(neighbours)) != len(neighbours):
+            raise SecAggProtocolError(
+                "collect message lists this node or a node twice as neighbour"
+            )
+        own = (self.state[_S_PK1], self.state[_S_PK2])
+        if len(set(pk1s) | {own[0]}) != k or len(set(pk2s) | {own[1]}) != k:
+            raise SecAggProtocolError(
+                "collect message repeats a public key (or this node's own); refusing"
+            )
+        self._pin(neighbours, pk1s, pk2s)
+
+    def _pin(self, ids: list[int], pk1s: list[bytes], pk2s: list[bytes]) -> None:
+        """Bind public keys to node ids for the session: a key that changes is refused."""
+        pinned = (
+            wire.unpack_ids(wire.get_bytes(self.state, _S_PINNED))
+            if _S_PINNED in self.state
             else []
         )
-        if owner in owners:
-            raise SecAggProtocolError(f"node {owner} sent its shares twice")
-        self.state[_S_OWNERS] = wire.pack_ids([*owners, owner])
-        self.state[_S_SEED_SHARES] = [*wire.get_bytes_list(self.state, _S_SEED_SHARES), seed_share]
-        self.state[_S_SK_SHARES] = [*wire.get_bytes_list(self.state, _S_SK_SHARES), sk_share]
+        p1 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK1), strict=True))
+        p2 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK2), strict=True))
+        for u, a, b in zip(ids, pk1s, pk2s, strict=True):
+            if p1.setdefault(u, a) != a or p2.setdefault(u, b) != b:
+                raise SecAggProtocolError(
+                    f"the public keys of node {u} changed within key session "
+                    f"{self.state.get(_S_SESSION)!r}; refusing (a server may be impersonating it)"
+                )
+        order = sorted(p1)
+        self.state[_S_PINNED] = wire.pack_ids(order)
+        self.state[_S_PINNED_PK1] = [p1[u] for u in order]
+        self.state[_S_PINNED_PK2] = [p2[u] for u in order]
+
+    def _pinned(self, ids: list[int]) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        pinned = wire.unpack_ids(wire.get_bytes(self.state, _S_PINNED))
+        p1 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK1), strict=True))
+        p2 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK2), strict=True))
+        return {u: p1[u] for u in ids}, {u: p2[u] for u in ids}
+
+    def _pair_seed(self, peer: int, pk1: bytes, round_id: str) -> bytes:
+        """This round's pairwise mask seed with ``peer``: HKDF over the X25519 secret."""
+        info = pair_info(MASK_PURPOSE, self.node_id, peer, round_id)
+        return agree(wire.get_bytes(self.state, _S_SK1), pk1, info)
+
+    def _share_key(self, peer: int, pk2: bytes, round_id: str) -> bytes:
+        info = pair_info(SHARE_PURPOSE, self.node_id, peer, round_id)
+        return fernet_key(agree(wire.get_bytes(self.state, _S_SK2), pk2, info))
+
+
+def _share_plaintext(src: int, dst: int, share: bytes) -> bytes:
+    return wire.pack_ids([src, dst]) + share
+
+
+def _share_fields(plain: bytes) -> tuple[int, int, bytes]:
+    if len(plain) < 17:
+        raise SecAggProtocolError("a decrypted share is too short")
+    src, dst = wire.unpack_ids(plain[:16])
+    return src, dst, plain[16:]

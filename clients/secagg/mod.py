@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
 from fedge import keys
+from fedge.privacy.wire import MET_DPSGD_EPSILON
 from fedge.secagg import wire
 from fedge.secagg.vectors import scale_for
 
 # Error code of a refused SecAgg+ message (Flower reserves the small codes).
 ERROR_SECAGG = 640
+# Per-client metrics that travel summed inside the masked vector; every other metric stays home.
+MASKED_METRICS = (
+    keys.MET_TRAIN_LOSS,
+    keys.MET_NUM_EXAMPLES,
+    keys.MET_LOCAL_STEPS,
+    keys.MET_COMPLETED,
+    keys.MET_TRAIN_SECONDS,
+    MET_DPSGD_EPSILON,
+)
 
 
 def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Run the SecAgg+ stage a message carries; pass every other message through untouched.
 
-    In the collect stage the mod trains through ``call_next``, then replaces the reply's
-    ``contribution`` record by its masked form, so the plain contribution never leaves the
-    client. A refused stage becomes an error reply naming the reason; the server counts that
-    node as dropped. The server half is ``server.secagg.aggregator.SecAggPlusAggregator``.
+    In the collect stage the mod trains through ``call_next``, then replaces the reply by
+    the masked form of its ``contribution`` with the summable metrics folded into the same
+    masked vector, so neither the plain contribution nor any client's own metrics leave
+    the client. A refused stage becomes an error reply naming the reason; the server
+    counts that node as dropped. The server half is ``server.secagg.aggregator``.
     """
     if not msg.has_content() or wire.SECAGG_RECORD not in msg.content.config_records:
         return call_next(msg, context)
@@ -29,7 +40,7 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     if wire.SECAGG_STATE_RECORD not in states:
         states[wire.SECAGG_STATE_RECORD] = ConfigRecord()
     engine = SecAggClientEngine(msg.metadata.dst_node_id, states[wire.SECAGG_STATE_RECORD])
-    passthrough = RecordDict()
+    rec = msg.content.config_records[wire.SECAGG_RECORD]
 
     def contribute() -> dict[str, np.ndarray]:
         reply = call_next(msg, context)
@@ -38,27 +49,43 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
         record = reply.content.array_records.get(keys.REC_CONTRIB)
         if record is None:
             raise SecAggProtocolError(f"the train reply has no {keys.REC_CONTRIB!r} record to mask")
-        for name, rec in reply.content.items():
-            if name != keys.REC_CONTRIB:
-                passthrough[name] = rec
         arrays = {k: a.numpy() for k, a in record.items()}
-        _check_range(arrays, engine)
-        return arrays
+        _check_range(arrays, rec)
+        return {**arrays, **_metric_arrays(reply.content, rec)}
 
     try:
         out = engine.handle(msg.content, contribute)
     except (SecAggProtocolError, ValueError) as exc:
         return Message(Error(code=ERROR_SECAGG, reason=f"SecAgg+: {exc}"), reply_to=msg)
-    for name, rec in passthrough.items():
-        out[name] = rec
     return Message(out, reply_to=msg)
 
 
-def _check_range(arrays: dict[str, np.ndarray], engine: SecAggClientEngine) -> None:
+def _metric_arrays(content: RecordDict, rec: ConfigRecord) -> dict[str, np.ndarray]:
+    """The reply's summable metrics as (1,) arrays, clamped into the quantizer's range.
+
+    Only metrics the reply carries are sent (every client of a round runs the same
+    config, so they all carry the same ones; a client that differs has a different
+    layout and is dropped, never mis-summed).
+    """
+    metrics = content.metric_records.get(keys.REC_METRICS, MetricRecord())
+    clip = wire.get_number(rec, wire.KEY_CLIPPING_RANGE)
+    scales = wire.get_scales(rec)
+    out = {}
+    for name in MASKED_METRICS:
+        value = metrics.get(name)
+        if not isinstance(value, int | float):
+            continue
+        key = wire.PREFIX_METRIC + name
+        bound = clip * scale_for(key, scales)
+        clamped = min(bound, max(-bound, float(value))) if np.isfinite(value) else 0.0
+        out[key] = np.array([clamped], dtype=np.float32)
+    return out
+
+
+def _check_range(arrays: dict[str, np.ndarray], rec: ConfigRecord) -> None:
     """Refuse values the quantizer would clip: a clipped sum would be silently wrong."""
-    state = engine.state
-    clip = wire.get_number(state, wire.KEY_CLIPPING_RANGE)
-    scales = wire.get_scales(state)
+    clip = wire.get_number(rec, wire.KEY_CLIPPING_RANGE)
+    scales = wire.get_scales(rec)
     for name, arr in arrays.items():
         peak = float(np.max(np.abs(arr))) / scale_for(name, scales) if arr.size else 0.0
         if not np.isfinite(peak) or peak > clip:

@@ -8,7 +8,7 @@ KEY_DP_CLIP: Final = "dp-clip-norm"  # float: L2 bound of one client's sensitive
 KEY_DP_NOISE_STD: Final = (
     "dp-noise-std"  # float: std of the noise each client adds (distributed DP)
 )
-DDP_CLIENT_MOD: Final = "clients.privacy.mods:distributed_dp_mod"
+DDP_CLIENT_MOD: Final = "distributed-dp"  # its name in the clients' fixed mod registry
 KEY_DP_ACTIVE: Final = "dp-active"  # bool: a DP aggregator runs this round (turns FFA-LoRA on)
 MET_DPSGD_EPSILON: Final = "dp-sgd-epsilon"  # metric: the client's DP-SGD epsilon spent so far
 KEY_DP_MIN_CLIENTS: Final = "dp-min-clients"  # int: contributors a distributed-DP round needs

@@ -19,9 +19,7 @@ class SecAggConfig:
     num_shares: int | float | None = (
         None  # None: 2*ceil(log2 n)+1 neighbours-plus-self, capped at n
     )
-    reconstruction_threshold: int | float = (
-        2 / 3
-    )  # float: fraction of num_shares; > 1/2 keeps b and sk apart
+    reconstruction_threshold: int | float = 2 / 3  # fraction of num_shares, > 1/2
     clipping_range: float = (
         8.0  # values are clipped to [-R, R] (after per-key scaling) before quantizing
     )
@@ -42,8 +40,11 @@ class SecAggConfig:
         if isinstance(self.num_shares, int) and self.num_shares < 2:
             raise ValueError(f"num_shares={self.num_shares}: need at least 2")
         t = self.reconstruction_threshold
-        if isinstance(t, float) and not 0 < t <= 1:
-            raise ValueError(f"reconstruction_threshold={t}: a float must be in (0, 1]")
+        if isinstance(t, float) and not 0.5 < t <= 1:
+            raise ValueError(
+                f"reconstruction_threshold={t}: a fraction must be in (0.5, 1]; at half or less "
+                "a server could collect both secrets of a node"
+            )
         if isinstance(t, int) and t < 1:
             raise ValueError(f"reconstruction_threshold={t}: need at least 1")
         if not (self.clipping_range > 0 and math.isfinite(self.clipping_range)):
@@ -76,8 +77,13 @@ class SecAggConfig:
     def threshold_for(self, num_shares: int) -> int:
         """Return the number of shares that rebuild a secret in a neighbourhood of `num_shares`."""
         t = self.reconstruction_threshold
-        k = math.ceil(t * num_shares) if isinstance(t, float) else t
-        return max(1, min(k, num_shares))
+        k = min(math.ceil(t * num_shares) if isinstance(t, float) else t, num_shares)
+        if 2 * k <= num_shares:
+            raise ValueError(
+                f"reconstruction_threshold={t} gives {k} of a neighbourhood of {num_shares}, not "
+                "more than half: clients refuse it; raise secagg-threshold"
+            )
+        return k
 
     def check_capacity(self, num_clients: int) -> None:
         """Fail before a round whose quantized sum could wrap around the modulus."""

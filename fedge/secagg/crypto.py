@@ -41,8 +41,18 @@ def check_public_key(public: bytes) -> None:
     X25519PublicKey.from_public_bytes(public)
 
 
+def pair_info(purpose: bytes, a: int, b: int, round_id: str) -> bytes:
+    """HKDF info binding a derived key to its purpose, the pair of node ids and the round."""
+    lo, hi = sorted((a, b))
+    return b"|".join((purpose, lo.to_bytes(8, "big"), hi.to_bytes(8, "big"), round_id.encode()))
+
+
 def agree(private: bytes, public: bytes, purpose: bytes) -> bytes:
-    """Return 32 bytes both parties derive from the X25519 secret, bound to ``purpose``."""
+    """Return 32 bytes both parties derive from the X25519 secret, bound to ``purpose``.
+
+    ``purpose`` is the HKDF info: give it :func:`pair_info` so that a key agreed for one
+    pair of node ids and one round is useless for any other.
+    """
     secret = X25519PrivateKey.from_private_bytes(private).exchange(
         X25519PublicKey.from_public_bytes(public)
     )

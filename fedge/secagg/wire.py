@@ -11,18 +11,22 @@ SECAGG_RECORD = "fedge.secagg"
 # Name of the ConfigRecord in the client's context state that holds its protocol state.
 SECAGG_STATE_RECORD = "fedge.secagg.state"
 
-# Stage names, in protocol order.
-STAGE_SETUP = "setup"
-STAGE_SHARE_KEYS = "share-keys"
+# Stage names, in protocol order. Keys are advertised once per session (run); every
+# round is then two exchanges: collect (train + masked input + encrypted self-mask
+# shares) and unmask.
+STAGE_ADVERTISE = "advertise-keys"
 STAGE_COLLECT = "collect-masked-input"
 STAGE_UNMASK = "unmask"
-STAGES = (STAGE_SETUP, STAGE_SHARE_KEYS, STAGE_COLLECT, STAGE_UNMASK)
+STAGES = (STAGE_ADVERTISE, STAGE_COLLECT, STAGE_UNMASK)
 
 # Fields inside SECAGG_RECORD.
 KEY_STAGE = "stage"
-KEY_ROUND = "round-id"
+KEY_SESSION = "session"  # str: the server's key session; keys are agreed once per session
+KEY_ROUND = "round-id"  # str: fresh per round; a client never accepts one twice
 KEY_THRESHOLD = "threshold"
-KEY_NEIGHBOURS = "neighbours"  # packed uint64 node ids
+KEY_NEIGHBOURS = "neighbours"  # packed uint64 node ids, parallel to KEY_PEER_PK1/KEY_PEER_PK2
+KEY_PEER_PK1 = "peer-pk1"
+KEY_PEER_PK2 = "peer-pk2"
 KEY_CLIPPING_RANGE = "clipping-range"
 KEY_QUANTIZATION_RANGE = "quantization-range"
 KEY_MODULUS_RANGE = "modulus-range"
@@ -32,18 +36,19 @@ KEY_MASKED_RECORD = "masked-record"
 KEY_OMIT_ZERO = "omit-zero"  # list[str]: contribution keys that must be zero and are not sent
 KEY_PK1 = "pk1"  # public key for pairwise mask agreement
 KEY_PK2 = "pk2"  # public key for share encryption
-KEY_PEERS = "peers"  # packed uint64 node ids, parallel to KEY_PEER_PK1/KEY_PEER_PK2
-KEY_PEER_PK1 = "peer-pk1"
-KEY_PEER_PK2 = "peer-pk2"
 KEY_DESTINATIONS = "destinations"  # packed uint64 node ids, parallel to KEY_CIPHERTEXTS
 KEY_SOURCES = "sources"  # packed uint64 node ids, parallel to KEY_CIPHERTEXTS
 KEY_CIPHERTEXTS = "ciphertexts"
-KEY_MASK_PEERS = "mask-peers"  # packed uint64 node ids this client must mask against
 KEY_ACTIVE = "active"  # packed uint64 node ids whose self-mask shares are asked for
-KEY_DROPPED = "dropped"  # packed uint64 node ids whose key shares are asked for
+KEY_DROPPED = "dropped"  # packed uint64 node ids whose round pair seeds are asked for
 KEY_SHARE_OWNERS = "share-owners"  # packed uint64 node ids, parallel to KEY_SHARES
 KEY_SHARES = "shares"
-KEY_NUM_CONTRIBUTORS = "num-contributors"
+KEY_SEED_PEERS = "seed-peers"  # packed uint64 node ids, parallel to KEY_SEEDS
+KEY_SEEDS = "pair-seeds"  # this round's pairwise mask seeds with dropped neighbours
+
+# Per-client metrics travel summed inside the masked vector, never in clear.
+PREFIX_METRIC = "metric/"
+METRIC_SCALES = (("metric/", 100.0), ("metric/num-examples", 1e5))  # divisors before quantizing
 
 
 def pack_ids(node_ids: Sequence[int]) -> bytes:

@@ -15,29 +15,33 @@ from fedge.privacy.ffa import ffa_enabled, frozen_keys
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes
-from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
+from server.grid import exchange_messages
+from server.secagg.engine import KeyBook, SecAggRoundFailed, SecAggServerEngine
 from server.secagg.protocol import run_secagg
 
 log = logging.getLogger(__name__)
 
 # ArrayRecord in which the client mod returns its masked contribution.
 MASKED_RECORD = "fedge.secagg.masked"
-# The client mod every SecAgg+ run must list in `client-mods`.
-CLIENT_MOD = "clients.secagg.mod:secaggplus_mod"
+# The registered client mod every SecAgg+ run needs (clients.mods.REGISTRY).
+CLIENT_MOD = "secagg"
+# A client refusal that means it holds no keys of this session (restarted): re-advertise.
+_LOST_KEYS = "advertise keys"
 
 
 class SecAggPlusAggregator:
     """Sum the round's contributions under SecAgg+ so the server sees only the sum.
 
-    Stage messages are ordinary train messages carrying a ``fedge.secagg`` ConfigRecord and the
-    round's ``config`` record (so the client's ``dispatch_mods`` finds ``CLIENT_MOD``); the
-    collect stage message is the strategy's train content plus that record. Each stage waits at
-    most ``cfg.stage_timeout_s`` (the collect stage, which trains, at most the loop's timeout
-    when that is longer). When too few clients answer, the round fails: ``summed`` is None.
+    Keys are advertised once per run (this object's :class:`KeyBook`); each round is then
+    two exchanges, collect (the strategy's train content plus the protocol record) and
+    unmask. Each stage waits at most ``cfg.stage_timeout_s`` (collect, which trains, at
+    most the loop's timeout when that is longer). When too few clients answer, the round
+    fails: ``summed`` is None. Clients' metrics arrive only as their sum.
     """
 
     def __init__(self, cfg: SecAggConfig | None = None) -> None:
         self.cfg = cfg if cfg is not None else SecAggConfig()
+        self.keys = KeyBook()
         self.last_failure: str | None = None
         self.min_contributors: int | None = None  # per-round override, set by distributed DP
         self.last_stage_seconds: dict[str, float] = {}  # wall time of each stage, last round
@@ -51,11 +55,11 @@ class SecAggPlusAggregator:
         spec: ContributionSpec,
         timeout: float | None,
     ) -> AggregateResult:
-        """Run the four SecAgg+ stages over ``node_ids`` and return the unmasked sum."""
+        """Run the SecAgg+ stages over ``node_ids`` and return the unmasked sum."""
         result = AggregateResult(summed=None)
         self.last_failure = None
+        self.last_stage_seconds = {}
         content = with_secagg_mod(content)
-        replied: dict[str, set[int]] = {}
 
         def exchange(stage: str, requests: Mapping[int, RecordDict]) -> dict[int, RecordDict]:
             messages = [
@@ -72,18 +76,19 @@ class SecAggPlusAggregator:
             if stage == wire.STAGE_COLLECT and timeout is not None:
                 wait = max(wait, timeout)
             out: dict[int, RecordDict] = {}
-            for msg in grid.send_and_receive(messages, timeout=wait):
+            for msg in exchange_messages(grid, messages, wait):
                 nid = msg.metadata.src_node_id
                 if msg.has_error():
                     result.rejected[nid] = (
                         f"{stage}: client error {msg.error.code}: {msg.error.reason}"
                     )
                     log.warning("round %d: node %d %s", server_round, nid, result.rejected[nid])
+                    if _LOST_KEYS in str(msg.error.reason):
+                        self.keys.forget([nid])
                     continue
                 out[nid] = msg.content
                 result.bytes_up += record_dict_bytes(msg.content)
             result.bytes_down += sum(record_dict_bytes(m.content) for m in messages)
-            replied[stage] = set(out)
             self.last_stage_seconds[stage] = time.perf_counter() - started
             return out
 
@@ -97,6 +102,7 @@ class SecAggPlusAggregator:
                 expected=spec,
                 min_contributors=self.min_contributors,
                 omit_zero=omit,
+                keys=self.keys,
             )
             summed = run_secagg(engine, exchange)
         except SecAggRoundFailed as exc:
@@ -106,22 +112,25 @@ class SecAggPlusAggregator:
                 result.rejected.setdefault(nid, str(exc))
             return result
         result.accepted = engine.contributors
-        for nid, extra in engine.extras.items():
-            metrics = extra.metric_records.get(keys.REC_METRICS)
-            if metrics is not None:
-                result.metrics[nid] = {
-                    k: float(v) for k, v in metrics.items() if isinstance(v, int | float)
-                }
         for nid in set(node_ids) - set(engine.contributors):
             result.rejected.setdefault(nid, "dropped out of the SecAgg+ round")
         for name in omit:  # FFA-LoRA keys every client left out: exactly zero
             summed[name] = np.zeros(spec[name], dtype=np.float32)
-        result.summed = {k: v.astype("float32") for k, v in summed.items()}
+        result.summed_metrics = {
+            k[len(wire.PREFIX_METRIC) :]: float(v[0])
+            for k, v in summed.items()
+            if k.startswith(wire.PREFIX_METRIC)
+        }
+        result.summed = {
+            k: v.astype("float32")
+            for k, v in summed.items()
+            if not k.startswith(wire.PREFIX_METRIC)
+        }
         return result
 
 
 def _stage_content(stage: str, content: RecordDict, request: RecordDict) -> RecordDict:
-    """Build one stage message: the protocol record, the run config, and at collect the train content."""
+    """One stage message: the protocol record, the run config, and at collect the train content."""
     body = RecordDict()
     if stage == wire.STAGE_COLLECT:
         for name, record in content.items():

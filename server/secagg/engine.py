@@ -1,4 +1,8 @@
-"""Server half of SecAgg+ as a transport-free state machine: stage requests in, replies out."""
+"""Server half of SecAgg+ as a transport-free state machine: stage requests in, replies out.
+
+Keys are advertised once per key session (:class:`KeyBook`, one per run); a round is
+then two exchanges, collect and unmask (three when some sampled node has no keys yet).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from flwr.app import ConfigRecord, RecordDict
 from fedge.errors import FedgeError
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
-from fedge.secagg.crypto import MASK_PURPOSE, agree, check_public_key, combine_secret
+from fedge.secagg.crypto import check_public_key, combine_secret
 from fedge.secagg.vectors import IntVec, Layout, dequantize_sum, prg_mask
 
 log = logging.getLogger(__name__)
@@ -25,7 +29,7 @@ class SecAggRoundFailed(FedgeError):
 
 
 def ring_neighbours(node_ids: Sequence[int], num_shares: int, seed: int) -> dict[int, list[int]]:
-    """Place nodes on a shuffled ring; each node's neighbours are the nearest `num_shares - 1`.
+    """Place nodes on a shuffled ring; each node's neighbours are the nearest ``num_shares - 1``.
 
     This is the Harary-graph construction of SecAgg+: every node has the same degree and the
     server learns nothing from the placement beyond what it chose.
@@ -41,26 +45,58 @@ def ring_neighbours(node_ids: Sequence[int], num_shares: int, seed: int) -> dict
     return out
 
 
+class KeyBook:
+    """The public keys of one key session: advertised once, reused every round of the run."""
+
+    def __init__(self) -> None:
+        self.session = secrets.token_hex(8)
+        self.keys: dict[int, tuple[bytes, bytes]] = {}
+
+    def missing(self, nodes: Sequence[int]) -> list[int]:
+        """Nodes that have not advertised keys in this session."""
+        return [u for u in nodes if u not in self.keys]
+
+    def forget(self, nodes: Sequence[int]) -> None:
+        """Drop keys (a node that lost them re-advertises next round)."""
+        for u in nodes:
+            self.keys.pop(u, None)
+
+    def receive(self, replies: Mapping[int, ConfigRecord]) -> None:
+        """Keep well-formed, unique public keys (a repeated key would let one node pose as two)."""
+        seen = {pk for pair in self.keys.values() for pk in pair}
+        for u, rec in replies.items():
+            try:
+                pk1, pk2 = wire.get_bytes(rec, wire.KEY_PK1), wire.get_bytes(rec, wire.KEY_PK2)
+                check_public_key(pk1)
+                check_public_key(pk2)
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("SecAgg+: node %d sent unusable public keys (%s); dropped", u, exc)
+                continue
+            if pk1 in seen or pk2 in seen or pk1 == pk2:
+                log.warning("SecAgg+: node %d repeats a public key; dropped", u)
+                continue
+            seen |= {pk1, pk2}
+            self.keys[u] = (pk1, pk2)
+
+
 @dataclass
 class _Round:
     """What the server knows about one round; never an individual unmasked vector."""
 
-    neighbours: dict[int, list[int]]
-    thresholds: dict[int, int]
-    public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    neighbours: dict[int, list[int]] = field(default_factory=dict)
+    thresholds: dict[int, int] = field(default_factory=dict)
     forward: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
-    shared_keys: set[int] = field(default_factory=set)
     masked: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     layout: Layout | None = None
     extras: dict[int, RecordDict] = field(default_factory=dict)
 
 
 class SecAggServerEngine:
-    """Run one SecAgg+ sum over `node_ids`: four request/reply stages, then `result()`.
+    """Run one SecAgg+ sum over ``node_ids``: (advertise,) collect, unmask, then the sum.
 
-    The caller delivers each stage's requests (`*_requests`) to the named nodes and hands the
-    replies that arrived in time to the matching `receive_*`; a node that does not answer has
-    dropped out. Clients run `clients.secagg.mod.secaggplus_mod`.
+    The caller delivers each stage's requests (``*_requests``) to the named nodes and hands
+    the replies that arrived in time to the matching ``receive_*``; a node that does not
+    answer has dropped out. Clients run ``clients.secagg.mod.secaggplus_mod``.
     """
 
     def __init__(
@@ -72,6 +108,7 @@ class SecAggServerEngine:
         seed: int | None = None,
         min_contributors: int | None = None,
         omit_zero: Sequence[str] = (),
+        keys: KeyBook | None = None,
     ) -> None:
         nodes = sorted(set(node_ids))
         self.min_contributors = max(
@@ -92,25 +129,48 @@ class SecAggServerEngine:
             else None
         )
         self.nodes = nodes
-        num_shares = cfg.shares_for(len(nodes))
-        neighbours = ring_neighbours(
-            nodes, num_shares, seed if seed is not None else secrets.randbits(63)
-        )
-        self._r = _Round(
-            neighbours=neighbours,
-            thresholds={u: cfg.threshold_for(len(nb) + 1) for u, nb in neighbours.items()},
-        )
+        self.keys = keys if keys is not None else KeyBook()
+        self._seed = seed if seed is not None else secrets.randbits(63)
+        self._r = _Round()
 
-    # ------------------------------------------------------------------ stage 1: setup
-    def setup_requests(self) -> dict[int, RecordDict]:
-        """Send each node the settings and its neighbour list; it answers with two public keys."""
-        scale_names = [k for k, _ in self.cfg.key_scales]
-        scale_values = [float(v) for _, v in self.cfg.key_scales]
+    # ------------------------------------------------------------------ stage 0: keys (once)
+    def advertise_requests(self) -> dict[int, RecordDict]:
+        """Ask the sampled nodes without keys in this session to advertise two public keys."""
+        return {
+            u: RecordDict({wire.SECAGG_RECORD: self._record(wire.STAGE_ADVERTISE)})
+            for u in self.keys.missing(self.nodes)
+        }
+
+    def receive_public_keys(self, replies: Mapping[int, RecordDict]) -> None:
+        """Keep the nodes that advertised well-formed public keys."""
+        recs = {
+            u: r
+            for u, c in replies.items()
+            if (r := self._reply_record(u, c, wire.STAGE_ADVERTISE)) is not None
+        }
+        self.keys.receive(recs)
+
+    # ------------------------------------------------------------------ stage 1: collect
+    def collect_requests(self) -> dict[int, RecordDict]:
+        """Send each keyed node its settings and neighbours' keys; it trains and masks."""
+        keyed = [u for u in self.nodes if u in self.keys.keys]
+        self._require(len(keyed), "hold SecAgg+ keys")
+        num_shares = self.cfg.shares_for(len(keyed))
+        self._r.neighbours = ring_neighbours(keyed, num_shares, self._seed)
+        scale_names = [k for k, _ in self._scales()]
+        scale_values = [float(v) for _, v in self._scales()]
         out = {}
-        for u in self.nodes:
-            rec = self._record(wire.STAGE_SETUP)
+        for u in keyed:
+            hood = self._r.neighbours[u]
+            try:
+                self._r.thresholds[u] = self.cfg.threshold_for(len(hood) + 1)
+            except ValueError as exc:
+                raise SecAggRoundFailed(f"SecAgg+: {exc}; no aggregate is applied") from exc
+            rec = self._record(wire.STAGE_COLLECT)
             rec[wire.KEY_THRESHOLD] = self._r.thresholds[u]
-            rec[wire.KEY_NEIGHBOURS] = wire.pack_ids(self._r.neighbours[u])
+            rec[wire.KEY_NEIGHBOURS] = wire.pack_ids(hood)
+            rec[wire.KEY_PEER_PK1] = [self.keys.keys[v][0] for v in hood]
+            rec[wire.KEY_PEER_PK2] = [self.keys.keys[v][1] for v in hood]
             rec[wire.KEY_CLIPPING_RANGE] = float(self.cfg.clipping_range)
             rec[wire.KEY_QUANTIZATION_RANGE] = int(self.cfg.quantization_range)
             rec[wire.KEY_MODULUS_RANGE] = int(self.cfg.modulus_range)
@@ -121,94 +181,39 @@ class SecAggServerEngine:
             out[u] = RecordDict({wire.SECAGG_RECORD: rec})
         return out
 
-    def receive_public_keys(self, replies: Mapping[int, RecordDict]) -> None:
-        """Keep the nodes that advertised well-formed public keys."""
-        for u, content in replies.items():
-            rec = self._reply_record(u, content, wire.STAGE_SETUP)
-            if rec is None:
+    def receive_masked_inputs(self, replies: Mapping[int, RecordDict]) -> None:
+        """Keep masked inputs whose layout agrees, and queue their encrypted seed shares."""
+        for v in sorted(replies):
+            content = replies[v]
+            rec = self._reply_record(v, content, wire.STAGE_COLLECT)
+            if rec is None or v not in self._r.neighbours:
                 continue
-            try:
-                pk1, pk2 = wire.get_bytes(rec, wire.KEY_PK1), wire.get_bytes(rec, wire.KEY_PK2)
-                check_public_key(pk1)
-                check_public_key(pk2)
-            except (KeyError, ValueError, TypeError) as exc:
-                log.warning("SecAgg+: node %d sent unusable public keys (%s); dropped", u, exc)
-                continue
-            self._r.public_keys[u] = (pk1, pk2)
-        self._require(len(self._r.public_keys), "advertised their keys")
-
-    # ------------------------------------------------------------------ stage 2: share keys
-    def share_keys_requests(self) -> dict[int, RecordDict]:
-        """Send each keyed node its keyed neighbours' public keys; it answers with encrypted shares."""
-        keyed = self._r.public_keys
-        out = {}
-        for u in sorted(keyed):
-            peers = [v for v in [*self._r.neighbours[u], u] if v in keyed]
-            peers.sort()
-            rec = self._record(wire.STAGE_SHARE_KEYS)
-            rec[wire.KEY_PEERS] = wire.pack_ids(peers)
-            rec[wire.KEY_PEER_PK1] = [keyed[v][0] for v in peers]
-            rec[wire.KEY_PEER_PK2] = [keyed[v][1] for v in peers]
-            out[u] = RecordDict({wire.SECAGG_RECORD: rec})
-        return out
-
-    def receive_encrypted_shares(self, replies: Mapping[int, RecordDict]) -> None:
-        """Queue every ciphertext for its destination; the server cannot read them."""
-        for u, content in replies.items():
-            rec = self._reply_record(u, content, wire.STAGE_SHARE_KEYS)
-            if rec is None or u not in self._r.public_keys:
+            if self.masked_record not in content.array_records:
+                log.warning("SecAgg+: node %d sent no %r record; dropped", v, self.masked_record)
                 continue
             try:
                 dsts = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_DESTINATIONS))
                 cts = wire.get_bytes_list(rec, wire.KEY_CIPHERTEXTS)
             except ValueError as exc:
-                log.warning("SecAgg+: node %d sent malformed shares (%s); dropped", u, exc)
+                log.warning("SecAgg+: node %d sent malformed shares (%s); dropped", v, exc)
                 continue
-            if len(dsts) != len(cts) or set(dsts) - set(self._r.neighbours[u]):
-                log.warning("SecAgg+: node %d sent shares for non-neighbours; dropped", u)
-                continue
-            self._r.shared_keys.add(u)
-            for v, ct in zip(dsts, cts, strict=True):
-                self._r.forward.setdefault(v, []).append((u, ct))
-        self._require(len(self._r.shared_keys), "shared their keys")
-
-    # ------------------------------------------------------------------ stage 3: masked input
-    def collect_requests(self) -> dict[int, RecordDict]:
-        """Forward each node the shares addressed to it; it trains and answers with a masked input."""
-        out = {}
-        for v in sorted(self._r.shared_keys):
-            fwd = [(u, ct) for u, ct in self._r.forward.get(v, []) if u in self._r.shared_keys]
-            rec = self._record(wire.STAGE_COLLECT)
-            rec[wire.KEY_SOURCES] = wire.pack_ids([u for u, _ in fwd])
-            rec[wire.KEY_CIPHERTEXTS] = [ct for _, ct in fwd]
-            out[v] = RecordDict({wire.SECAGG_RECORD: rec})
-        return out
-
-    def receive_masked_inputs(self, replies: Mapping[int, RecordDict]) -> None:
-        """Keep masked inputs whose names and shapes agree; other records of a reply pass through."""
-        for v in sorted(replies):
-            content = replies[v]
-            rec = self._reply_record(v, content, wire.STAGE_COLLECT)
-            if rec is None or v not in self._r.shared_keys:
-                continue
-            if self.masked_record not in content.array_records:
-                log.warning("SecAgg+: node %d sent no %r record; dropped", v, self.masked_record)
-                continue
-            arrays = {k: a.numpy() for k, a in content.array_records[self.masked_record].items()}
-            layout = Layout.of(arrays, dict(self.cfg.key_scales))
-            if self.expected is not None and {k: tuple(a.shape) for k, a in arrays.items()} != {
-                k: tuple(s) for k, s in self.expected.items()
-            }:
+            if len(dsts) != len(cts) or sorted(dsts) != self._r.neighbours[v]:
                 log.warning(
-                    "SecAgg+: node %d masked input has the wrong keys or shapes; dropped", v
+                    "SecAgg+: node %d did not share its seed with its neighbours; dropped", v
                 )
                 continue
+            arrays = {k: a.numpy() for k, a in content.array_records[self.masked_record].items()}
+            if not self._expected_layout(v, arrays):
+                continue
+            layout = Layout.of(arrays, dict(self._scales()))
             if self._r.layout is None:
                 self._r.layout = layout
             elif layout != self._r.layout:
                 log.warning("SecAgg+: node %d masked input layout differs; dropped", v)
                 continue
             self._r.masked[v] = arrays
+            for u, ct in zip(dsts, cts, strict=True):
+                self._r.forward.setdefault(u, []).append((v, ct))
             rest = RecordDict()
             for name, record in content.items():
                 if name not in (self.masked_record, wire.SECAGG_RECORD):
@@ -223,28 +228,36 @@ class SecAggServerEngine:
 
     @property
     def extras(self) -> dict[int, RecordDict]:
-        """Records each contributor sent beside its masked input (metrics, plain configs)."""
+        """Records each contributor sent beside its masked input (none from fedge's mod)."""
         return dict(self._r.extras)
 
-    # ------------------------------------------------------------------ stage 4: unmask
+    # ------------------------------------------------------------------ stage 2: unmask
     def unmask_requests(self) -> dict[int, RecordDict]:
-        """Ask each contributor for self-mask shares of contributors and key shares of drop-outs."""
+        """Ask each contributor for live neighbours' seed shares and dropped ones' pair seeds."""
         alive = set(self._r.masked)
-        dropped = self._r.shared_keys - alive
         out = {}
         for v in sorted(alive):
             hood = set(self._r.neighbours[v])
+            active = sorted((hood | {v}) & alive)
+            if len(active) < self._r.thresholds[v]:
+                raise SecAggRoundFailed(
+                    f"SecAgg+: only {len(active)} live nodes around node {v}, below its threshold "
+                    f"{self._r.thresholds[v]}; the round is abandoned and no aggregate is applied"
+                )
+            fwd = [(u, ct) for u, ct in self._r.forward.get(v, []) if u in alive and u != v]
             rec = self._record(wire.STAGE_UNMASK)
-            rec[wire.KEY_ACTIVE] = wire.pack_ids(sorted((hood | {v}) & alive))
-            rec[wire.KEY_DROPPED] = wire.pack_ids(sorted(hood & dropped))
+            rec[wire.KEY_ACTIVE] = wire.pack_ids(active)
+            rec[wire.KEY_DROPPED] = wire.pack_ids(sorted(hood - alive))
+            rec[wire.KEY_SOURCES] = wire.pack_ids([u for u, _ in fwd])
+            rec[wire.KEY_CIPHERTEXTS] = [ct for _, ct in fwd]
             out[v] = RecordDict({wire.SECAGG_RECORD: rec})
         return out
 
     def receive_unmask_shares(self, replies: Mapping[int, RecordDict]) -> dict[str, np.ndarray]:
-        """Rebuild the masks from the shares and return the float sum of the contributors' inputs."""
+        """Rebuild the masks from the shares and seeds; return the float sum of the inputs."""
         alive = set(self._r.masked)
-        dropped = self._r.shared_keys - alive
         collected: dict[int, list[bytes]] = {}
+        seeds: dict[tuple[int, int], bytes] = {}  # (dropped u, live v) -> this round's seed
         for v, content in replies.items():
             rec = self._reply_record(v, content, wire.STAGE_UNMASK)
             if rec is None or v not in alive:
@@ -252,36 +265,47 @@ class SecAggServerEngine:
             try:
                 owners = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_SHARE_OWNERS))
                 shares = wire.get_bytes_list(rec, wire.KEY_SHARES)
+                seed_peers = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_SEED_PEERS))
+                pair_seeds = wire.get_bytes_list(rec, wire.KEY_SEEDS)
             except ValueError as exc:
                 log.warning("SecAgg+: node %d sent malformed shares (%s); ignored", v, exc)
                 continue
-            if len(owners) != len(shares):
-                log.warning(
-                    "SecAgg+: node %d sent %d owners for %d shares; ignored",
-                    v,
-                    len(owners),
-                    len(shares),
-                )
+            if len(owners) != len(shares) or len(seed_peers) != len(pair_seeds):
+                log.warning("SecAgg+: node %d sent mismatched unmask lists; ignored", v)
                 continue
+            hood = set(self._r.neighbours[v])
             for u, share in zip(owners, shares, strict=True):
-                if u in alive or (u in dropped and u in self._r.neighbours[v]):
+                if u in alive and u in hood | {v}:
                     collected.setdefault(u, []).append(share)
-        needed = alive | {u for u in dropped if set(self._r.neighbours[u]) & alive}
-        short = sorted(u for u in needed if len(collected.get(u, [])) < self._r.thresholds[u])
-        if short:
+            for u, seed in zip(seed_peers, pair_seeds, strict=True):
+                if u in hood and u not in alive:
+                    seeds[(u, v)] = seed
+        short = sorted(u for u in alive if len(collected.get(u, [])) < self._r.thresholds[u])
+        missing = sorted(
+            (u, v)
+            for u in self._r.neighbours
+            if u not in alive
+            for v in self._r.neighbours[u]
+            if v in alive and (u, v) not in seeds
+        )
+        if short or missing:
             detail = ", ".join(
                 f"{u}: {len(collected.get(u, []))}/{self._r.thresholds[u]}" for u in short
             )
             raise SecAggRoundFailed(
-                f"SecAgg+ unmask: too few shares to rebuild the masks of {len(short)} node(s) "
-                f"({detail}); more clients dropped out than the reconstruction threshold "
-                "tolerates. The round is abandoned and no aggregate is applied."
+                f"SecAgg+ unmask: too few shares or seeds to remove the masks (self-mask shares "
+                f"{detail or 'complete'}; {len(missing)} pairwise seed(s) of dropped nodes missing); "
+                "more clients dropped out than the protocol tolerates. The round is abandoned and "
+                "no aggregate is applied."
             )
-        return self._unmask(alive, dropped, collected)
+        return self._unmask(alive, collected, seeds)
 
     # ------------------------------------------------------------------ helpers
     def _unmask(
-        self, alive: set[int], dropped: set[int], collected: Mapping[int, list[bytes]]
+        self,
+        alive: set[int],
+        collected: Mapping[int, list[bytes]],
+        seeds: Mapping[tuple[int, int], bytes],
     ) -> dict[str, np.ndarray]:
         """Sum the masked inputs mod M, strip self masks and drop-outs' pairwise masks."""
         layout = self._r.layout
@@ -295,35 +319,54 @@ class SecAggServerEngine:
         for v in sorted(alive):
             seed = _combine(collected[v][: self._r.thresholds[v]], f"self-mask seed of node {v}")
             total -= prg_mask(seed, layout.size, m)
-        for u in sorted(dropped):
-            partners = sorted(set(self._r.neighbours[u]) & alive)
-            if not partners:
-                continue
-            sk1 = _combine(collected[u][: self._r.thresholds[u]], f"mask key of node {u}")
-            for v in partners:
-                mask = prg_mask(agree(sk1, self._r.public_keys[v][0], MASK_PURPOSE), layout.size, m)
-                # node v added +mask when v < u and -mask otherwise; undo it
-                if v < u:
-                    total -= mask
-                else:
-                    total += mask
+        for (u, v), seed in sorted(seeds.items()):
+            mask = prg_mask(seed, layout.size, m)
+            # live node v added +mask when v < u and -mask otherwise; undo it
+            if v < u:
+                total -= mask
+            else:
+                total += mask
         total &= np.uint32(m - 1)
         flat_sum = dequantize_sum(
             total, len(alive), self.cfg.clipping_range, self.cfg.quantization_range
         )
         return layout.unflatten(flat_sum)
 
+    def _scales(self) -> tuple[tuple[str, float], ...]:
+        """Per-key divisors: the configured ones, plus the metrics'."""
+        return (*self.cfg.key_scales, *wire.METRIC_SCALES)
+
+    def _expected_layout(self, v: int, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Whether a masked input has the expected keys and shapes (metrics: shape (1,))."""
+        if self.expected is None:
+            return True
+        model = {
+            k: tuple(a.shape) for k, a in arrays.items() if not k.startswith(wire.PREFIX_METRIC)
+        }
+        metrics_ok = all(
+            tuple(a.shape) == (1,) for k, a in arrays.items() if k.startswith(wire.PREFIX_METRIC)
+        )
+        if model != {k: tuple(s) for k, s in self.expected.items()} or not metrics_ok:
+            log.warning("SecAgg+: node %d masked input has the wrong keys or shapes; dropped", v)
+            return False
+        return True
+
     def _record(self, stage: str) -> ConfigRecord:
-        return ConfigRecord({wire.KEY_STAGE: stage, wire.KEY_ROUND: self.round_id})
+        rec = ConfigRecord({wire.KEY_STAGE: stage, wire.KEY_SESSION: self.keys.session})
+        if stage != wire.STAGE_ADVERTISE:
+            rec[wire.KEY_ROUND] = self.round_id
+        return rec
 
     def _reply_record(self, node: int, content: RecordDict, stage: str) -> ConfigRecord | None:
         """Return the protocol record of a reply, or None (logged) when it is malformed."""
         rec = content.config_records.get(wire.SECAGG_RECORD)
-        if (
-            rec is None
-            or rec.get(wire.KEY_STAGE) != stage
-            or rec.get(wire.KEY_ROUND) != self.round_id
-        ):
+        ok = (
+            rec is not None
+            and rec.get(wire.KEY_STAGE) == stage
+            and rec.get(wire.KEY_SESSION) == self.keys.session
+            and (stage == wire.STAGE_ADVERTISE or rec.get(wire.KEY_ROUND) == self.round_id)
+        )
+        if not ok:
             log.warning("SecAgg+: node %d sent no valid %s reply; dropped", node, stage)
             return None
         return rec

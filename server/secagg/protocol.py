@@ -1,4 +1,4 @@
-"""Drive the four SecAgg+ stages over any transport that maps requests to replies."""
+"""Drive the SecAgg+ stages over any transport that maps requests to replies."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ Exchange = Callable[[str, Mapping[int, RecordDict]], Mapping[int, RecordDict]]
 
 
 def run_secagg(engine: SecAggServerEngine, exchange: Exchange) -> dict[str, np.ndarray]:
-    """Run setup, share-keys, collect-masked-input and unmask; return the unmasked float sum.
+    """Run (advertise-keys,) collect-masked-input and unmask; return the unmasked float sum.
 
-    Raises `SecAggRoundFailed` when too few clients answer any stage; then nothing is returned.
+    Keys are advertised only by sampled nodes without keys in the engine's key session, so
+    a steady-state round is two exchanges. Raises `SecAggRoundFailed` when too few clients
+    answer any stage; then nothing is returned.
     """
-    engine.receive_public_keys(exchange(wire.STAGE_SETUP, engine.setup_requests()))
-    engine.receive_encrypted_shares(exchange(wire.STAGE_SHARE_KEYS, engine.share_keys_requests()))
+    advertise = engine.advertise_requests()
+    if advertise:
+        engine.receive_public_keys(exchange(wire.STAGE_ADVERTISE, advertise))
     engine.receive_masked_inputs(exchange(wire.STAGE_COLLECT, engine.collect_requests()))
     return engine.receive_unmask_shares(exchange(wire.STAGE_UNMASK, engine.unmask_requests()))

@@ -11,7 +11,8 @@ from flwr.app import ConfigRecord, RecordDict
 from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
-from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine, ring_neighbours
+from fedge.secagg.crypto import generate_keypair
+from server.secagg.engine import KeyBook, SecAggRoundFailed, SecAggServerEngine, ring_neighbours
 from server.secagg.protocol import run_secagg
 
 MASKED = "masked"
@@ -101,7 +102,7 @@ def test_below_threshold_the_round_fails_without_a_sum(make_federation: Callable
     fed.silent[wire.STAGE_COLLECT] = set(nodes[:3])
     engine = SecAggServerEngine(cfg, nodes, MASKED)
     # Execute / Assert
-    with pytest.raises(SecAggRoundFailed, match=r"too few shares.*no aggregate is applied"):
+    with pytest.raises(SecAggRoundFailed, match=r"below its threshold 4.*no aggregate is applied"):
         run_secagg(engine, fed.exchange)
 
 
@@ -109,9 +110,9 @@ def test_too_few_clients_in_an_early_stage_fail_the_round(make_federation: Calla
     # Prepare: only one client answers the setup stage
     fed = make_federation(3, seed=8)
     nodes = sorted(fed.contributions)
-    fed.silent[wire.STAGE_SETUP] = set(nodes[1:])
+    fed.silent[wire.STAGE_ADVERTISE] = set(nodes[1:])
     # Execute / Assert
-    with pytest.raises(SecAggRoundFailed, match=r"only 1 client.*advertised their keys"):
+    with pytest.raises(SecAggRoundFailed, match=r"only 1 client.*hold SecAgg\+ keys"):
         run_secagg(SecAggServerEngine(SecAggConfig(), nodes, MASKED), fed.exchange)
 
 
@@ -147,42 +148,120 @@ def test_server_receives_nothing_that_reveals_an_individual_input(
 
 
 def test_client_refuses_stages_out_of_order() -> None:
-    # Prepare: a fresh client gets a collect-stage message without setup
+    # Prepare: a fresh client gets a collect-stage message without having advertised keys
     engine = SecAggClientEngine(7, ConfigRecord())
-    content = RecordDict(
-        {
-            wire.SECAGG_RECORD: ConfigRecord(
-                {wire.KEY_STAGE: wire.STAGE_COLLECT, wire.KEY_ROUND: "r"}
-            )
-        }
-    )
+    rec = {wire.KEY_STAGE: wire.STAGE_COLLECT, wire.KEY_SESSION: "s", wire.KEY_ROUND: "r"}
+    content = RecordDict({wire.SECAGG_RECORD: ConfigRecord(rec)})
     # Execute / Assert
-    with pytest.raises(SecAggProtocolError, match="must run setup, share-keys"):
+    with pytest.raises(SecAggProtocolError, match="ask it to advertise keys"):
         engine.handle(content, dict)
 
 
-def test_client_refuses_to_reveal_both_secrets_of_a_node(make_federation: Callable) -> None:
-    # Prepare: run to the unmask stage, then ask client A for B's seed AND key shares
-    fed = make_federation(3, seed=10)
-    nodes = sorted(fed.contributions)
-    engine = SecAggServerEngine(SecAggConfig(num_shares=1.0), nodes, MASKED)
-    engine.receive_public_keys(fed.exchange(wire.STAGE_SETUP, engine.setup_requests()))
-    engine.receive_encrypted_shares(
-        fed.exchange(wire.STAGE_SHARE_KEYS, engine.share_keys_requests())
-    )
+def collected(fed, cfg: SecAggConfig, keys: KeyBook | None = None) -> SecAggServerEngine:  # type: ignore[no-untyped-def]
+    """An engine whose round ran up to (not including) the unmask stage."""
+    engine = SecAggServerEngine(cfg, sorted(fed.contributions), MASKED, keys=keys)
+    advertise = engine.advertise_requests()
+    if advertise:
+        engine.receive_public_keys(fed.exchange(wire.STAGE_ADVERTISE, advertise))
     engine.receive_masked_inputs(fed.exchange(wire.STAGE_COLLECT, engine.collect_requests()))
-    a, b = nodes[0], nodes[1]
+    return engine
+
+
+def unmask_request(engine: SecAggServerEngine, active: list[int], dropped: list[int]) -> RecordDict:
+    """A hand-made unmask request (what a malicious server could send)."""
     rec = ConfigRecord(
         {
             wire.KEY_STAGE: wire.STAGE_UNMASK,
+            wire.KEY_SESSION: engine.keys.session,
             wire.KEY_ROUND: engine.round_id,
-            wire.KEY_ACTIVE: wire.pack_ids([a, b]),
-            wire.KEY_DROPPED: wire.pack_ids([b]),
+            wire.KEY_ACTIVE: wire.pack_ids(active),
+            wire.KEY_DROPPED: wire.pack_ids(dropped),
+            wire.KEY_SOURCES: wire.pack_ids([]),
+            wire.KEY_CIPHERTEXTS: [],
         }
     )
+    return RecordDict({wire.SECAGG_RECORD: rec})
+
+
+def test_client_refuses_to_reveal_both_secrets_of_a_node(make_federation: Callable) -> None:
+    # Prepare: run to the unmask stage, then ask client A for B's seed share AND pair seed
+    fed = make_federation(3, seed=10)
+    engine = collected(fed, SecAggConfig(num_shares=1.0))
+    a, b, c = sorted(fed.contributions)
     # Execute / Assert
     with pytest.raises(SecAggProtocolError, match="both live and dropped"):
-        SecAggClientEngine(a, fed.states[a]).handle(RecordDict({wire.SECAGG_RECORD: rec}), dict)
+        SecAggClientEngine(a, fed.states[a]).handle(unmask_request(engine, [a, b, c], [b]), dict)
+    # and a second unmask of the same round is refused too (one reveal per round)
+    with pytest.raises(SecAggProtocolError, match="then one unmask"):
+        SecAggClientEngine(a, fed.states[a]).handle(unmask_request(engine, [a, c], [b]), dict)
+
+
+def test_client_refuses_to_unmask_below_its_threshold(make_federation: Callable) -> None:
+    # Prepare: 5 clients, threshold 3; the server says only A and B are alive
+    fed = make_federation(5, seed=13)
+    engine = collected(fed, SecAggConfig(num_shares=1.0, reconstruction_threshold=3))
+    a, b, *rest = sorted(fed.contributions)
+    # Execute / Assert
+    with pytest.raises(SecAggProtocolError, match="below the threshold 3"):
+        SecAggClientEngine(a, fed.states[a]).handle(unmask_request(engine, [a, b], rest), dict)
+
+
+def test_keys_are_agreed_once_and_rounds_take_two_exchanges(make_federation: Callable) -> None:
+    # Prepare: one key book for the run, three rounds
+    fed = make_federation(4, seed=14)
+    book = KeyBook()
+    cfg = SecAggConfig()
+    want = plain_sum(fed, fed.contributions)
+    for _ in range(3):
+        # Execute
+        got = run_secagg(
+            SecAggServerEngine(cfg, list(fed.contributions), MASKED, keys=book), fed.exchange
+        )
+        # Assert: every round is exact
+        assert np.max(
+            np.abs(got["delta/layer.lora_B"] - want["delta/layer.lora_B"])
+        ) <= quantization_bound(cfg, 4)
+    stages = [stage for stage, _, _ in fed.received]
+    assert stages.count(wire.STAGE_ADVERTISE) == 4  # once per node, first round only
+    assert stages.count(wire.STAGE_COLLECT) == stages.count(wire.STAGE_UNMASK) == 12
+
+
+def test_client_refuses_a_replayed_round_and_a_swapped_key(make_federation: Callable) -> None:
+    # Prepare: a finished round, then the same collect requests again
+    fed = make_federation(3, seed=15)
+    book = KeyBook()
+    engine = SecAggServerEngine(SecAggConfig(), sorted(fed.contributions), MASKED, keys=book)
+    engine.receive_public_keys(fed.exchange(wire.STAGE_ADVERTISE, engine.advertise_requests()))
+    requests = engine.collect_requests()
+    fed.exchange(wire.STAGE_COLLECT, requests)
+    a = sorted(fed.contributions)[0]
+    client = SecAggClientEngine(a, fed.states[a])
+    # Execute / Assert: replaying a round id would repeat the pairwise masks
+    with pytest.raises(SecAggProtocolError, match="already used"):
+        client.handle(requests[a], lambda: fed.contributions[a])
+    # a new round in which the server swaps a neighbour's public key
+    fresh = SecAggServerEngine(SecAggConfig(), sorted(fed.contributions), MASKED, keys=book)
+    swapped = fresh.collect_requests()[a]
+    rec = swapped[wire.SECAGG_RECORD]
+    rec[wire.KEY_PEER_PK1] = [
+        generate_keypair()[1],
+        *wire.get_bytes_list(rec, wire.KEY_PEER_PK1)[1:],
+    ]
+    with pytest.raises(SecAggProtocolError, match=r"public keys of node .* changed"):
+        client.handle(swapped, lambda: fed.contributions[a])
+
+
+def test_client_refuses_a_threshold_of_half_its_neighbourhood(make_federation: Callable) -> None:
+    # Prepare: 4 clients, everyone a neighbour; the server sends threshold 2 of 4
+    fed = make_federation(4, seed=16)
+    engine = SecAggServerEngine(SecAggConfig(num_shares=1.0), sorted(fed.contributions), MASKED)
+    engine.receive_public_keys(fed.exchange(wire.STAGE_ADVERTISE, engine.advertise_requests()))
+    a = sorted(fed.contributions)[0]
+    request = engine.collect_requests()[a]
+    request[wire.SECAGG_RECORD][wire.KEY_THRESHOLD] = 2
+    # Execute / Assert
+    with pytest.raises(SecAggProtocolError, match="not more than half"):
+        SecAggClientEngine(a, fed.states[a]).handle(request, lambda: fed.contributions[a])
 
 
 def test_ring_neighbours_is_a_regular_graph() -> None:
@@ -198,6 +277,7 @@ def test_ring_neighbours_is_a_regular_graph() -> None:
     [
         ({"num_shares": 1.5}, "num_shares=1.5"),
         ({"reconstruction_threshold": 0}, "reconstruction_threshold=0"),
+        ({"reconstruction_threshold": 0.5}, "must be in \\(0.5, 1\\]"),
         ({"modulus_range": 1000}, "modulus_range=1000"),
         ({"quantization_range": 2**32}, "quantization_range"),
         ({"key_scales": (("meta/weight", 0.0),)}, "key_scales"),

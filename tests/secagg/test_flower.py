@@ -12,7 +12,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
@@ -56,14 +66,13 @@ def train(msg: Message, context: Context) -> Message:
     if str(pid) in crash.split(","):
         raise RuntimeError("injected crash during local training")
     record = ArrayRecord({k: Array(v) for k, v in true_contribution(pid).items()})
-    return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
+    metrics = MetricRecord({keys.MET_TRAIN_LOSS: 1.5 + pid, keys.MET_PARTITION: pid})
+    return Message(RecordDict({keys.REC_CONTRIB: record, keys.REC_METRICS: metrics}), reply_to=msg)
 
 
 @client_app.query()
 def query(msg: Message, context: Context) -> Message:
     """Report the partition id (maps node ids to partitions for the test)."""
-    from flwr.app import MetricRecord
-
     pid = int(context.node_config["partition-id"])
     return Message(RecordDict({keys.REC_METRICS: MetricRecord({"pid": pid})}), reply_to=msg)
 
@@ -159,18 +168,23 @@ def test_secagg_sum_over_flower_messages_equals_the_plain_sum() -> None:
     assert sorted(secagg.accepted) == sorted(plain.accepted) == sorted(res["pid"])
     for k in SPEC:
         assert np.max(np.abs(secagg.summed[k] - plain.summed[k])) <= bound(NUM_NODES) + 1e-6
+    # the clients' train losses reach the server only as their sum
+    assert secagg.metrics == {}
+    want = sum(1.5 + p for p in range(NUM_NODES))
+    assert secagg.summed_metrics[keys.MET_TRAIN_LOSS] == pytest.approx(want, abs=0.01)
 
 
-def test_server_never_holds_an_individual_update() -> None:
+def test_server_never_holds_an_individual_update_or_metric() -> None:
     # Prepare
     res = _run_once()
     truths = [true_contribution(p) for p in range(NUM_NODES)]
     # Execute: everything the ServerApp received in the SecAgg+ and SecAgg+ DDP rounds
     seen = res["secagg_seen"] + res["ddp_seen"]
-    # Assert: no plain contribution record; no array correlates with any client's input
+    # Assert: no plain contribution record or client metric; no array correlates with any input
     assert seen, "the recording grid saw no replies"
     for content in seen:
         assert keys.REC_CONTRIB not in content.array_records
+        assert not content.metric_records  # metrics travel summed inside the masked vector
         for record in content.array_records.values():
             for name, arr in record.items():
                 values = arr.numpy().astype(np.float64).reshape(-1)

@@ -1,0 +1,233 @@
+"""SecAgg+ against plain aggregation under Flower's Deployment Engine (real SuperLink, SuperNodes).
+
+The same vector round as ``bench/privacy.py`` part 1, but every message crosses real gRPC:
+one ``flower-superlink``, N ``flower-supernode`` processes on 127.0.0.1, and a small Flower
+app (written to a temporary directory) whose ServerApp times ``aggregate`` calls of the plain
+and the SecAgg+ (n/2 shares, threshold 2/3) aggregators after one untimed warm-up round
+each. Flower's gRPC grid sleeps 3 s between pulls in ``send_and_receive``; fedge's
+aggregators push and then pull with backoff (``server.grid.exchange_messages``).
+
+Usage: ``python bench/privacy_deploy.py [--clients 10] [--size 100000] [--rounds 3]``. The last
+line of output is one JSON object, also written to ``bench/results/privacy_deploy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from simulations.localnet import free_ports, stop_marked, wait_port
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_FILE = REPO / "bench" / "results" / "privacy_deploy.json"
+BIN = Path(sys.executable).parent
+MARKER_VARIABLE = "FEDGE_BENCH_MARKER"
+MARKER = f"fedge-privacy-deploy-{uuid.uuid4().hex}"  # inherited by every process this bench starts
+
+APP = """
+import json, time
+from pathlib import Path
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from clients.mods import dispatch_mods
+from fedge import keys
+from fedge.secagg.config import SecAggConfig
+from server.aggregation import PlainAggregator
+from server.secagg.aggregator import SecAggPlusAggregator
+
+client_app = ClientApp(mods=[dispatch_mods])
+server_app = ServerApp()
+
+
+@client_app.train()
+def train(msg, context):
+    pid = int(context.node_config["partition-id"])
+    size = int(msg.content.config_records[keys.REC_CONFIG]["x-size"])
+    vec = np.random.default_rng(pid).normal(0, 0.01, size).astype(np.float32)
+    arrays = {"delta/v": vec, "meta/weight": np.ones(1, np.float32), "meta/count": np.ones(1, np.float32)}
+    record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+    return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = context.run_config
+    n, size, rounds = int(cfg["x-clients"]), int(cfg["x-size"]), int(cfg["x-rounds"])
+    while len(list(grid.get_node_ids())) < n:
+        time.sleep(0.2)
+    nodes = sorted(grid.get_node_ids())
+    spec = {"delta/v": (size,), "meta/weight": (1,), "meta/count": (1,)}
+    content = RecordDict({keys.REC_CONFIG: ConfigRecord({"x-size": size})})
+    variants = {
+        "plain": PlainAggregator(),
+        "secagg": SecAggPlusAggregator(SecAggConfig(num_shares=0.5, reconstruction_threshold=2 / 3)),
+    }
+    out = {}
+    for name, agg in variants.items():
+        agg.aggregate(grid, 0, nodes, content, spec, 600)  # warm-up (and key advertisement)
+        times = []
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            result = agg.aggregate(grid, r + 1, nodes, content, spec, 600)
+            times.append(time.perf_counter() - t0)
+            if result.summed is None:
+                raise RuntimeError(f"{name} round failed: {result.rejected}")
+        out[name] = times
+    Path(str(cfg["x-out"])).write_text(json.dumps(out))
+"""
+
+PYPROJECT = """
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedge-privacy-deploy-bench"
+version = "0.1.0"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "fedge"
+
+[tool.flwr.app.components]
+serverapp = "vector_app:server_app"
+clientapp = "vector_app:client_app"
+
+[tool.flwr.app.config]
+x-clients = 10
+x-size = 100000
+x-rounds = 3
+x-out = ""
+"""
+
+
+def run(clients: int, size: int, rounds: int) -> dict[str, Any]:
+    """Start a SuperLink and ``clients`` SuperNodes, run the app once, stop them; return times."""
+    root = Path(tempfile.mkdtemp(prefix="fedge-privacy-deploy-"))
+    app_dir = root / "app"
+    app_dir.mkdir()
+    (app_dir / "vector_app.py").write_text(APP)
+    (app_dir / "pyproject.toml").write_text(PYPROJECT)
+    link, *node_ports = free_ports(1 + clients)
+    home = root / "flwr"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "dep"\n\n[superlink.dep]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "FLWR_HOME": str(home),
+        "PYTHONPATH": f"{REPO}:{app_dir}",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        MARKER_VARIABLE: MARKER,
+    }
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str, *args: str) -> None:
+        with (root / f"{name}.log").open("wb") as fh:
+            started.append(
+                subprocess.Popen(list(args), env=env, cwd=root, stdout=fh, stderr=subprocess.STDOUT)
+            )
+
+    out = root / "times.json"
+    try:
+        spawn(
+            "superlink",
+            "flower-superlink",
+            "--insecure",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(link),
+            "--database",
+            str(root / "state.db"),
+        )
+        wait_port(link)
+        for pid, port in enumerate(node_ports):
+            spawn(
+                f"supernode{pid}",
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{link}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--node-config",
+                f"partition-id={pid} num-partitions={clients}",
+            )
+        config = f"x-clients={clients} x-size={size} x-rounds={rounds} x-out='{out}'"
+        subprocess.run(
+            ["flwr", "run", str(app_dir), "dep", "--run-config", config],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            timeout=600,
+            check=True,
+        )
+        deadline = time.monotonic() + 1800
+        while not out.is_file() and time.monotonic() < deadline:
+            time.sleep(1)
+    finally:
+        for proc in started:  # stop what we started, by pid
+            proc.terminate()
+        for proc in started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=15)
+            if proc.poll() is None:
+                proc.kill()
+        stop_marked(MARKER_VARIABLE, MARKER)
+    if not out.is_file():
+        tail = (root / "superlink.log").read_text()[-2000:]
+        raise RuntimeError(f"the Deployment Engine run left no timings; superlink log:\n{tail}")
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the Deployment Engine bench at each client count; print and write the JSON result."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", default="10")
+    p.add_argument("--size", type=int, default=100_000)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    result: dict[str, Any] = {
+        "bench": "privacy_deploy",
+        "vector_size": args.size,
+        "rounds": args.rounds,
+    }
+    for n in (int(c) for c in args.clients.split(",")):
+        times = run(n, args.size, args.rounds)
+        plain, secagg = (sum(times[k]) / len(times[k]) for k in ("plain", "secagg"))
+        result[str(n)] = {
+            "plain_s": round(plain, 3),
+            "secagg_s": round(secagg, 3),
+            "ratio": round(secagg / plain, 3),
+            "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+        }
+        print(f"deployment n={n}: {result[str(n)]}", flush=True)
+    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result)
+    RESULTS_FILE.write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""A malicious server over real Flower messages: the clients refuse every attack, the server reports it.
+
+One Ray run (simulation engine), four nodes whose policy file (``FEDGE_PRIVACY_POLICY``)
+requires SecAgg+ and distributed DP with z >= 1 and C <= 0.1. The ServerApp plays the
+attacker: it omits SecAgg+, asks for less noise, sends a SecAgg+ threshold of half the
+neighbourhood, asks one client for both secrets of a node, and names a module to import.
+An honest round under the same policy is the control.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+
+from clients.mods import dispatch_mods
+from clients.privacy.policy import POLICY_ENV
+from fedge import keys
+from fedge.secagg import wire
+from fedge.secagg.config import SecAggConfig
+from server.aggregation import PlainAggregator
+from server.privacy.aggregators import DistributedDPAggregator
+from server.privacy.config import DPConfig
+from server.secagg.aggregator import SecAggPlusAggregator
+from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
+from server.secagg.protocol import run_secagg
+
+NUM_NODES = 4
+SIZE = 200
+SPEC = {"delta/w": (SIZE,), "meta/weight": (1,), "meta/count": (1,)}
+POLICY = "require-secagg = true\nrequire-dp = true\nmin-noise = 1.0\nmax-clip = 0.1\n"
+EVIL_MODULE = "fedge_evil_mod"  # importing it writes EVIL_MARKER: proof that a client imported it
+GOOD_DP = {"dp-clip-norm": 0.05, "dp-noise-std": 0.05, "dp-min-clients": 4}  # z = 2
+WAIT = 120  # seconds per exchange: generous, a loaded machine starts Ray workers slowly
+RESULTS: dict[str, Any] = {}
+
+client_app = ClientApp(mods=[dispatch_mods])
+
+
+@client_app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Reply with a small known contribution and per-client metrics."""
+    pid = int(context.node_config["partition-id"])
+    arrays = {
+        "delta/w": np.full(SIZE, 0.001 * (pid + 1), np.float32),
+        "meta/weight": np.ones(1, np.float32),
+        "meta/count": np.ones(1, np.float32),
+    }
+    record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+    metrics = MetricRecord({keys.MET_TRAIN_LOSS: 2.0 + pid, keys.MET_PARTITION: pid})
+    return Message(RecordDict({keys.REC_CONTRIB: record, keys.REC_METRICS: metrics}), reply_to=msg)
+
+
+@client_app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Answer the warm-up query (it loads the app in every worker before the attacks)."""
+    return Message(RecordDict(), reply_to=msg)
+
+
+def train_content(**config: Any) -> RecordDict:
+    return RecordDict({keys.REC_CONFIG: ConfigRecord({"weighting": "uniform", **config})})
+
+
+def ddp(noise: float) -> DistributedDPAggregator:
+    secagg = SecAggPlusAggregator(SecAggConfig(num_shares=1.0, stage_timeout_s=WAIT))
+    cfg = DPConfig(mode="distributed", clip_norm=0.05, noise_multiplier=noise, min_survival=1.0)
+    return DistributedDPAggregator(secagg, cfg)
+
+
+Tamper = Callable[[str, dict[int, RecordDict]], None]
+
+
+def tampered_round(grid: Grid, nodes: list[int], tamper: Tamper) -> dict[int, str]:
+    """A SecAgg+ round over real messages whose requests ``tamper`` edits; return refusals."""
+    engine = SecAggServerEngine(SecAggConfig(num_shares=1.0), nodes, "masked")
+    config = train_content(**GOOD_DP)[keys.REC_CONFIG]
+    errors: dict[int, str] = {}
+
+    def exchange(stage: str, requests: Mapping[int, RecordDict]) -> dict[int, RecordDict]:
+        requests = dict(requests)
+        tamper(stage, requests)
+        messages = []
+        for nid, req in requests.items():
+            body = RecordDict(
+                {keys.REC_CONFIG: config, wire.SECAGG_RECORD: req[wire.SECAGG_RECORD]}
+            )
+            messages.append(Message(body, dst_node_id=nid, message_type=MessageType.TRAIN))
+        out = {}
+        for reply in grid.send_and_receive(messages, timeout=WAIT):
+            if reply.has_error():
+                errors[reply.metadata.src_node_id] = reply.error.reason
+            else:
+                out[reply.metadata.src_node_id] = reply.content
+        return out
+
+    try:
+        run_secagg(engine, exchange)
+    except SecAggRoundFailed as exc:
+        errors[-1] = str(exc)
+    return errors
+
+
+def half_threshold(stage: str, requests: dict[int, RecordDict]) -> None:
+    """Send threshold 2 in a neighbourhood of 4: not more than half."""
+    if stage == wire.STAGE_COLLECT:
+        for req in requests.values():
+            req[wire.SECAGG_RECORD][wire.KEY_THRESHOLD] = 2
+
+
+def both_secrets(stage: str, requests: dict[int, RecordDict]) -> None:
+    """Ask the first node for the self-mask share AND the pair seed of the second."""
+    if stage == wire.STAGE_UNMASK:
+        first, second = sorted(requests)[:2]
+        requests[first][wire.SECAGG_RECORD][wire.KEY_DROPPED] = wire.pack_ids([second])
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Play every attack once, then an honest round; stash what came back."""
+    while len(list(grid.get_node_ids())) < NUM_NODES:
+        time.sleep(0.1)
+    nodes = sorted(grid.get_node_ids())
+    warm = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
+    grid.send_and_receive(warm, timeout=WAIT)
+    RESULTS["omit-secagg"] = PlainAggregator().aggregate(
+        grid, 1, nodes, train_content(**GOOD_DP), SPEC, WAIT
+    )
+    RESULTS["low-noise"] = ddp(0.3).aggregate(grid, 2, nodes, train_content(), SPEC, WAIT)
+    RESULTS["import"] = PlainAggregator().aggregate(
+        grid, 3, nodes, train_content(**{keys.CFG_CLIENT_MODS: f"{EVIL_MODULE}:mod"}), SPEC, WAIT
+    )
+    RESULTS["half-threshold"] = tampered_round(grid, nodes, half_threshold)
+    RESULTS["both-shares"] = tampered_round(grid, nodes, both_secrets)
+    RESULTS["honest"] = ddp(1.2).aggregate(grid, 4, nodes, train_content(), SPEC, WAIT)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the attacks once per module, with the policy and the marker module in place."""
+    root = tmp_path_factory.mktemp("malicious")
+    policy = root / "policy.toml"
+    policy.write_text(POLICY)
+    marker = root / "imported"
+    (root / f"{EVIL_MODULE}.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('x')\n"
+        "def mod(msg, context, call_next):\n    return call_next(msg, context)\n"
+    )
+    mp = pytest.MonkeyPatch()
+    mp.setenv(POLICY_ENV, str(policy))
+    mp.syspath_prepend(str(root))
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=NUM_NODES,
+            backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
+        )
+    finally:
+        mp.undo()
+    return {**RESULTS, "marker": marker}
+
+
+def refusals(result: Any) -> list[str]:
+    return list(result.rejected.values())
+
+
+def test_a_server_that_omits_secagg_gets_nothing(results: dict[str, Any]) -> None:
+    result = results["omit-secagg"]
+    assert result.summed is None and not result.accepted
+    assert len(result.rejected) == NUM_NODES
+    assert all("requires SecAgg+" in why for why in refusals(result))
+
+
+def test_noise_below_the_policy_is_refused(results: dict[str, Any]) -> None:
+    result = results["low-noise"]
+    assert result.summed is None
+    assert all("below this node's min-noise 1.0" in why for why in refusals(result))
+
+
+def test_no_client_imports_a_module_a_message_names(results: dict[str, Any]) -> None:
+    result = results["import"]
+    assert result.summed is None
+    assert all("not a registered mod" in why for why in refusals(result))
+    assert not results["marker"].exists()
+
+
+def test_a_threshold_of_half_the_neighbourhood_is_refused(results: dict[str, Any]) -> None:
+    errors = results["half-threshold"]
+    assert sum("not more than half" in why for why in errors.values()) == NUM_NODES
+    assert "no aggregate is applied" in errors[-1]  # the round failed: nothing to unmask
+
+
+def test_both_secrets_of_one_node_are_never_revealed(results: dict[str, Any]) -> None:
+    errors = results["both-shares"]
+    assert [why for why in errors.values() if "both live and dropped" in why]
+
+
+def test_an_honest_round_under_the_same_policy_succeeds_and_hides_metrics(
+    results: dict[str, Any],
+) -> None:
+    result = results["honest"]
+    assert result.summed is not None and len(result.accepted) == NUM_NODES
+    assert result.metrics == {}  # no client's own metrics reach the server
+    assert result.summed_metrics[keys.MET_TRAIN_LOSS] == pytest.approx(2 + 3 + 4 + 5, abs=0.01)

@@ -1,0 +1,47 @@
+"""The client's privacy policy: loading it, and which requests it refuses (no Flower run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clients.privacy.policy import PrivacyPolicy, dpsgd_budget, node_policy, requested_dp
+
+
+def test_a_policy_file_is_read_and_a_bad_one_is_never_an_empty_policy(tmp_path: Path) -> None:
+    # Prepare
+    good = tmp_path / "policy.toml"
+    good.write_text("require-secagg = true\nmin-noise = 1.5\nmax-epsilon = 4.0\n")
+    typo = tmp_path / "typo.toml"
+    typo.write_text("require-secag = true\n")
+    # Execute / Assert
+    policy = node_policy({"privacy-policy": str(good)})
+    assert policy == PrivacyPolicy(require_secagg=True, min_noise=1.5, max_epsilon=4.0)
+    with pytest.raises(ValueError, match=r"unknown privacy policy key\(s\) \['require-secag'\]"):
+        node_policy({"privacy-policy": str(typo)})
+    with pytest.raises(ValueError, match="cannot read it"):
+        node_policy({"privacy-policy": str(tmp_path / "missing.toml")})
+
+
+def test_requested_dp_reads_the_released_sums_multiplier() -> None:
+    # distributed DP: std 0.05 per client, 4 contributors, clip 0.1 -> z = 0.05 * 2 / 0.1 = 1
+    ddp = requested_dp({"dp-clip-norm": 0.1, "dp-noise-std": 0.05, "dp-min-clients": 4})
+    assert ddp is not None and ddp.mechanism == "distributed DP"
+    assert ddp.noise_multiplier == pytest.approx(1.0) and ddp.clip == 0.1
+    # without a declared m the client assumes its own noise must carry z alone
+    alone = requested_dp({"dp-clip-norm": 0.1, "dp-noise-std": 0.05})
+    assert alone is not None and alone.noise_multiplier == pytest.approx(0.5)
+    sgd = requested_dp({"dp-sgd-noise-multiplier": 1.2, "dp-sgd-max-grad-norm": 0.5})
+    assert sgd is not None and (sgd.mechanism, sgd.noise_multiplier, sgd.clip) == (
+        "DP-SGD",
+        1.2,
+        0.5,
+    )
+    assert requested_dp({"dp-active": True}) is None  # central DP: nothing applied on the node
+
+
+def test_the_tighter_of_the_clients_and_the_runs_budget_applies() -> None:
+    assert dpsgd_budget(PrivacyPolicy(max_epsilon=3.0), {"max-epsilon": 8.0}) == 3.0
+    assert dpsgd_budget(PrivacyPolicy(), {"max-epsilon": 8.0}) == 8.0
+    assert dpsgd_budget(PrivacyPolicy(), {}) == 0.0
