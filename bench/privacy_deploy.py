@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -71,7 +70,9 @@ def main(grid: Grid, context: Context) -> None:
     content = RecordDict({keys.REC_CONFIG: ConfigRecord({"x-size": size})})
     variants = {
         "plain": PlainAggregator(),
-        "secagg": SecAggPlusAggregator(SecAggConfig(num_shares=0.5, reconstruction_threshold=2 / 3)),
+        "secagg": SecAggPlusAggregator(
+            SecAggConfig(num_shares=0.5, reconstruction_threshold=2 / 3, stage_timeout_s=600)
+        ),
     }
     out = {}
     for name, agg in variants.items():
@@ -158,7 +159,7 @@ def run(clients: int, size: int, rounds: int) -> dict[str, Any]:
             "--database",
             str(root / "state.db"),
         )
-        wait_port(link)
+        wait_port(link, timeout=300)
         for pid, port in enumerate(node_ports):
             spawn(
                 f"supernode{pid}",
@@ -174,17 +175,16 @@ def run(clients: int, size: int, rounds: int) -> dict[str, Any]:
                 f"partition-id={pid} num-partitions={clients}",
             )
         config = f"x-clients={clients} x-size={size} x-rounds={rounds} x-out='{out}'"
-        subprocess.run(
-            ["flwr", "run", str(app_dir), "dep", "--run-config", config],
-            env=env,
-            cwd=root,
-            capture_output=True,
-            timeout=600,
-            check=True,
-        )
-        deadline = time.monotonic() + 1800
-        while not out.is_file() and time.monotonic() < deadline:
-            time.sleep(1)
+        with (root / "flwr-run.log").open("wb") as fh:  # --stream: returns when the run ends
+            subprocess.run(
+                ["flwr", "run", str(app_dir), "dep", "--stream", "--run-config", config],
+                env=env,
+                cwd=root,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                timeout=1800,
+                check=False,
+            )
     finally:
         for proc in started:  # stop what we started, by pid
             proc.terminate()
@@ -195,8 +195,8 @@ def run(clients: int, size: int, rounds: int) -> dict[str, Any]:
                 proc.kill()
         stop_marked(MARKER_VARIABLE, MARKER)
     if not out.is_file():
-        tail = (root / "superlink.log").read_text()[-2000:]
-        raise RuntimeError(f"the Deployment Engine run left no timings; superlink log:\n{tail}")
+        tail = (root / "flwr-run.log").read_text()[-3000:]
+        raise RuntimeError(f"the Deployment Engine run left no timings; flwr run said:\n{tail}")
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 

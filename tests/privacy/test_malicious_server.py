@@ -47,7 +47,7 @@ SPEC = {"delta/w": (SIZE,), "meta/weight": (1,), "meta/count": (1,)}
 POLICY = "require-secagg = true\nrequire-dp = true\nmin-noise = 1.0\nmax-clip = 0.1\n"
 EVIL_MODULE = "fedge_evil_mod"  # importing it writes EVIL_MARKER: proof that a client imported it
 GOOD_DP = {"dp-clip-norm": 0.05, "dp-noise-std": 0.05, "dp-min-clients": 4}  # z = 2
-WAIT = 120  # seconds per exchange: generous, a loaded machine starts Ray workers slowly
+WAIT = 300  # seconds per exchange: generous, a loaded machine starts Ray workers slowly
 RESULTS: dict[str, Any] = {}
 
 client_app = ClientApp(mods=[dispatch_mods])
