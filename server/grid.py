@@ -9,6 +9,8 @@ from flwr.app import Message
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
+from flwr.superlink.grid.http_grid import HttpGrid
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 
 class ReplyHookGrid(Grid):
@@ -56,12 +58,17 @@ MAX_PULL_S = 0.05  # the backoff's ceiling: a gRPC pull per 50 ms at most
 def exchange_messages(
     grid: Grid, messages: Sequence[Message], timeout: float | None
 ) -> list[Message]:
-    """Push ``messages``, then pull their replies with backoff until all came or ``timeout`` passed.
+    """Send ``messages`` and return their replies (all of them, or those in by ``timeout``).
 
-    Flower's ``send_and_receive`` sleeps a fixed 0.1 s (simulation) or 3 s (gRPC grid,
-    Deployment Engine) between pulls; a protocol of several exchanges per round pays that
-    at every barrier. This polls after 2 ms, then 1.5x longer each time, at most 50 ms.
+    Flower's own ``send_and_receive`` sleeps a fixed 0.1 s (simulation) or 3 s (the
+    Deployment Engine's HTTP grid) between pulls, which a protocol of several exchanges per
+    round pays at every barrier. On those grids (bare, or behind a ``ReplyHookGrid`` that
+    only edits replies) this pushes, then pulls after 2 ms, 1.5x longer each time, at most
+    50 ms. A grid with its own ``send_and_receive`` (a device simulation, an in-process
+    engine) keeps it: the exchange goes through it unchanged.
     """
+    if not _polls_like_flower(grid):
+        return list(grid.send_and_receive(messages, timeout=timeout))
     pending = set(grid.push_messages(messages))
     deadline = None if timeout is None else time.monotonic() + timeout
     wait = FIRST_PULL_S
@@ -75,3 +82,11 @@ def exchange_messages(
         time.sleep(wait if deadline is None else min(wait, max(0.0, deadline - time.monotonic())))
         wait = min(MAX_PULL_S, wait * 1.5)
     return out
+
+
+def _polls_like_flower(grid: Grid) -> bool:
+    """Whether ``grid.send_and_receive`` is Flower's own fixed-interval polling loop."""
+    impl = type(grid).send_and_receive
+    if impl is ReplyHookGrid.send_and_receive and isinstance(grid, ReplyHookGrid):
+        return _polls_like_flower(grid._grid)
+    return impl in (InMemoryGrid.send_and_receive, HttpGrid.send_and_receive)
