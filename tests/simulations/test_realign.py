@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,12 @@ from simulations.runner import load_scenario, run_simulation
 
 @pytest.fixture(scope="module")
 def realigned(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One round of the quick federation on the target, then one round realigning the draft."""
+    """One round of the quick federation on the target, then one round realigning the draft.
+
+    The in-process engine runs the same ServerApp and ClientApp without Ray's start-up cost.
+    """
     root = tmp_path_factory.mktemp("realign")
-    scenario = load_scenario("quick", {"num-server-rounds": 1})
+    scenario = replace(load_scenario("quick", {"num-server-rounds": 1}), engine="inprocess")
     outcome = run_simulation(scenario, root / "target")
     assert outcome.status == "completed", outcome.message
     teacher = root / "target" / "final" / "merged"
