@@ -20,24 +20,28 @@ import argparse
 import json
 import os
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
-import numpy as np
-import torch
+# `python bench/x.py` puts bench/ first on sys.path, where edge.py would shadow the `edge` package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from edge.client import ClientConfig, VerifierClient
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.fleet.app import FleetConfig, ensure_serve, start_fleet
-from edge.prompts import heldout_prompts
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig
-from fedge.models import load_causal_lm, load_tokenizer
-from fedge.zoo import ensure_zoo
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from edge.client import ClientConfig, VerifierClient  # noqa: E402
+from edge.decoder import DecodeConfig, SpeculativeDecoder  # noqa: E402
+from edge.fleet.app import FleetConfig, ensure_serve, start_fleet  # noqa: E402
+from edge.prompts import heldout_prompts  # noqa: E402
+from edge.runtime import TorchDraftRuntime  # noqa: E402
+from edge.verifier.engine import EngineConfig  # noqa: E402
+from fedge.models import load_causal_lm, load_tokenizer  # noqa: E402
+from fedge.zoo import ensure_zoo  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fleet.json"
 SHORT, LONG = 8, 96
@@ -231,6 +235,11 @@ def main() -> None:
     parser.add_argument("--long-share", type=float, default=0.3)
     parser.add_argument("--speculative-share", type=float, default=0.7)
     parser.add_argument("--quick", action="store_true", help="short runs (smoke test)")
+    parser.add_argument(
+        "--policies-only",
+        action="store_true",
+        help="rerun the policy comparison only; keep the kill and scaling figures on file",
+    )
     args = parser.parse_args()
     if args.quick:
         args.duration, args.sessions = 8.0, 6
@@ -251,12 +260,16 @@ def main() -> None:
     for policy in ("round-robin", "least-outstanding", "token-aware"):
         policies[policy] = measure(replace(fleet, policy=policy), draft, prompts, args)
         print(policy, json.dumps(policies[policy]), flush=True)
-    killed = measure(replace(fleet, slowdown=1.0), draft, prompts, args, kill_one=True)
-    print("kill", json.dumps(killed), flush=True)
-    scaling = {
-        str(n): measure(replace(fleet, replicas=n, slowdown=1.0), draft, prompts, args)
-        for n in (1, 2)
-    }
+    if args.policies_only:
+        previous = json.loads(RESULTS.read_text())
+        killed, scaling = previous["replica_kill"], previous["replicas"]
+    else:
+        killed = measure(replace(fleet, slowdown=1.0), draft, prompts, args, kill_one=True)
+        print("kill", json.dumps(killed), flush=True)
+        scaling = {
+            str(n): measure(replace(fleet, replicas=n, slowdown=1.0), draft, prompts, args)
+            for n in (1, 2)
+        }
     rr, aware = policies["round-robin"], policies["token-aware"]
     result = {
         "bench": "fleet",

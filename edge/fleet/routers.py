@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -31,7 +32,8 @@ from ray.serve.request_router import (
 )
 
 ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
-ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
+ROUTE_REPLICA = "route_replica"
+SPEED_EWMA = 0.2  # weight of the newest completed call in a replica's seconds-per-token estimate  # kwarg: unique id of the replica holding the call's session
 
 
 def _kwarg(request: PendingRequest | None, key: str, default: Any) -> Any:
@@ -56,14 +58,19 @@ class FleetRouter(RequestRouter):
         self.affinity = bool(affinity)
         self.outstanding: dict[ReplicaID, int] = defaultdict(int)
         self.outstanding_tokens: dict[ReplicaID, int] = defaultdict(int)
-        self._in_flight: dict[str, tuple[ReplicaID, int]] = {}
+        self._in_flight: dict[str, tuple[ReplicaID, int, float]] = {}
+        self.seconds_per_token: dict[ReplicaID, float] = {}  # EWMA of completed calls
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         """Count the call against its replica until it completes."""
         tokens = int(_kwarg(pending_request, ROUTE_TOKENS, 1))
-        self._in_flight[pending_request.metadata.internal_request_id] = (replica_id, tokens)
+        self._in_flight[pending_request.metadata.internal_request_id] = (
+            replica_id,
+            tokens,
+            time.monotonic(),
+        )
         self.outstanding[replica_id] += 1
         self.outstanding_tokens[replica_id] += tokens
 
@@ -72,8 +79,12 @@ class FleetRouter(RequestRouter):
         routed = self._in_flight.pop(internal_request_id, None)
         if routed is None:
             return
-        self.outstanding[routed[0]] -= 1
-        self.outstanding_tokens[routed[0]] -= routed[1]
+        replica, tokens, started = routed
+        self.outstanding[replica] -= 1
+        self.outstanding_tokens[replica] -= tokens
+        rate = (time.monotonic() - started) / tokens
+        previous = self.seconds_per_token.get(replica, rate)
+        self.seconds_per_token[replica] = previous + SPEED_EWMA * (rate - previous)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget a dead replica's counts as well as the replica."""
@@ -187,18 +198,35 @@ class PowerOfTwoRouter(FleetRouter):
 
 
 class TokenAwareRouter(FleetRouter):
-    """The replica with the fewest target tokens pending: verify drafts, prompts, generate budgets.
+    """The replica expected to clear its pending target tokens soonest.
 
     A call's cost is the tokens it puts through the target (`ROUTE_TOKENS`): a long
     prompt's prefill or a long Generate weighs more than a one-token verify, so
     counting calls alone (least outstanding) misjudges a replica busy with prefills.
+    Pending tokens are weighed by each replica's measured seconds per token (an
+    EWMA over its completed calls), so a slower replica (older hardware, a noisy
+    neighbour) gets proportionally less; a replica not yet measured counts as the
+    fastest known.
     """
 
     def rank(
         self, candidates: list[RunningReplica], request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        """Fewest outstanding tokens first."""
-        return self._by_load(candidates, self.outstanding_tokens)
+        """Least expected time to clear pending tokens (plus this call's) first."""
+        known = [
+            self.seconds_per_token[r.replica_id]
+            for r in candidates
+            if r.replica_id in self.seconds_per_token
+        ]
+        fastest = min(known, default=1.0)
+        tokens = int(_kwarg(request, ROUTE_TOKENS, 1))
+        wait = {
+            r.replica_id: (self.outstanding_tokens.get(r.replica_id, 0) + tokens)
+            * self.seconds_per_token.get(r.replica_id, fastest)
+            for r in candidates
+        }
+        shuffled = random.sample(candidates, len(candidates))
+        return [[r] for r in sorted(shuffled, key=lambda r: wait[r.replica_id])]
 
 
 POLICIES: dict[str, type[FleetRouter]] = {

@@ -86,6 +86,18 @@ def test_token_aware_steers_away_from_the_replica_with_pending_tokens() -> None:
     assert choose(router, [a, b], request("new"))[0] == "a"
 
 
+def test_token_aware_weighs_pending_tokens_by_each_replicas_measured_speed() -> None:
+    router = make_router(TokenAwareRouter)
+    fast, slow = replicas("fast", "slow")
+    router.seconds_per_token.update({fast.replica_id: 0.001, slow.replica_id: 0.010})
+    for i in range(3):  # 30 tokens pending on the fast one clear sooner than none on the slow one
+        router.on_request_routed(request(f"f{i}", tokens=10), fast.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [fast, slow], request("new", tokens=10))[0] == "fast"
+    for i in range(20):
+        router.on_request_routed(request(f"g{i}", tokens=10), fast.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [fast, slow], request("new", tokens=10))[0] == "slow"
+
+
 def test_affinity_sends_a_session_home_and_new_sessions_by_policy() -> None:
     router = make_router(RoundRobinRouter, affinity=True)
     pool = replicas("a", "b")
@@ -171,3 +183,24 @@ def test_adapter_whose_weights_changed_after_hashing_is_refused(
         check_adapter(micro_zoo.target_dir, copy)
     config = json.loads((copy / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA"
+
+
+def test_autoscaling_on_queue_depth_within_bounds(micro_zoo: Any) -> None:
+    from edge.fleet.app import FleetConfig
+
+    fixed = FleetConfig(micro_zoo.target_dir, replicas=2)
+    assert fixed.autoscaling() is None
+    scaling = FleetConfig(
+        micro_zoo.target_dir, replicas=2, min_replicas=1, max_replicas=4, target_queue=6
+    ).autoscaling()
+    assert scaling is not None
+    assert (scaling["min_replicas"], scaling["initial_replicas"], scaling["max_replicas"]) == (
+        1,
+        2,
+        4,
+    )
+    assert scaling["target_ongoing_requests"] == 6
+    with pytest.raises(ValueError, match="min_replicas <= replicas <= max_replicas"):
+        FleetConfig(micro_zoo.target_dir, replicas=5, max_replicas=4)
+    with pytest.raises(ValueError, match="unknown load-balancing policy 'random'"):
+        FleetConfig(micro_zoo.target_dir, policy="random")
