@@ -151,12 +151,14 @@ class FleetIngress:
         return app in (self.stable, self.canary)
 
     def _target(self, session_id: str) -> tuple[str, str]:
-        """Application and home replica of a call: its session's, or a new session's pick."""
-        if session_id:
-            home = self.sessions.get(session_id)
-            if home is not None and self._live(home[0]):
-                return home
-            return self.stable, ""
+        """Application and home replica of a call: its session's, or a new session's pick.
+
+        A session this ingress has not seen opens wherever the call lands (the edge
+        opens sessions with their first Verify), so it takes part in the canary split.
+        """
+        home = self.sessions.get(session_id) if session_id else None
+        if home is not None:
+            return home if self._live(home[0]) else (self.stable, "")
         if self.canary and random.random() < self.canary_fraction:
             return self.canary, ""
         return self.stable, ""
@@ -238,11 +240,13 @@ class FleetIngress:
     ) -> CallResult:
         """Send one unary call to a replica of `app`; a replica death becomes a status, never a crash.
 
-        A call without a session holds no state yet, so it is retried once on another
-        replica; a session's call whose replica died ends NOT_FOUND (the edge reopens).
+        A call not bound to a live session (OpenSession, a Verify that opens its session)
+        holds no state yet, so it is retried once on another replica; a session's call
+        whose replica died ends NOT_FOUND (the edge reopens from its committed tokens).
         """
         session_id = _session_of(request)
-        attempts = 1 if session_id else 2
+        opening = not home  # no session on a live replica yet: it may open anywhere
+        attempts = 2 if opening else 1
         for attempt in range(attempts):
             try:
                 return await (  # type: ignore[no-any-return]
@@ -258,7 +262,7 @@ class FleetIngress:
                 )
             except Exception as error:  # a replica died or was retired mid-call
                 LOG.warning("%s on %s failed (attempt %d): %s", name, app, attempt + 1, error)
-                if session_id:
+                if not opening:
                     return CallResult(
                         "NOT_FOUND",
                         f"session {session_id!r} was lost with its replica; reopen it "
