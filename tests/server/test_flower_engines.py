@@ -53,7 +53,11 @@ def _cleanup():  # type: ignore[no-untyped-def]
 
 
 def _run_config(run_dir: Path, model: Path, rounds: int) -> str:
-    return f"run-dir='{run_dir}' num-server-rounds={rounds} model='{model}' client-eval=false server-eval-batches=4"
+    """A short run: the engines are under test, not the training (the defaults train longer)."""
+    return (
+        f"run-dir='{run_dir}' num-server-rounds={rounds} model='{model}' client-eval=false "
+        "server-eval-batches=4 local-steps=2 batch-size=4 seq-len=64"
+    )
 
 
 def _rows(run_dir: Path) -> list[dict[str, object]]:
