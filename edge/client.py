@@ -22,6 +22,7 @@ unreachable for `unreachable_after_s`, calls raise `VerifierUnreachable`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 import uuid
@@ -80,12 +81,20 @@ class ClientConfig:
         2.0  # longest server-asked retry-after waited out; longer raises RateLimited
     )
     unreachable_after_s: float = 3.0  # UNAVAILABLE / DEADLINE_EXCEEDED retried this long
+    health_timeout_s: float = 1.0  # a health check slower than this counts as down
 
     def __post_init__(self) -> None:
         host, _, port = self.target.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"ClientConfig.target must be HOST:PORT, got {self.target!r}")
-        for name in ("timeout_s", "added_rtt_s", "backoff_s", "max_wait_s", "unreachable_after_s"):
+        for name in (
+            "timeout_s",
+            "added_rtt_s",
+            "backoff_s",
+            "max_wait_s",
+            "unreachable_after_s",
+            "health_timeout_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"ClientConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_retries < 0:
@@ -120,16 +129,19 @@ class VerifierClient:
         if config.device_id:
             metadata.append((DEVICE_KEY, config.device_id))
         self._metadata = tuple(metadata)
+        # reconnect quickly after an outage (gRPC's default backoff grows to two minutes)
+        options: list[tuple[str, Any]] = [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         if config.root_cert is not None:
             credentials = grpc.ssl_channel_credentials(config.root_cert.read_bytes())
-            options = (
-                [("grpc.ssl_target_name_override", config.tls_server_name)]
-                if config.tls_server_name
-                else []
-            )
+            if config.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", config.tls_server_name))
             self._channel = grpc.secure_channel(config.target, credentials, options=options)
         else:
-            self._channel = grpc.insecure_channel(config.target)
+            self._channel = grpc.insecure_channel(config.target, options=options)
         self._stub = pb_grpc.VerifierStub(traced_channel(self._channel, tracer_provider))
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -314,7 +326,7 @@ class VerifierClient:
     def health(self) -> int:
         """The verifier's overall health status (a `HealthCheckResponse.ServingStatus` value)."""
         reply = self._health.Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=self.config.timeout_s
+            health_pb2.HealthCheckRequest(service=""), timeout=self.config.health_timeout_s
         )
         return int(reply.status)
 
@@ -378,6 +390,8 @@ class RequestReport:
     acceptance: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    cloud_tokens: int = 0  # of `tokens`, those the verifier produced before it was lost
+    finished_on_device: bool = False  # the verifier became unreachable mid-request
 
 
 class EdgeClient:
@@ -444,23 +458,59 @@ class EdgeClient:
         wait_s = self._cloud_after - time.monotonic()
         if chosen != Route.EDGE_ONLY and wait_s > 0:
             chosen, reason = Route.EDGE_ONLY, f"verifier rate limit: {wait_s:.2f} s left"
-        streamed = 0
+        if chosen != Route.EDGE_ONLY and self.verifier is not None and not self._rtt:
+            chosen, reason = Route.EDGE_ONLY, "verifier down (health check): decoded on the device"
+        produced: list[int] = []
+        started = time.perf_counter()
         try:
             for chunk in self._decode(prompt_ids, chosen, reason, rtt):
-                streamed += len(chunk)
+                produced += chunk
                 yield chunk
         except RateLimited as limited:
-            if streamed:
+            if produced:
                 raise  # part of the answer came from the cloud already: the caller decides
             self._cloud_after = time.monotonic() + limited.retry_after_s
             self.router.observe_overload()
             reason = f"verifier rate limit ({limited.retry_after_s:.2f} s): finished on the device"
             yield from self._decode(prompt_ids, Route.EDGE_ONLY, reason, rtt)
+        except (VerifierUnreachable, grpc.RpcError) as lost:
+            if isinstance(lost, grpc.RpcError) and lost.code() not in TRANSIENT:  # type: ignore[attr-defined]
+                raise
+            yield from self._finish_on_device(prompt_ids, produced, rtt, started, lost)
+
+    def _finish_on_device(
+        self,
+        prompt_ids: Sequence[int],
+        produced: list[int],
+        rtt: float,
+        started: float,
+        lost: Exception,
+    ) -> Iterator[list[int]]:
+        """The verifier went away mid-request: decode the rest with the draft, and say so."""
+        from edge.router import Route
+
+        self._rtt = None  # the next request checks health again, and returns when SERVING
+        self.router.verifier_down()
+        stop = self.decode.stop_token_id
+        remaining = self.decode.max_new_tokens - len(produced)
+        why = getattr(lost, "code", lambda: None)() or type(lost).__name__
+        reason = (
+            f"verifier unreachable after {len(produced)} tokens ({why}): finished on the device"
+        )
+        if remaining > 0 and not (produced and produced[-1] == stop):
+            rest = dataclasses.replace(self.decode, max_new_tokens=remaining)
+            yield from self._decode([*prompt_ids, *produced], Route.EDGE_ONLY, reason, rtt, rest)
+        report = self.last = self.last or RequestReport(Route.EDGE_ONLY.value, reason)
+        report.reason, report.finished_on_device = reason, True
+        report.tokens += len(produced)
+        report.cloud_tokens = len(produced)
+        report.seconds = time.perf_counter() - started
 
     def _decode(
-        self, prompt_ids: Sequence[int], chosen: Any, reason: str, rtt: float
+        self, prompt_ids: Sequence[int], chosen: Any, reason: str, rtt: float, decode: Any = None
     ) -> Iterator[list[int]]:
-        """Decode on one route, filling `self.last` and feeding the router."""
+        """Decode on one route (with `decode`, default the client's), filling `self.last`."""
+        decode = decode or self.decode
         from edge.decoder import SpeculativeDecoder, edge_only
         from edge.router import Outcome, Route
 
@@ -484,9 +534,7 @@ class EdgeClient:
             return chunk
 
         if chosen == Route.SPECULATIVE and verifier is not None:
-            decoder = SpeculativeDecoder(
-                self.runtime, verifier, self.decode, self.router.speculation
-            )
+            decoder = SpeculativeDecoder(self.runtime, verifier, decode, self.router.speculation)
             for chunk in decoder.stream(prompt_ids):
                 yield tick(chunk)
             s = decoder.stats
@@ -494,14 +542,14 @@ class EdgeClient:
             drafted, cloud_s = s.drafted, s.verify_seconds
             report.drafted = drafted
         elif chosen == Route.CLOUD_ONLY and verifier is not None:
-            sampling = Sampling(self.decode.temperature, self.decode.seed)
+            sampling = Sampling(decode.temperature, decode.seed)
             for token in verifier.generate(
-                prompt_ids, self.decode.max_new_tokens, sampling, self.decode.stop_token_id
+                prompt_ids, decode.max_new_tokens, sampling, decode.stop_token_id
             ):
                 yield tick([token])
             report.rounds = report.tokens
         else:
-            for token in edge_only(self.runtime, prompt_ids, self.decode):
+            for token in edge_only(self.runtime, prompt_ids, decode):
                 yield tick([token])
             drafted = report.drafted = report.tokens
         report.seconds = time.perf_counter() - started

@@ -1,0 +1,141 @@
+"""The edge survives its verifier: SIGKILL and restart under 16 decoding devices, through the proxy."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from edge.client import ClientConfig, EdgeClient, VerifierClient
+from edge.decoder import DecodeConfig
+from edge.router import Router
+from edge.runtime import TorchDraftRuntime
+from fedge.zoo import ZooPaths
+from simulations.netem import LinkConfig, NetworkEmulator
+from tests.edge.test_service import greedy
+
+DEVICES = 16
+NEW_TOKENS = 16
+PATIENCE_S = 60.0  # after the restart, a device gives up returning to the cloud (fails the test)
+
+
+class VerifierProcess:
+    """`fedge verifier serve` on 127.0.0.1:0 in a child process."""
+
+    def __init__(self, model_dir: Path) -> None:
+        command = [
+            *(sys.executable, "-m", "fedge.cli", "verifier", "serve", "--model", str(model_dir)),
+            *("--port", "0", "--torch-threads", "1", "--grace-s", "0"),
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+        )
+        assert self.proc.stdout is not None
+        match = re.search(r":(\d+)$", self.proc.stdout.readline().strip())
+        assert match, "the verifier did not start"
+        self.port = int(match.group(1))
+
+    def kill(self) -> None:
+        """SIGKILL by pid: a crash, no drain."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+    def stop(self) -> None:
+        """SIGTERM by pid, if still running."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
+
+
+def test_kill_and_restart_the_verifier_under_16_devices(
+    micro_zoo: ZooPaths,
+    micro_target: PreTrainedModel,
+    micro_draft: PreTrainedModel,
+    micro_prompts: list[list[int]],
+) -> None:
+    # Prepare
+    prompts = [micro_prompts[i % 12] for i in range(DEVICES)]
+    expected = [greedy(micro_target, p, NEW_TOKENS) for p in prompts]
+    first = VerifierProcess(micro_zoo.target_dir)
+    servers = [first]
+    restarted = threading.Event()
+    restarted_at = [0.0]
+    reports: list[tuple[int, list[int], object, bool]] = []  # device, tokens, report, after restart
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    with NetworkEmulator(first.port, LinkConfig(rtt_s=0.005)) as netem:
+
+        def device(i: int) -> None:
+            config = ClientConfig(f"127.0.0.1:{netem.port}", timeout_s=5.0, unreachable_after_s=1.0)
+            with VerifierClient(config) as link:
+                edge = EdgeClient(
+                    TorchDraftRuntime(micro_draft),
+                    None,
+                    link,
+                    DecodeConfig(max_new_tokens=NEW_TOKENS),
+                    Router(),
+                    rtt_max_age_s=0.2,
+                )
+                while not restarted.is_set() or time.monotonic() < restarted_at[0] + PATIENCE_S:
+                    after = restarted.is_set()
+                    try:
+                        tokens = [t for c in edge.stream_ids(prompts[i], "speculative") for t in c]
+                    except BaseException as exc:  # reported by the assertion below
+                        with lock:
+                            errors.append(exc)
+                        return
+                    with lock:
+                        reports.append((i, tokens, edge.last, after))
+                    assert edge.last is not None
+                    if edge.last.route != "edge-only" and after:
+                        return  # back in the cloud after the restart
+                    if edge.last.route == "edge-only":
+                        restarted.wait(0.1)  # on the device: leave the CPUs to the restart
+
+        threads = [threading.Thread(target=device, args=(i,)) for i in range(DEVICES)]
+        try:
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 30
+            while len(reports) < DEVICES and time.monotonic() < deadline:
+                time.sleep(0.01)  # let every device finish a request in the cloud first
+            # Execute: crash the verifier mid-decoding, start another, point the proxy at it
+            first.kill()
+            second = VerifierProcess(micro_zoo.target_dir)
+            servers.append(second)
+            netem.retarget(second.port)
+            restarted_at[0] = time.monotonic()
+            restarted.set()
+            for thread in threads:
+                thread.join(120)
+        finally:
+            for server in servers:
+                server.stop()
+
+    # Assert: nothing failed, every request answered in full, verified tokens exact
+    assert not errors, errors[:3]
+    assert all(len(tokens) == NEW_TOKENS for _, tokens, _, _ in reports)
+    on_device = [r for _, _, r, _ in reports if r.finished_on_device or r.route == "edge-only"]  # type: ignore[attr-defined]
+    assert on_device, "the outage should have sent some requests to the device"
+    for i, tokens, report, _ in reports:
+        cloud = (
+            NEW_TOKENS
+            if report.route != "edge-only" and not report.finished_on_device
+            else report.cloud_tokens
+        )  # type: ignore[attr-defined]
+        assert tokens[:cloud] == expected[i][:cloud]
+    back = {i for i, _, r, after in reports if after and r.route != "edge-only"}
+    late = [(i, r.reason) for i, _, r, after in reports if after and i not in back]  # type: ignore[attr-defined]
+    assert back == set(range(DEVICES)), late[-3:]  # every device returns once it is SERVING
