@@ -60,6 +60,7 @@ def quiet_libraries() -> None:
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"  # flwr-datasets' partitioners draw tqdm bars
     os.environ["RAY_DEDUP_LOGS"] = "1"
     warnings.filterwarnings("ignore")
     for name in ("flwr", "ray", "transformers", "torch", "onnxruntime", "root", "datasets"):
