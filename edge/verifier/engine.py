@@ -50,6 +50,7 @@ from edge.verifier.requests import (
 from edge.verifier.sessions import Replay, Session, SessionStore
 
 LOG = logging.getLogger("fedge.verifier")
+ACTIVE_WINDOW_S = 0.05  # a session used this recently counts as a stream a batch should wait for
 
 __all__ = [
     "EngineConfig",
@@ -448,9 +449,15 @@ class VerifierEngine:
         return False
 
     def _gather(self, first: _VerifyJob) -> tuple[list[_VerifyJob], list[_PrefillJob]]:
-        """Collect verifies arriving within the batching window; prefills wait for the next turn."""
+        """Collect verifies arriving within the batching window; prefills wait for the next turn.
+
+        The window applies only while other sessions are active: a lone stream runs at once.
+        """
         batch, deferred = [first], []
-        deadline = time.monotonic() + self.config.batch_window_s
+        window = self.config.batch_window_s
+        if self.sessions.active_since(self._clock() - ACTIVE_WINDOW_S) <= 1:
+            window = 0.0  # a lone stream: nobody to wait for, so no batching delay
+        deadline = time.monotonic() + window
         while len(batch) < self.config.max_batch:
             remaining = deadline - time.monotonic()
             try:

@@ -118,6 +118,11 @@ class SessionStore:
             self._sessions[session.key] = session
             self._total_bytes += session.nbytes
 
+    def active_since(self, since: float) -> int:
+        """Sessions busy or used at or after `since` (clock time): streams likely to verify soon."""
+        with self.lock:
+            return sum(1 for s in self._sessions.values() if s.busy or s.last_used >= since)
+
     def owned_by(self, owner: str) -> int:
         """Sessions held by `owner`."""
         with self.lock:

@@ -1,0 +1,82 @@
+"""Cloud-only Generate for a lone stream vs plain Hugging Face greedy decoding of the same model.
+
+The ratio (Generate tokens/s over `model.generate` tokens/s, same prompts, same
+greedy tokens) is the verifier's per-stream overhead: gRPC on loopback, the
+engine's worker thread, KV bookkeeping. Goal: >= 0.9. Prints one JSON object on
+the last line and writes bench/results/generate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+# `python bench/x.py` puts bench/ first on sys.path, where edge.py would shadow the `edge` package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", default="micro", help="zoo preset (micro, demo, default)")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=6)
+    args = parser.parse_args()
+
+    from edge.client import ClientConfig, VerifierClient
+    from edge.prompts import heldout_prompts
+    from edge.verifier.server import BackgroundServer, ServerConfig
+    from fedge.models import load_causal_lm, load_tokenizer
+    from fedge.zoo import ensure_zoo
+
+    zoo = ensure_zoo(args.preset)
+    model = load_causal_lm(zoo.target_dir)
+    prompts = [p[:16] for p in heldout_prompts(load_tokenizer(zoo.target_dir), args.prompts, 16)]
+
+    def hf(prompt: list[int]) -> list[int]:
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=args.tokens,
+            min_new_tokens=args.tokens,
+            do_sample=False,
+        )
+        return [int(t) for t in out[0, len(prompt) :]]
+
+    hf(prompts[0])  # warm up
+    started = time.perf_counter()
+    expected = [hf(p) for p in prompts]
+    hf_s = time.perf_counter() - started
+
+    config = ServerConfig(zoo.target_dir, drain_notice_s=0.0)
+    with (
+        BackgroundServer(config, model) as server,
+        VerifierClient(ClientConfig(f"127.0.0.1:{server.port}")) as client,
+    ):
+        list(client.generate(prompts[0], args.tokens))  # warm up
+        started = time.perf_counter()
+        produced = [list(client.generate(p, args.tokens)) for p in prompts]
+        generate_s = time.perf_counter() - started
+    n = args.tokens * len(prompts)
+    result = {
+        "preset": args.preset,
+        "tokens": n,
+        "hf_greedy_tok_s": n / hf_s,
+        "generate_tok_s": n / generate_s,
+        "ratio": hf_s / generate_s,
+        "goal": 0.9,
+        "identical": produced == expected,
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+    }
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
