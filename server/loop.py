@@ -113,14 +113,18 @@ class ServerModel:
         """Mean token loss of base + ``adapter`` on evenly spaced held-out windows.
 
         ``partitions`` limits the held-out data to those clients' (the participants');
-        by default every client's held-out split is used (the whole corpus).
+        by default every client's held-out split is used (the whole corpus). NaN when the
+        participants hold no held-out text (small packages can have none): nothing to score.
         """
+        tokens = self.heldout(partitions)
+        if partitions is not None and len(tokens) < 2:
+            return math.nan
         holder.set_adapter(self.lm, adapter)
         cfg = self.cfg.train
         eval_cfg = type(cfg).from_config(
             {**cfg.to_config(), "eval-batches": self.cfg.server_eval_batches}
         )
-        loss, _ = evaluate_tokens(self.lm.model, self.heldout(partitions), eval_cfg, self.lm.device)
+        loss, _ = evaluate_tokens(self.lm.model, tokens, eval_cfg, self.lm.device)
         return loss
 
     def export(self, adapter: Arrays, out: Path) -> Path:
