@@ -57,7 +57,9 @@ from strategies.registry import build_strategy
 log = logging.getLogger(__name__)
 
 RowCallback = Callable[[Mapping[str, Any]], None]
-NODE_WAIT_SECONDS = 120.0
+NODE_WAIT_SECONDS = (
+    300.0  # first nodes: a Ray engine starting on a busy 2-core machine took over 120 s
+)
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,10 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
             min_verifies=40,
             max_window_s=60.0,
             poll_s=0.2,
+            # Acceptance decides here; a canary replica that just started on two shared cores
+            # can be several times slower than the warm stable one (the latency rule has its
+            # own tests in test_policies.py).
+            max_latency_ratio=5.0,
         )
         return run_rollout(fleet.ingress, config)
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from simulations.localnet import free_ports, stop_marked, wait_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -31,19 +31,7 @@ def _env(flwr_home: Path) -> dict[str, str]:
 
 def _stop_marked() -> None:
     """Stop, by pid, every process started with this module's marker (SuperLink, SuperNodes, apps)."""
-    me = os.getpid()
-    procs = []
-    for p in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
-            if p.pid != me and p.environ().get("FEDGE_TEST_MARKER") == MARKER:
-                procs.append(p)
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
+    stop_marked("FEDGE_TEST_MARKER", MARKER)
 
 
 @pytest.fixture(autouse=True)
@@ -96,26 +84,6 @@ def test_flwr_run_local_simulation_reuses_the_cached_model(micro_zoo, tmp_path: 
     assert (run_dir / "final" / "adapter" / "adapter_config.json").is_file()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _wait_port(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.3)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
 def _wait_round(run_dir: Path, server_round: int, proc: subprocess.Popen[bytes]) -> None:
     """Poll metrics.jsonl until ``server_round`` has a row (or the run ended)."""
     deadline = time.monotonic() + 420
@@ -136,7 +104,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
     B restarts under a new node id. The run completes, and later rounds train partition 2
     and partition 1 again (B's old process is dead, so that is the reconnected node).
     """
-    link, *ports = _free_ports(5)
+    link, *ports = free_ports(5)
     home = tmp_path / "flwr"
     home.mkdir()
     (home / "config.toml").write_text(
@@ -179,7 +147,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
         "--database",
         str(tmp_path / "state.db"),
     )
-    _wait_port(link)
+    wait_port(link)
     supernode("a", 0)
     supernode("b", 1)
     run_dir = tmp_path / "run"
