@@ -24,7 +24,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from simulations.localnet import free_ports, stop_marked, wait_port
+from simulations.localnet import (
+    free_ports,
+    stop_marked,
+    superlink_command,
+    supernode_command,
+    wait_port,
+    write_flwr_home,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_FILE = REPO / "bench" / "results" / "privacy_deploy.json"
@@ -125,10 +132,7 @@ def run(clients: int, size: int, rounds: int) -> dict[str, Any]:
     (app_dir / "pyproject.toml").write_text(PYPROJECT)
     link, *node_ports = free_ports(1 + clients)
     home = root / "flwr"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "dep"\n\n[superlink.dep]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
-    )
+    write_flwr_home(home, link)
     env = {
         **os.environ,
         "PATH": f"{BIN}:{os.environ['PATH']}",
@@ -148,32 +152,10 @@ def run(clients: int, size: int, rounds: int) -> dict[str, Any]:
 
     out = root / "times.json"
     try:
-        spawn(
-            "superlink",
-            "flower-superlink",
-            "--insecure",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(link),
-            "--database",
-            str(root / "state.db"),
-        )
+        spawn("superlink", *superlink_command(link, root / "state.db"))
         wait_port(link, timeout=300)
         for pid, port in enumerate(node_ports):
-            spawn(
-                f"supernode{pid}",
-                "flower-supernode",
-                "--insecure",
-                "--superlink",
-                f"127.0.0.1:{link}",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--node-config",
-                f"partition-id={pid} num-partitions={clients}",
-            )
+            spawn(f"supernode{pid}", *supernode_command(link, port, pid, clients))
         config = f"x-clients={clients} x-size={size} x-rounds={rounds} x-out='{out}'"
         with (root / "flwr-run.log").open("wb") as fh:  # --stream: returns when the run ends
             subprocess.run(

@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import time
+from pathlib import Path
 
 import psutil
 
@@ -51,3 +52,44 @@ def stop_marked(variable: str, marker: str) -> None:
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
+
+
+def write_flwr_home(home: Path, link_port: int) -> Path:
+    """Write ``home/config.toml`` naming a local insecure SuperLink federation ``dep``."""
+    home.mkdir(parents=True, exist_ok=True)
+    config = home / "config.toml"
+    config.write_text(
+        f'[superlink]\ndefault = "dep"\n\n[superlink.dep]\naddress = "127.0.0.1:{link_port}"\n'
+        "insecure = true\n"
+    )
+    return config
+
+
+def superlink_command(port: int, database: Path) -> list[str]:
+    """The ``flower-superlink`` command line for an insecure SuperLink on 127.0.0.1:``port``."""
+    return [
+        "flower-superlink",
+        "--insecure",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database",
+        str(database),
+    ]
+
+
+def supernode_command(link_port: int, port: int, partition: int, partitions: int) -> list[str]:
+    """The ``flower-supernode`` command line for one partition, talking to the local SuperLink."""
+    return [
+        "flower-supernode",
+        "--insecure",
+        "--superlink",
+        f"127.0.0.1:{link_port}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--node-config",
+        f"partition-id={partition} num-partitions={partitions}",
+    ]

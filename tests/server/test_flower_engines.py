@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from simulations.localnet import free_ports, stop_marked, wait_port
+from simulations.localnet import (
+    free_ports,
+    stop_marked,
+    superlink_command,
+    supernode_command,
+    wait_port,
+    write_flwr_home,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -106,10 +113,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
     """
     link, *ports = free_ports(5)
     home = tmp_path / "flwr"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "dep"\n\n[superlink.dep]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
-    )
+    write_flwr_home(home, link)
     env = _env(home)
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -122,31 +126,9 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
             )
 
     def supernode(name: str, partition: int) -> None:
-        spawn(
-            name,
-            "flower-supernode",
-            "--insecure",
-            "--superlink",
-            f"127.0.0.1:{link}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(ports.pop()),
-            "--node-config",
-            f"partition-id={partition} num-partitions=3",
-        )
+        spawn(name, *supernode_command(link, ports.pop(), partition, 3))
 
-    spawn(
-        "superlink",
-        "flower-superlink",
-        "--insecure",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(link),
-        "--database",
-        str(tmp_path / "state.db"),
-    )
+    spawn("superlink", *superlink_command(link, tmp_path / "state.db"))
     wait_port(link)
     supernode("a", 0)
     supernode("b", 1)
