@@ -1,0 +1,55 @@
+"""How the edge reaches the verifier (`ClientConfig`) and the two ways reaching it can fail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedge.errors import FedgeError
+
+
+class VerifierUnreachable(FedgeError):
+    """The verifier answered UNAVAILABLE or DEADLINE_EXCEEDED (or not SERVING) for too long."""
+
+
+class RateLimited(Exception):
+    """The verifier refused a call for this device's rate limit and asked for a longer wait than allowed."""
+
+    def __init__(self, retry_after_s: float, details: str) -> None:
+        super().__init__(f"rate limited for {retry_after_s:.3f} s: {details}")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How the edge reaches the verifier."""
+
+    target: str  # HOST:PORT
+    token: str | None = None  # bearer token, when the verifier requires one
+    root_cert: Path | None = None  # PEM root certificate; given = TLS
+    tls_server_name: str | None = None  # override the name checked against the certificate
+    timeout_s: float = 30.0  # per call
+    added_rtt_s: float = 0.0  # simulated network round trip added to every call
+    max_retries: int = 5  # on RESOURCE_EXHAUSTED
+    backoff_s: float = 0.01  # first retry delay when the server names none; doubles each retry
+    device_id: str | None = None  # sent as `fedge-device` metadata: the key of per-device limits
+    max_wait_s: float = 2.0  # longest server-asked retry-after waited out; longer: RateLimited
+    unreachable_after_s: float = 3.0  # UNAVAILABLE / DEADLINE_EXCEEDED retried this long
+    health_timeout_s: float = 1.0  # a health check slower than this counts as down
+
+    def __post_init__(self) -> None:
+        host, _, port = self.target.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"ClientConfig.target must be HOST:PORT, got {self.target!r}")
+        for name in (
+            "timeout_s",
+            "added_rtt_s",
+            "backoff_s",
+            "max_wait_s",
+            "unreachable_after_s",
+            "health_timeout_s",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ClientConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")

@@ -1,0 +1,148 @@
+"""One gRPC channel to the verifier, with round-trip and byte accounting and overload retries.
+
+`Transport` owns the channel, the call metadata (bearer token, `fedge-device`), the health
+check and the counters every report reads: `calls` (request/response exchanges, health
+checks included), `bytes_up` / `bytes_down` (protobuf payload bytes; HTTP/2 framing and
+headers excluded). For experiments without a network emulator it can add a round-trip time:
+it sleeps `added_rtt_s` before each call. RESOURCE_EXHAUSTED replies are retried: after the
+server's `fedge-retry-after-ms` when it sends one (a per-device rate limit; beyond
+`max_wait_s` the call raises `RateLimited` so the caller can take another route), else with
+exponential backoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import TracerProvider
+
+from edge.client.config import ClientConfig, RateLimited, VerifierUnreachable
+from edge.proto import verifier_pb2_grpc as pb_grpc
+from edge.tracing import Tracing, traced_channel
+from edge.verifier.limits import DEVICE_KEY, retry_after_ms
+
+T = TypeVar("T", bound=Message)
+R = TypeVar("R")
+# reconnect quickly after an outage (gRPC's default backoff grows to two minutes)
+RECONNECT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+class Transport:
+    """The channel, its metadata and counters; unary calls with overload retries; health."""
+
+    def __init__(self, config: ClientConfig, tracer_provider: TracerProvider | None = None) -> None:
+        self.config = config
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.calls = 0  # request/response exchanges (round trips), health checks included
+        self.rate_limited_waits = 0  # retries after a server-named retry-after
+        self.overloads = 0  # RESOURCE_EXHAUSTED replies seen (the router reads them)
+        self._in_flight: set[Any] = set()  # fire-and-forget calls not yet answered
+        self.tracing = Tracing(tracer_provider)
+        metadata = [("authorization", f"Bearer {config.token}")] if config.token else []
+        if config.device_id:
+            metadata.append((DEVICE_KEY, config.device_id))
+        self.metadata = tuple(metadata)
+        self._channel = _channel(config)
+        self.stub = pb_grpc.VerifierStub(traced_channel(self._channel, tracer_provider))
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close_channel(self) -> None:
+        """Let fire-and-forget calls land (closing the channel would cancel them), then close it."""
+        for call in list(self._in_flight):
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
+                call.result(timeout=self.config.timeout_s)
+        self._channel.close()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_channel()
+
+    def attempt(self, request: Message, rpc: Callable[[], R]) -> R:
+        """Run `rpc` with the added RTT and byte counting, retrying RESOURCE_EXHAUSTED refusals."""
+        backoff = self.config.backoff_s
+        for attempt in range(self.config.max_retries + 1):
+            if self.config.added_rtt_s:
+                time.sleep(self.config.added_rtt_s)
+            self.calls += 1
+            self.bytes_up += request.ByteSize()
+            try:
+                return rpc()
+            except grpc.RpcError as err:
+                time.sleep(self._retry_delay(err, attempt, backoff))
+                backoff *= 2
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _retry_delay(self, err: grpc.RpcError, attempt: int, backoff_s: float) -> float:
+        """Seconds to wait before retrying `err`; re-raises what must not be retried."""
+        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+            raise err
+        self.overloads += 1
+        asked_ms = retry_after_ms(err.trailing_metadata())  # type: ignore[attr-defined]
+        if asked_ms is not None and asked_ms / 1e3 > self.config.max_wait_s:
+            raise RateLimited(asked_ms / 1e3, err.details()) from err  # type: ignore[attr-defined]
+        if attempt == self.config.max_retries:
+            raise err
+        if asked_ms is None:
+            return backoff_s
+        self.rate_limited_waits += 1
+        return asked_ms / 1e3
+
+    def unary(self, method: Any, request: Message, reply_type: type[T]) -> T:
+        """One unary call (see `attempt`); counts the reply's bytes."""
+        reply: T = self.attempt(
+            request,
+            lambda: method(request, timeout=self.config.timeout_s, metadata=self.metadata),
+        )
+        self.bytes_down += reply.ByteSize()
+        return reply
+
+    def send(self, method: Any, request: Message) -> None:
+        """A call whose reply nobody waits for (it still crosses the network: counted as a call)."""
+        self.calls += 1
+        self.bytes_up += request.ByteSize()
+        call = method.future(request, timeout=self.config.timeout_s, metadata=self.metadata)
+        self._in_flight.add(call)  # a dropped call object would cancel the RPC when collected
+        call.add_done_callback(self._in_flight.discard)
+
+    def health(self) -> int:
+        """The verifier's overall health status (a `HealthCheckResponse.ServingStatus` value)."""
+        reply = self._health.Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=self.config.health_timeout_s
+        )
+        return int(reply.status)
+
+    def ping(self) -> float:
+        """Seconds for one health check; VerifierUnreachable unless the verifier is SERVING."""
+        if self.config.added_rtt_s:
+            time.sleep(self.config.added_rtt_s)
+        self.calls += 1
+        started = time.perf_counter()
+        status = self.health()
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)  # type: ignore[arg-type]
+            raise VerifierUnreachable(f"verifier at {self.config.target} is {name}")
+        return time.perf_counter() - started + self.config.added_rtt_s
+
+
+def _channel(config: ClientConfig) -> grpc.Channel:
+    """A plain or TLS channel to `config.target`, reconnecting quickly after an outage."""
+    options = list(RECONNECT_OPTIONS)
+    if config.root_cert is None:
+        return grpc.insecure_channel(config.target, options=options)
+    credentials = grpc.ssl_channel_credentials(config.root_cert.read_bytes())
+    if config.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+    return grpc.secure_channel(config.target, credentials, options=options)

@@ -1,0 +1,209 @@
+"""The Verifier API for the edge: sessions that survive retries and restarts, and cloud-only streams.
+
+Round trips: after the first session (a real OpenSession, to learn the verifier's limits) a
+session is opened by its first Verify, which carries the prompt under an id the client chose;
+CloseSession is not waited for. Recovery: the client keeps each session's committed tokens,
+sends the expected length with every Verify and retries UNAVAILABLE / DEADLINE_EXCEEDED with
+the same request (the verifier replays a verify it already applied); NOT_FOUND reopens the
+session from the committed tokens, ABORTED reopens it under a fresh id. When the verifier
+stays unreachable for `unreachable_after_s`, calls raise `VerifierUnreachable`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry.trace import TracerProvider
+
+from edge.client.config import ClientConfig, VerifierUnreachable
+from edge.client.transport import Transport
+from edge.proto import verifier_pb2 as pb
+from edge.tracing import VERIFY_SPAN
+from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
+
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# FAILED_PRECONDITION while retrying: the retry raced its own first attempt, which is still running
+RETRY_RACE = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass
+class EdgeSession:
+    """What the edge knows of one of its sessions: enough to replay or reopen it anywhere."""
+
+    wire_id: str  # the id on the verifier; a fresh one after ABORTED
+    committed: list[int]  # prompt + every token the verifier has returned
+    sampling: Sampling
+    known: bool  # the verifier has (as far as we know) opened it
+
+
+class VerifierClient(Transport):
+    """Blocking Verifier client; also the `VerifierLink` the speculative decoder drives."""
+
+    def __init__(self, config: ClientConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.retries = 0  # transient failures retried
+        self.reopens = 0  # sessions reopened after NOT_FOUND or ABORTED
+        self._limits: SessionInfo | None = None  # the verifier's, from the first open
+        self._sessions: dict[str, EdgeSession] = {}
+
+    def __enter__(self) -> VerifierClient:
+        return self
+
+    # ---- sessions -------------------------------------------------------------------------
+    def open(self, prompt_ids: Sequence[int], sampling: Sampling | None = None) -> SessionInfo:
+        """Start a session: a real OpenSession the first time, later opened by its first verify."""
+        sampling = sampling or Sampling()
+        if self._limits is None:
+            info = self.open_remote(prompt_ids, sampling)
+            self._limits = info
+            self._sessions[info.session_id] = EdgeSession(
+                info.session_id, list(prompt_ids), sampling, known=True
+            )
+            return info
+        local_id = uuid.uuid4().hex
+        self._sessions[local_id] = EdgeSession(local_id, list(prompt_ids), sampling, known=False)
+        limits = self._limits
+        return SessionInfo(
+            local_id, limits.vocab_size, limits.max_draft, limits.max_context, limits.session_ttl_s
+        )
+
+    def open_remote(self, prompt_ids: Sequence[int], sampling: Sampling) -> SessionInfo:
+        """OpenSession: the verifier prefills the prompt now and picks the id."""
+        reply = self.unary(
+            self.stub.OpenSession,
+            pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling)),
+            pb.OpenSessionReply,
+        )
+        return SessionInfo(
+            reply.session_id,
+            reply.vocab_size,
+            reply.max_draft,
+            reply.max_context,
+            reply.session_ttl_s,
+        )
+
+    def verify(
+        self,
+        session_id: str,
+        draft_ids: Sequence[int],
+        draft_probs: Sequence[float] = (),
+        draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
+    ) -> VerifyResult:
+        """Send a draft; returns how many were accepted and the next token (retried, reopened)."""
+        request = pb.VerifyRequest(
+            session_id=session_id,
+            draft_ids=list(draft_ids),
+            draft_probs=list(draft_probs),
+            draft_dists=[
+                pb.DraftDistribution(token_ids=list(ids), probs=list(probs))
+                for ids, probs in draft_dists
+            ],
+        )
+        session = self._sessions.get(session_id)
+        with self.tracing.span(
+            VERIFY_SPAN, **{"fedge.draft_tokens": len(request.draft_ids)}
+        ) as span:
+            if session is None:  # not opened through this client: a plain verify
+                reply = self.unary(self.stub.Verify, request, pb.VerifyReply)
+            else:
+                reply = self._verify_session(session, request)
+                session.known = True
+                session.committed += [*draft_ids[: reply.accepted], reply.next_token]
+            if span is not None:
+                span.set_attribute("fedge.accepted_tokens", reply.accepted)
+        return VerifyResult(reply.accepted, reply.next_token, reply.session_length)
+
+    def _verify_session(self, session: EdgeSession, request: pb.VerifyRequest) -> pb.VerifyReply:
+        """Verify with the expected length; retry transient failures, reopen a lost session."""
+        request.session_id = session.wire_id
+        request.expected_length = len(session.committed)
+        if not session.known:
+            self._attach_committed(session, request)
+        delay = self.config.backoff_s
+        give_up = time.monotonic() + self.config.unreachable_after_s
+        while True:
+            try:
+                return self.unary(self.stub.Verify, request, pb.VerifyReply)
+            except grpc.RpcError as err:
+                code = err.code()  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.NOT_FOUND and not request.committed_ids:
+                    self._attach_committed(session, request)
+                    continue
+                if code == grpc.StatusCode.ABORTED:  # diverged: start over under a new id
+                    session.wire_id = request.session_id = uuid.uuid4().hex
+                    self._attach_committed(session, request)
+                    continue
+                if code not in (*TRANSIENT, RETRY_RACE):
+                    raise
+                if time.monotonic() > give_up:
+                    raise VerifierUnreachable(
+                        f"verifier at {self.config.target} answered {code.name} for "
+                        f"{self.config.unreachable_after_s} s; decode on the device"
+                    ) from err
+                self.retries += 1
+                time.sleep(delay)
+                delay = min(2 * delay, 0.5)
+
+    def _attach_committed(self, session: EdgeSession, request: pb.VerifyRequest) -> None:
+        """Make the request (re)open the session from the edge's committed tokens."""
+        self.reopens += int(session.known)
+        del request.committed_ids[:]
+        request.committed_ids.extend(session.committed)
+        request.sampling.CopyFrom(_sampling(session.sampling))
+
+    def close(self, session_id: str) -> int:
+        """Close a session without waiting (fire-and-forget); returns the tokens it held here."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None and not session.known:
+            return len(session.committed)  # the verifier never saw it
+        wire_id = session.wire_id if session else session_id
+        self.send(self.stub.CloseSession, pb.CloseSessionRequest(session_id=wire_id))
+        return len(session.committed) if session else 0
+
+    def close_remote(self, session_id: str) -> int:
+        """CloseSession, waiting for the reply: the tokens the verifier held."""
+        self._sessions.pop(session_id, None)
+        reply = self.unary(
+            self.stub.CloseSession,
+            pb.CloseSessionRequest(session_id=session_id),
+            pb.CloseSessionReply,
+        )
+        return int(reply.session_length)
+
+    # ---- cloud-only -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop_token_id: int | None = None,
+    ) -> Iterator[int]:
+        """Cloud-only decoding: yields the target's tokens as the server streams them."""
+        sampling = sampling or Sampling()
+        request = pb.GenerateRequest(
+            prompt_ids=list(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            sampling=_sampling(sampling),
+            stop_token_id=stop_token_id,
+        )
+
+        def start() -> tuple[Iterator[pb.GenerateReply], pb.GenerateReply | None]:
+            stream = self.stub.Generate(
+                request, timeout=self.config.timeout_s, metadata=self.metadata
+            )
+            return stream, next(stream, None)  # a refusal (rate limit, overload) arrives here
+
+        stream, first = self.attempt(request, start)
+        for reply in itertools.chain([] if first is None else [first], stream):
+            self.bytes_down += reply.ByteSize()
+            yield int(reply.token_id)
+
+
+def _sampling(sampling: Sampling) -> pb.Sampling:
+    """The engine's Sampling as the proto message."""
+    return pb.Sampling(temperature=sampling.temperature, seed=sampling.seed)
