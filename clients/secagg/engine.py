@@ -1,11 +1,12 @@
 """Client half of SecAgg+ as a state machine whose state lives in a Flower ConfigRecord.
 
 Keys are agreed once per server session: two X25519 key pairs, advertised when the
-server asks. Each round is then two exchanges. *Collect*: the client trains, masks
+server asks; the X25519 secret with each neighbour is computed once per session and kept
+in the state beside the private keys. Each round is then two exchanges. *Collect*: the client trains, masks
 its quantized input with a fresh self mask and one pairwise mask per neighbour
 (seeded by HKDF from the pair's X25519 secret, both node ids and the round id),
 and sends it with its self-mask seed Shamir-shared among its neighbours, each share
-encrypted to its holder. *Unmask*: it reveals the self-mask shares of live
+encrypted to its holder (AES-GCM under a per-round HKDF key). *Unmask*: it reveals the self-mask shares of live
 neighbours and, for dropped ones, this round's pairwise seed, never both for one
 node and never a long-term key. A round id is accepted once, so masks never repeat.
 """
@@ -16,20 +17,20 @@ import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
-from cryptography.fernet import InvalidToken
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt
 
 from fedge.errors import FedgeError
 from fedge.secagg import wire
 from fedge.secagg.crypto import (
     MASK_PURPOSE,
     SHARE_PURPOSE,
-    agree,
-    fernet_key,
+    derive,
     generate_keypair,
     pair_info,
+    seal,
+    shared_secrets,
     split_secret,
+    unseal,
 )
 from fedge.secagg.vectors import Layout, prg_mask, quantize
 
@@ -44,6 +45,8 @@ _S_PK2 = "pk2"
 _S_PINNED = "pinned-ids"  # packed ids, parallel to _S_PINNED_PK1 / _S_PINNED_PK2
 _S_PINNED_PK1 = "pinned-pk1"
 _S_PINNED_PK2 = "pinned-pk2"
+_S_PINNED_S1 = "pinned-s1"  # X25519 secrets with each pinned node (mask keys), once per session
+_S_PINNED_S2 = "pinned-s2"  # the same for the share-encryption keys
 _S_USED = "used-rounds"  # every round id this session has seen
 _S_ROUND = "round"
 _S_STAGE = "stage"
@@ -164,8 +167,9 @@ class SecAggClientEngine:
         seed = os.urandom(32)  # fresh self mask every round
         # uint32 arithmetic wraps mod 2**32, a multiple of m: reduce mod m once at the end
         masked = q + prg_mask(seed, layout.size, modulus)
-        for peer, pk1 in zip(neighbours, pk1s, strict=True):
-            mask = prg_mask(self._pair_seed(peer, pk1, round_id), layout.size, modulus)
+        s1, s2 = self._secrets(neighbours)
+        for peer in neighbours:
+            mask = prg_mask(self._pair_seed(peer, s1[peer], round_id), layout.size, modulus)
             if self.node_id < peer:
                 masked += mask
             else:
@@ -175,10 +179,10 @@ class SecAggClientEngine:
         shares = split_secret(seed, threshold, len(neighbours) + 1)
         self.state[_S_OWN_SHARE] = shares[-1]
         cts = [
-            encrypt(
-                self._share_key(peer, pk2, round_id), _share_plaintext(self.node_id, peer, share)
+            seal(
+                self._share_key(peer, s2[peer], round_id), share, _share_context(self.node_id, peer)
             )
-            for peer, pk2, share in zip(neighbours, pk2s, shares, strict=False)
+            for peer, share in zip(neighbours, shares, strict=False)
         ]
         out = ConfigRecord(
             {wire.KEY_DESTINATIONS: wire.pack_ids(neighbours), wire.KEY_CIPHERTEXTS: cts}
@@ -225,20 +229,19 @@ class SecAggClientEngine:
             raise SecAggProtocolError(
                 "unmask message forwards shares that do not match live neighbours"
             )
-        pk2 = self._pinned(neighbours)[1]
+        s1, s2 = self._secrets(neighbours)
         owners, shares = [self.node_id], [wire.get_bytes(self.state, _S_OWN_SHARE)]
         for src, ct in zip(sources, cts, strict=True):
-            try:
-                plain = decrypt(self._share_key(src, pk2[src], round_id), ct)
-            except InvalidToken as exc:
-                raise SecAggProtocolError(f"share from node {src} does not decrypt") from exc
-            s, d, share = _share_fields(plain)
-            if s != src or d != self.node_id:
-                raise SecAggProtocolError(f"share from node {src} is addressed {s}->{d}")
+            key = self._share_key(src, s2[src], round_id)
+            try:  # the context binds sender and receiver: a share forwarded elsewhere fails
+                share = unseal(key, ct, _share_context(src, self.node_id))
+            except ValueError as exc:
+                raise SecAggProtocolError(
+                    f"share from node {src} does not decrypt as addressed to this node"
+                ) from exc
             owners.append(src)
             shares.append(share)
-        pk1 = self._pinned(neighbours)[0]
-        seeds = [self._pair_seed(u, pk1[u], round_id) for u in dropped]
+        seeds = [self._pair_seed(u, s1[u], round_id) for u in dropped]
         out = ConfigRecord(
             {
                 wire.KEY_SHARE_OWNERS: wire.pack_ids(owners),
@@ -276,47 +279,50 @@ class SecAggClientEngine:
         self._pin(neighbours, pk1s, pk2s)
 
     def _pin(self, ids: list[int], pk1s: list[bytes], pk2s: list[bytes]) -> None:
-        """Bind public keys to node ids for the session: a key that changes is refused."""
-        pinned = (
-            wire.unpack_ids(wire.get_bytes(self.state, _S_PINNED))
-            if _S_PINNED in self.state
-            else []
-        )
+        """Bind public keys to node ids for the session (a key that changes is refused), and
+        compute the X25519 secrets with newly pinned nodes once."""
+        pinned = self._pinned_ids()
         p1 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK1), strict=True))
         p2 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK2), strict=True))
+        fresh = [u for u in ids if u not in p1]
         for u, a, b in zip(ids, pk1s, pk2s, strict=True):
             if p1.setdefault(u, a) != a or p2.setdefault(u, b) != b:
                 raise SecAggProtocolError(
                     f"the public keys of node {u} changed within key session "
                     f"{self.state.get(_S_SESSION)!r}; refusing (a server may be impersonating it)"
                 )
+        s1, s2 = self._secrets(pinned)
+        sk1, sk2 = wire.get_bytes(self.state, _S_SK1), wire.get_bytes(self.state, _S_SK2)
+        s1.update(zip(fresh, shared_secrets(sk1, [p1[u] for u in fresh]), strict=True))
+        s2.update(zip(fresh, shared_secrets(sk2, [p2[u] for u in fresh]), strict=True))
         order = sorted(p1)
         self.state[_S_PINNED] = wire.pack_ids(order)
         self.state[_S_PINNED_PK1] = [p1[u] for u in order]
         self.state[_S_PINNED_PK2] = [p2[u] for u in order]
+        self.state[_S_PINNED_S1] = [s1[u] for u in order]
+        self.state[_S_PINNED_S2] = [s2[u] for u in order]
 
-    def _pinned(self, ids: list[int]) -> tuple[dict[int, bytes], dict[int, bytes]]:
-        pinned = wire.unpack_ids(wire.get_bytes(self.state, _S_PINNED))
-        p1 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK1), strict=True))
-        p2 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK2), strict=True))
-        return {u: p1[u] for u in ids}, {u: p2[u] for u in ids}
+    def _pinned_ids(self) -> list[int]:
+        if _S_PINNED not in self.state:
+            return []
+        return wire.unpack_ids(wire.get_bytes(self.state, _S_PINNED))
 
-    def _pair_seed(self, peer: int, pk1: bytes, round_id: str) -> bytes:
-        """This round's pairwise mask seed with ``peer``: HKDF over the X25519 secret."""
-        info = pair_info(MASK_PURPOSE, self.node_id, peer, round_id)
-        return agree(wire.get_bytes(self.state, _S_SK1), pk1, info)
+    def _secrets(self, ids: list[int]) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """The session's X25519 secrets with ``ids`` (mask, share encryption), all pinned."""
+        pinned = self._pinned_ids()
+        s1 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_S1), strict=True))
+        s2 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_S2), strict=True))
+        return {u: s1[u] for u in ids}, {u: s2[u] for u in ids}
 
-    def _share_key(self, peer: int, pk2: bytes, round_id: str) -> bytes:
-        info = pair_info(SHARE_PURPOSE, self.node_id, peer, round_id)
-        return fernet_key(agree(wire.get_bytes(self.state, _S_SK2), pk2, info))
+    def _pair_seed(self, peer: int, secret: bytes, round_id: str) -> bytes:
+        """This round's pairwise mask seed with ``peer``: HKDF over the pair's X25519 secret."""
+        return derive(secret, pair_info(MASK_PURPOSE, self.node_id, peer, round_id))
+
+    def _share_key(self, peer: int, secret: bytes, round_id: str) -> bytes:
+        """This round's key for the shares exchanged with ``peer``."""
+        return derive(secret, pair_info(SHARE_PURPOSE, self.node_id, peer, round_id))
 
 
-def _share_plaintext(src: int, dst: int, share: bytes) -> bytes:
-    return wire.pack_ids([src, dst]) + share
-
-
-def _share_fields(plain: bytes) -> tuple[int, int, bytes]:
-    if len(plain) < 17:
-        raise SecAggProtocolError("a decrypted share is too short")
-    src, dst = wire.unpack_ids(plain[:16])
-    return src, dst, plain[16:]
+def _share_context(src: int, dst: int) -> bytes:
+    """What a sealed share is bound to: its sender and its receiver."""
+    return wire.pack_ids([src, dst])

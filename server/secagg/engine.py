@@ -46,10 +46,15 @@ def ring_neighbours(node_ids: Sequence[int], num_shares: int, seed: int) -> dict
 
 
 class KeyBook:
-    """The public keys of one key session: advertised once, reused every round of the run."""
+    """The public keys of one key session: advertised once, reused every round of the run.
+
+    ``ring_seed`` places the nodes on the ring for the whole session, so the same sampled
+    nodes keep the same neighbours and clients reuse the X25519 secrets they computed.
+    """
 
     def __init__(self) -> None:
         self.session = secrets.token_hex(8)
+        self.ring_seed = secrets.randbits(63)
         self.keys: dict[int, tuple[bytes, bytes]] = {}
 
     def missing(self, nodes: Sequence[int]) -> list[int]:
@@ -130,7 +135,7 @@ class SecAggServerEngine:
         )
         self.nodes = nodes
         self.keys = keys if keys is not None else KeyBook()
-        self._seed = seed if seed is not None else secrets.randbits(63)
+        self._seed = seed if seed is not None else self.keys.ring_seed
         self._r = _Round()
 
     # ------------------------------------------------------------------ stage 0: keys (once)

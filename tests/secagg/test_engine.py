@@ -226,6 +226,49 @@ def test_keys_are_agreed_once_and_rounds_take_two_exchanges(make_federation: Cal
     assert stages.count(wire.STAGE_COLLECT) == stages.count(wire.STAGE_UNMASK) == 12
 
 
+def test_pair_secrets_are_computed_once_per_session(
+    make_federation: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: count the X25519 agreements clients run over three rounds of one session
+    import clients.secagg.engine as client_engine
+
+    computed: list[int] = []
+    real = client_engine.shared_secrets
+
+    def counting(private: bytes, publics: list[bytes]) -> list[bytes]:
+        computed.append(len(publics))
+        return real(private, publics)
+
+    monkeypatch.setattr(client_engine, "shared_secrets", counting)
+    fed = make_federation(5, seed=17)
+    book = KeyBook()
+    # Execute
+    for _ in range(3):
+        run_secagg(
+            SecAggServerEngine(
+                SecAggConfig(num_shares=1.0), sorted(fed.contributions), MASKED, keys=book
+            ),
+            fed.exchange,
+        )
+    # Assert: 4 neighbours x 2 key pairs per node, all in the first round
+    assert sum(computed) == 5 * 4 * 2
+
+
+def test_a_share_reflected_to_its_sender_is_refused(make_federation: Callable) -> None:
+    # Prepare: run to unmask; hand C the share C sealed for B, claiming B sent it to C
+    # (both directions of a pair share one key: only the sealed addressees tell them apart)
+    fed = make_federation(3, seed=18)
+    engine = collected(fed, SecAggConfig(num_shares=1.0))
+    a, b, c = sorted(fed.contributions)
+    sealed_by_c_for_b = dict(engine._r.forward[b])[c]
+    request = unmask_request(engine, [a, b, c], [])
+    request[wire.SECAGG_RECORD][wire.KEY_SOURCES] = wire.pack_ids([b])
+    request[wire.SECAGG_RECORD][wire.KEY_CIPHERTEXTS] = [sealed_by_c_for_b]
+    # Execute / Assert
+    with pytest.raises(SecAggProtocolError, match="does not decrypt as addressed"):
+        SecAggClientEngine(c, fed.states[c]).handle(request, dict)
+
+
 def test_client_refuses_a_replayed_round_and_a_swapped_key(make_federation: Callable) -> None:
     # Prepare: a finished round, then the same collect requests again
     fed = make_federation(3, seed=15)
