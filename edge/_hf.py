@@ -52,6 +52,22 @@ def forward(
 ) -> tuple[torch.Tensor, KV]:
     """One forward pass continuing `kv`; returns logits [B, T, V] and the extended KV."""
     cache = kv_to_cache(kv) if kv else DynamicCache()
+    logits = forward_on(model, input_ids, cache, attention_mask, position_ids)
+    return logits, cache_to_kv(cache)
+
+
+def forward_on(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One forward pass that appends the new tokens' KV to `cache` in place; returns logits [B, T, V].
+
+    This is how `generate` decodes: no copy of the past per call (DynamicCache grows by
+    concatenation, as in transformers' own greedy loop).
+    """
     model_cls: Any = type(model)
     kwargs = {_cache_kwarg(model_cls): cache}
     out = model(
@@ -61,8 +77,39 @@ def forward(
         use_cache=True,
         **kwargs,
     )
-    new_cache = out["cache"] if "cache" in out else out["past_key_values"]
-    return out.logits, cache_to_kv(new_cache)
+    grown = out["cache"] if "cache" in out else out["past_key_values"]
+    if grown is not cache:  # every cache class this code meets updates in place
+        raise RuntimeError(
+            f"{model_cls.__name__} returned a new cache object instead of growing it"
+        )
+    logits: torch.Tensor = out.logits
+    return logits
+
+
+def cache_length(cache: DynamicCache) -> int:
+    """Sequence positions held by a cache object (0 when empty)."""
+    return int(cache.get_seq_length())
+
+
+def cache_nbytes(cache: DynamicCache) -> int:
+    """Memory held by a cache object's key and value tensors, in bytes."""
+    return sum(
+        key.numel() * key.element_size() + value.numel() * value.element_size()
+        for key, value in cache_to_kv(cache)
+        if key is not None
+    )
+
+
+def drop_last(cache: DynamicCache, positions: int) -> None:
+    """Forget the last `positions` positions of a cache (rejected draft tokens)."""
+    if positions > 0:
+        cache.crop(-positions)
+
+
+def append_stacked(cache: DynamicCache, stacked: torch.Tensor) -> None:
+    """Append stacked KV [1, 2 * layers, heads, T, head_dim] (see `stack_kv`) to a cache."""
+    for layer in range(stacked.shape[1] // 2):
+        cache.update(stacked[:, 2 * layer], stacked[:, 2 * layer + 1], layer)
 
 
 def kv_length(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:

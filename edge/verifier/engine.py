@@ -1,40 +1,48 @@
-"""Batching verification engine: concurrent sessions' drafts verified in one target forward pass.
+"""Batching verification engine: the API of the verifier's model, without gRPC.
 
-Plain Python and torch, no gRPC: a single worker thread owns the model. Verify
-requests queue up; the worker takes the first, waits up to `batch_window_s` for
-more (up to `max_batch`), left-pads the sessions' KV caches to a common length,
-right-pads their drafts, and runs one forward with a padding attention mask and
-per-session position ids. Each session then gets its own verdict
-(`edge.speculative`) and keeps the KV of its accepted tokens only.
+Plain Python and torch: callers validate and queue requests here (open, verify,
+close, generate); a single worker thread (`edge.verifier.worker`) owns the model,
+verifies concurrent sessions' drafts in one batched forward pass, and decodes
+cloud-only Generate streams (a lone stream in a tight loop on its own cache object,
+concurrent ones batched with everything else). Each verify gets its own verdict
+(`edge.speculative`) and its session keeps the KV of its accepted tokens only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from edge import _hf
-from edge.speculative import greedy_choices_verdict, sampling_verdict
 from edge.tracing import NO_TRACING, Tracing
-from edge.verifier.batching import KVGeometry, batched_forward
+from edge.verifier.batching import KVGeometry
+from edge.verifier.channel import TokenChannel
 from edge.verifier.errors import (
     InvalidRequest,
     LengthMismatch,
     NotReady,
     Overloaded,
     SessionBusy,
+)
+from edge.verifier.jobs import (
+    EngineObserver,
+    GenerateJob,
+    Job,
+    NullObserver,
+    PrefillJob,
+    VerifyJob,
+    WorkerParts,
+    fail_job,
 )
 from edge.verifier.requests import (
     Draft,
@@ -44,19 +52,19 @@ from edge.verifier.requests import (
     check_ids,
     check_sampling,
     check_session_id,
-    derive_seed,
     sampling_draft,
 )
-from edge.verifier.sessions import Replay, Session, SessionStore
+from edge.verifier.sessions import Session, SessionStore
+from edge.verifier.worker import Worker
 
 LOG = logging.getLogger("fedge.verifier")
-ACTIVE_WINDOW_S = 0.05  # a session used this recently counts as a stream a batch should wait for
 
 __all__ = [
     "EngineConfig",
     "EngineObserver",
     "Sampling",
     "SessionInfo",
+    "TokenChannel",
     "VerifierEngine",
     "VerifyResult",
 ]
@@ -104,72 +112,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.batch_window_s must be >= 0, got {self.batch_window_s}")
 
 
-class EngineObserver(Protocol):
-    """Hooks the server uses for metrics; the engine calls them from its worker thread."""
-
-    def on_batch(self, size: int, seconds: float) -> None: ...
-
-    def on_verify(self, drafted: int, accepted: int) -> None: ...
-
-    def on_sessions(self, count: int, kv_bytes: int) -> None: ...
-
-    def on_evict(self, reason: str) -> None: ...
-
-    def on_abandoned(self, kind: str) -> None: ...
-
-
-class _NullObserver:
-    """Observer that records nothing."""
-
-    def on_batch(self, size: int, seconds: float) -> None:
-        return None
-
-    def on_verify(self, drafted: int, accepted: int) -> None:
-        return None
-
-    def on_sessions(self, count: int, kv_bytes: int) -> None:
-        return None
-
-    def on_evict(self, reason: str) -> None:
-        return None
-
-    def on_abandoned(self, kind: str) -> None:
-        return None
-
-
-@dataclass
-class _PrefillJob:
-    prompt: list[int]
-    sampling: Sampling
-    future: Future[SessionInfo]
-    session_id: str  # chosen by the edge, or a fresh uuid
-    owner: str
-
-
-@dataclass
-class _VerifyJob:
-    session: Session
-    draft: Draft
-    future: Future[VerifyResult]
-    trace: Any = None  # the caller's OpenTelemetry context (edge.tracing), None when off
-    queued_ns: int = 0
-
-
-_Job = _PrefillJob | _VerifyJob
-
-
-def _resolve(future: Future[Any], result: object) -> None:
-    """Hand `result` to a future; a future nobody waits on any more (cancelled) is skipped."""
-    with contextlib.suppress(InvalidStateError):
-        future.set_result(result)
-
-
-def _reject(future: Future[Any], error: BaseException) -> None:
-    """Hand `error` to a future; a future nobody waits on any more (cancelled) is skipped."""
-    with contextlib.suppress(InvalidStateError):
-        future.set_exception(error)
-
-
 class VerifierEngine:
     """Owns the target model, the session store and the batching worker thread."""
 
@@ -183,9 +125,8 @@ class VerifierEngine:
     ) -> None:
         self.model = model.eval()
         self.config = config or EngineConfig()
-        self.observer: EngineObserver = observer or _NullObserver()
+        self.observer: EngineObserver = observer or NullObserver()
         self.tracing = tracing
-        self._batch_ids = itertools.count(1)
         model_cfg: Any = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         limit = int(getattr(model_cfg, "max_position_embeddings", 0) or 0)
@@ -207,11 +148,26 @@ class VerifierEngine:
         )
         self._clock = clock
         self._threads = self.config.torch_threads or torch.get_num_threads()
-        self._queue: queue.Queue[_Job] = queue.Queue(self.config.max_queue)
+        self._queue: queue.Queue[Job] = queue.Queue(self.config.max_queue)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.death: BaseException | None = None  # what ended the worker, when it died
         self._on_death: list[Callable[[BaseException], None]] = []
+        self._worker = Worker(
+            WorkerParts(
+                model=self.model,
+                geometry=self.geometry,
+                sessions=self.sessions,
+                jobs=self._queue,
+                stop=self._stop,
+                observer=self.observer,
+                tracing=tracing,
+                clock=clock,
+                session_info=self._info,
+                batch_window_s=self.config.batch_window_s,
+                max_batch=self.config.max_batch,
+            )
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> VerifierEngine:
@@ -228,7 +184,9 @@ class VerifierEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._fail_queued(NotReady("verifier is shutting down; retry elsewhere"))
+        stopping = NotReady("verifier is shutting down; retry elsewhere")
+        self._fail_queued(stopping)
+        self._worker.fail_streams(stopping)
 
     def on_death(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(error)` from the worker thread if the worker ever dies."""
@@ -251,9 +209,7 @@ class VerifierEngine:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(job, _VerifyJob):
-                job.session.busy = False
-            _reject(job.future, error)
+            fail_job(job, error)
 
     # ------------------------------------------------------------------ requests
     def submit_open(
@@ -266,17 +222,40 @@ class VerifierEngine:
     ) -> Future[SessionInfo]:
         """Queue a session open (prompt prefill) under `session_id` (default: a fresh id)."""
         sid = uuid.uuid4().hex if session_id is None else check_session_id(session_id)
-        prompt = check_ids(field, prompt_ids, self.vocab_size)
-        if not 1 <= len(prompt) < self.max_context:
-            raise InvalidRequest(
-                field,
-                f"{len(prompt)} tokens; a prompt must hold 1 .. {self.max_context - 1} tokens "
-                f"(max_context {self.max_context}); shorten it",
-            )
+        prompt = self._check_prompt(field, prompt_ids)
         check_sampling(sampling)
         future: Future[SessionInfo] = Future()
-        self._enqueue(_PrefillJob(prompt, sampling, future, sid, owner))
+        self._enqueue(PrefillJob(prompt, sampling, future, sid, owner))
         return future
+
+    def submit_generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_token_id: int | None = None,
+        owner: str = "",
+    ) -> TokenChannel:
+        """Queue a cloud-only generation; tokens arrive on the returned channel.
+
+        Generation ends after `max_new_tokens` or at `stop_token_id` (which is sent). A
+        reader that goes away calls `channel.cancel()`; the worker then frees the stream.
+        """
+        prompt = self._check_prompt("prompt_ids", prompt_ids)
+        room = self.max_context - len(prompt)
+        if not 1 <= max_new_tokens <= room:
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"{max_new_tokens} is outside 1 .. {room} for a {len(prompt)}-token prompt "
+                f"(max_context {self.max_context})",
+            )
+        stop = None
+        if stop_token_id is not None:
+            stop = check_ids("stop_token_id", [stop_token_id], self.vocab_size)[0]
+        check_sampling(sampling)
+        channel = TokenChannel()
+        self._enqueue(GenerateJob(prompt, sampling, max_new_tokens, stop, channel, owner))
+        return channel
 
     def submit_verify(
         self,
@@ -304,7 +283,7 @@ class VerifierEngine:
         try:
             trace = self.tracing.capture()
             queued = time.time_ns() if trace is not None else 0
-            self._enqueue(_VerifyJob(session, draft, future, trace, queued))
+            self._enqueue(VerifyJob(session, draft, future, trace, queued))
         except Exception:
             session.busy = False
             raise
@@ -345,6 +324,27 @@ class VerifierEngine:
         """Blocking `submit_verify`."""
         return self.submit_verify(session_id, draft_ids, draft_probs, draft_dists).result()
 
+    def _check_prompt(self, field: str, prompt_ids: Sequence[int]) -> list[int]:
+        """Prompt ids must lie in the vocabulary and leave room in the context."""
+        prompt = check_ids(field, prompt_ids, self.vocab_size)
+        if not 1 <= len(prompt) < self.max_context:
+            raise InvalidRequest(
+                field,
+                f"{len(prompt)} tokens; a prompt must hold 1 .. {self.max_context - 1} tokens "
+                f"(max_context {self.max_context}); shorten it",
+            )
+        return prompt
+
+    def _info(self, session_id: str) -> SessionInfo:
+        """What a client learns about a session it opened: the engine's limits."""
+        return SessionInfo(
+            session_id,
+            self.vocab_size,
+            self.config.max_draft,
+            self.max_context,
+            self.config.session_ttl_s,
+        )
+
     def _check_draft(
         self,
         session: Session,
@@ -378,7 +378,7 @@ class VerifierEngine:
                 )
             session.busy = True
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         """Put a job on the queue; NotReady if stopped, Overloaded if the queue is full."""
         if not self.running:
             raise NotReady("verifier engine is not running (loading or draining); retry shortly")
@@ -391,197 +391,23 @@ class VerifierEngine:
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
-        """Worker loop: take a job, gather a batch of verifies, run it, repeat; report death."""
+        """Worker thread: turns of the worker until stopped; report its death if anything escapes."""
         # OpenMP thread counts are per calling thread: a new thread does not inherit its creator's
         torch.set_num_threads(self._threads)
         try:
-            while not self._stop.is_set():
-                in_hand: list[_Job] = []
-                try:
-                    self._step(in_hand)
-                except Exception as exc:  # a bug must cost its own requests, not the worker
-                    LOG.exception("verifier engine step failed; failing its requests")
-                    self._abort_jobs(in_hand, exc)
+            with torch.inference_mode():  # no autograd bookkeeping for any pass or cache update
+                while not self._stop.is_set():
+                    self._worker.step()
         except BaseException as exc:  # anything that gets here ends the worker: say so
             self._died(exc)
 
-    def _abort_jobs(self, jobs: list[_Job], error: BaseException) -> None:
-        """Fail jobs whose step broke, releasing their sessions."""
-        for job in jobs:
-            if isinstance(job, _VerifyJob):
-                job.session.busy = False
-            _reject(job.future, error)
-
     def _died(self, error: BaseException) -> None:
-        """Record the worker's death, fail queued work, tell the server (health, exit)."""
+        """Record the worker's death, fail queued work and streams, tell the server (health, exit)."""
         LOG.critical("verifier engine worker died: %r", error)
         self.death = error
-        self._fail_queued(NotReady(f"verifier engine worker died ({error!r}); use another replica"))
+        gone = NotReady(f"verifier engine worker died ({error!r}); use another replica")
+        self._fail_queued(gone)
+        self._worker.fail_streams(gone)
         for callback in self._on_death:
             with contextlib.suppress(Exception):
                 callback(error)
-
-    def _step(self, in_hand: list[_Job]) -> None:
-        """One turn of the worker: a prefill, or a batch of verifies plus deferred prefills."""
-        try:
-            first = self._queue.get(timeout=0.05)
-        except queue.Empty:
-            if self.sessions.expire():
-                self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
-            return
-        in_hand.append(first)
-        if isinstance(first, _PrefillJob):
-            self._guarded(first, self._prefill)
-            return
-        batch, deferred = self._gather(first)
-        in_hand.extend([*batch[1:], *deferred])
-        self._run_batch([job for job in batch if self._take(job)])
-        for job in deferred:
-            self._guarded(job, self._prefill)
-
-    def _take(self, job: _Job) -> bool:
-        """Claim a job for running; False (and its session released) if its caller is gone."""
-        if job.future.set_running_or_notify_cancel():
-            return True
-        if isinstance(job, _VerifyJob):
-            job.session.busy = False
-        self.observer.on_abandoned("verify" if isinstance(job, _VerifyJob) else "open")
-        return False
-
-    def _gather(self, first: _VerifyJob) -> tuple[list[_VerifyJob], list[_PrefillJob]]:
-        """Collect verifies arriving within the batching window; prefills wait for the next turn.
-
-        The window applies only while other sessions are active: a lone stream runs at once.
-        """
-        batch, deferred = [first], []
-        window = self.config.batch_window_s
-        if self.sessions.active_since(self._clock() - ACTIVE_WINDOW_S) <= 1:
-            window = 0.0  # a lone stream: nobody to wait for, so no batching delay
-        deadline = time.monotonic() + window
-        while len(batch) < self.config.max_batch:
-            remaining = deadline - time.monotonic()
-            try:
-                job = (
-                    self._queue.get(timeout=remaining)
-                    if remaining > 0
-                    else self._queue.get_nowait()
-                )
-            except queue.Empty:
-                break
-            if isinstance(job, _VerifyJob):
-                batch.append(job)
-            else:
-                deferred.append(job)
-        return batch, deferred
-
-    def _guarded(self, job: _PrefillJob, fn: Callable[[_PrefillJob], SessionInfo]) -> None:
-        """Run a prefill unless its caller is gone, routing any error to its future."""
-        if not self._take(job):
-            return
-        try:
-            _resolve(job.future, fn(job))
-        except Exception as exc:  # the future carries it to the caller
-            _reject(job.future, exc)
-
-    @torch.no_grad()
-    def _prefill(self, job: _PrefillJob) -> SessionInfo:
-        """Fill the KV cache with all prompt tokens but the last, which stays pending."""
-        self.sessions.reserve(len(job.prompt) * self.bytes_per_position, keep=set())
-        head = job.prompt[:-1]
-        if head:
-            _, layers = _hf.forward(self.model, torch.tensor([head]), None)
-            kv = _hf.stack_kv(layers)
-        else:
-            kv = self.geometry.empty()
-        seed = job.sampling.seed or derive_seed(job.session_id)
-        session = Session(
-            session_id=job.session_id,
-            kv=kv,
-            pending=job.prompt[-1],
-            temperature=job.sampling.temperature,
-            generator=torch.Generator().manual_seed(seed),
-            last_used=self._clock(),
-            owner=job.owner,
-        )
-        self.sessions.add(session)
-        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
-        return SessionInfo(
-            job.session_id,
-            self.vocab_size,
-            self.config.max_draft,
-            self.max_context,
-            self.config.session_ttl_s,
-        )
-
-    def _run_batch(self, batch: list[_VerifyJob]) -> None:
-        """Verify a batch in one forward; every job's future gets a result or an error."""
-        if not batch:
-            return
-        started = time.monotonic()
-        times_ns = [time.time_ns()]  # batch start, forward start, forward end, verdicts start
-        try:
-            keep = {job.session.key for job in batch}
-            growth = sum(len(job.draft.ids) + 1 for job in batch) * self.bytes_per_position
-            self.sessions.reserve(growth, keep)
-            times_ns.append(time.time_ns())
-            logits, new_kv = batched_forward(
-                self.model,
-                self.geometry,
-                [job.session.kv for job in batch],
-                [[job.session.pending, *job.draft.ids] for job in batch],
-            )
-            times_ns.append(time.time_ns())
-        except Exception as exc:
-            for job in batch:
-                job.session.busy = False
-                _reject(job.future, exc)
-            return
-        choices = logits.argmax(dim=-1).tolist()  # [B, T]: all greedy sessions need
-        times_ns.append(time.time_ns())  # before any caller can have its reply
-        for row, job in enumerate(batch):
-            try:
-                result = self._commit(job, row, logits, choices[row], new_kv)
-            except Exception as exc:
-                job.session.busy = False
-                _reject(job.future, exc)
-            else:
-                job.session.busy = False  # before the reply: the caller may verify again at once
-                _resolve(job.future, result)
-        self.observer.on_batch(len(batch), time.monotonic() - started)
-        if self.tracing.tracer is not None:
-            self.tracing.record_batch(
-                [job.trace for job in batch],
-                next(self._batch_ids),
-                (times_ns[0], times_ns[1], times_ns[2], times_ns[3]),
-                [job.queued_ns for job in batch],
-            )
-        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
-
-    def _commit(
-        self,
-        job: _VerifyJob,
-        row: int,
-        logits: torch.Tensor,
-        choices: list[int],
-        new_kv: torch.Tensor,
-    ) -> VerifyResult:
-        """Decide the verdict for one session and keep the KV of its accepted tokens."""
-        session, draft = job.session, job.draft
-        k = len(draft.ids)
-        if draft.probs is None or draft.dists is None:  # greedy session (see _check_draft)
-            verdict = greedy_choices_verdict(draft.ids, choices[: k + 1])
-        else:
-            probs = torch.softmax(logits[row, : k + 1].double() / session.temperature, dim=-1)
-            verdict = sampling_verdict(
-                draft.ids, draft.probs, draft.dists, probs, session.generator
-            )
-        start = session.length
-        keep = verdict.accepted + 1  # the pending token plus the accepted drafts
-        kv = torch.cat([session.kv, new_kv[row : row + 1, :, :, :keep]], dim=3)
-        self.sessions.set_kv(session, kv)
-        session.pending = verdict.next_token
-        session.last_used = self._clock()
-        self.observer.on_verify(k, verdict.accepted)
-        result = VerifyResult(verdict.accepted, verdict.next_token, session.length)
-        session.last = Replay(start, tuple(draft.ids), result)
-        return result

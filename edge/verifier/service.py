@@ -21,7 +21,13 @@ import grpc
 
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.engine import Sampling, SessionInfo, VerifierEngine, VerifyResult
+from edge.verifier.engine import (
+    Sampling,
+    SessionInfo,
+    TokenChannel,
+    VerifierEngine,
+    VerifyResult,
+)
 from edge.verifier.errors import (
     InvalidRequest,
     LengthMismatch,
@@ -249,44 +255,53 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateReply]:
-        """Cloud-only decoding: one empty-draft verify per token, batched with everyone else's.
+        """Cloud-only decoding: the engine streams tokens; a lone stream decodes back to back.
 
-        The session is freed by a done-callback of the call, not a `finally`: a cancelled
-        stream suspended at a `yield` runs its `finally` only when garbage collected.
+        The stream is cancelled by a done-callback of the call, not a `finally`: a cancelled
+        generator suspended at a `yield` runs its `finally` only when garbage collected.
         """
         owner = owner_of(context)
         started = time.perf_counter()
+        stop = request.stop_token_id if request.HasField("stop_token_id") else None
 
-        async def start(engine: VerifierEngine) -> SessionInfo:
-            prompt = list(request.prompt_ids)
-            room = engine.max_context - len(prompt)
-            if not 1 <= request.max_new_tokens <= max(room, 1):
-                raise InvalidRequest(
-                    "max_new_tokens",
-                    f"{request.max_new_tokens} is outside 1 .. {room} for a {len(prompt)}-token prompt",
+        async def start(engine: VerifierEngine) -> TokenChannel:
+            def submit() -> TokenChannel:
+                return engine.submit_generate(
+                    list(request.prompt_ids),
+                    request.max_new_tokens,
+                    sampling_from(request.sampling),
+                    stop,
+                    owner,
                 )
-            sampling = sampling_from(request.sampling)
-            info = await self._submit(
-                lambda: engine.submit_open(prompt, sampling, owner=owner),
-                lambda info: _close_quietly(engine, info.session_id, owner),
-            )
-            context.add_done_callback(
-                lambda _: _close_quietly(self._engine_ref(), info.session_id, owner)
-            )
-            return info
 
-        def step(engine: VerifierEngine) -> Awaitable[VerifyResult]:
-            return self._submit(lambda: engine.submit_verify(info.session_id, [], owner=owner))
+            handoff = self._pool.submit(submit)
+            try:
+                return await asyncio.wrap_future(handoff)
+            except asyncio.CancelledError:
+                handoff.add_done_callback(lambda done: _cancel_stream(done))
+                raise
 
-        info = await self._handle("Generate", context, start, started, last=False)
-        for produced in range(1, request.max_new_tokens + 1):
-            result = await self._handle("Generate", context, step, started, last=False)
-            stop = request.HasField("stop_token_id") and result.next_token == request.stop_token_id
-            if stop or produced == request.max_new_tokens:
-                self._ok("Generate", started)
-            yield pb.GenerateReply(token_id=result.next_token)
-            if stop:
-                break
+        async def next_chunk(engine: VerifierEngine) -> list[int] | None:
+            try:
+                return await channel.next_chunk()
+            except asyncio.CancelledError:
+                channel.cancel()
+                raise
+
+        channel = await self._handle("Generate", context, start, started, last=False)
+        context.add_done_callback(lambda _: channel.cancel())
+        while (
+            chunk := await self._handle("Generate", context, next_chunk, started, False)
+        ) is not None:
+            for token in chunk:
+                yield pb.GenerateReply(token_id=token)
+        self._ok("Generate", started)
+
+
+def _cancel_stream(handoff: Future[TokenChannel]) -> None:
+    """The caller left while its Generate was being queued: cancel the stream."""
+    if not handoff.cancelled() and handoff.exception() is None:
+        handoff.result().cancel()
 
 
 def _abandon(handoff: Future[Future[R]], orphan: Callable[[R], None] | None) -> None:

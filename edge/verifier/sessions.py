@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
+from edge import _hf
 from edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
 from edge.verifier.requests import VerifyResult
 
@@ -30,10 +32,14 @@ class Replay:
 
 @dataclass
 class Session:
-    """One sequence on the verifier: KV of all committed tokens but the last (`pending`)."""
+    """One sequence on the verifier: KV of all committed tokens but the last (`pending`).
+
+    The KV lives in the model's own cache object, grown in place by a lone session's
+    forward pass and cropped on rejection; a batched pass copies it into a padded batch.
+    """
 
     session_id: str
-    kv: torch.Tensor  # [1, 2 * layers, kv_heads, length - 1, head_dim], see edge._hf.stack_kv
+    cache: DynamicCache  # length - 1 positions
     pending: int  # last committed token; its KV is computed by the next verify
     temperature: float
     generator: torch.Generator
@@ -46,7 +52,7 @@ class Session:
     @property
     def length(self) -> int:
         """Committed tokens: everything in the KV cache plus the pending token."""
-        return int(self.kv.shape[3]) + 1
+        return _hf.cache_length(self.cache) + 1
 
     @property
     def key(self) -> str:
@@ -112,7 +118,7 @@ class SessionStore:
                     raise Overloaded(
                         f"all {self._max_sessions} sessions are busy; retry later or raise max_sessions"
                     )
-            session.nbytes = _nbytes(session.kv)
+            session.nbytes = _hf.cache_nbytes(session.cache)
             self.reserve(session.nbytes, keep=set())
             session.last_used = self._clock()
             self._sessions[session.key] = session
@@ -154,13 +160,12 @@ class SessionStore:
             self._total_bytes -= session.nbytes
             return session
 
-    def set_kv(self, session: Session, kv: torch.Tensor) -> None:
-        """Replace a session's KV cache, keeping the byte count right."""
+    def resized(self, session: Session) -> None:
+        """Recount a session's KV bytes after its cache grew or shrank."""
+        nbytes = _hf.cache_nbytes(session.cache)
         with self.lock:
-            nbytes = _nbytes(kv)
             if self._sessions.get(session.key) is session:
                 self._total_bytes += nbytes - session.nbytes
-            session.kv = kv
             session.nbytes = nbytes
 
     def reserve(self, extra_bytes: int, keep: set[str]) -> None:
@@ -194,8 +199,3 @@ class SessionStore:
             self._on_evict("lru" if owner is None else "quota")
             return True
         return False
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """Memory held by a tensor's elements, in bytes."""
-    return tensor.numel() * tensor.element_size()

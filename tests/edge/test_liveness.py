@@ -190,3 +190,28 @@ def test_dead_worker_means_not_serving_and_a_failing_exit(server: BackgroundServ
         client.open([1, 2, 3])
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     assert server.submit(wait_for_exit()).result(10) == EXIT_ENGINE_DIED  # what serve() exits with
+
+
+def test_generate_cancelled_in_the_tight_loop_stops_at_once(
+    server: BackgroundServer, micro_prompts: list[list[int]]
+) -> None:
+    """Ctrl-C after two tokens of a long lone stream: decoding stops and the session is freed."""
+    # Prepare
+    assert server.server is not None and server.server.engine is not None
+    engine, registry = server.server.engine, server.server.metrics.registry
+    long = engine.max_context - len(micro_prompts[1])
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = pb_grpc.VerifierStub(channel).Generate(
+            pb.GenerateRequest(prompt_ids=micro_prompts[1], max_new_tokens=long),
+            timeout=PATIENCE_S,
+        )
+        for _ in range(2):
+            next(call)
+        # Execute
+        call.cancel()
+    # Assert: dropped as abandoned (not run to its end), within far fewer steps than asked
+    poll(lambda: len(engine.sessions) == 0, 5, "the cancelled stream's session to be freed")
+    abandoned = registry.get_sample_value("fedge_verifier_abandoned_total", {"kind": "generate"})
+    assert abandoned == 1.0
+    steps = registry.get_sample_value("fedge_verifier_batch_size_count")
+    assert steps is not None and steps < long // 2

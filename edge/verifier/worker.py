@@ -1,0 +1,381 @@
+"""The engine's worker thread: prefills, batched verifies and Generate streams on one model.
+
+One thread owns the model. Each turn it takes what is queued: opens (prefill),
+verifies and new Generate streams. A lone Generate stream with nothing else to do
+decodes in a tight loop on its own cache object (one forward per token, as plain
+greedy decoding does: no queue hop, no copy of the past), handing each token to its
+channel, and leaves the loop as soon as anything else is queued. Otherwise every
+active stream and every queued verify share one batched forward per turn (a newcomer
+joins at the next step; `edge.verifier.batching` pads them). A lone verify also runs
+on its session's cache object and crops the rejected positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from edge import _hf
+from edge.speculative import greedy_choices_verdict, sampling_verdict
+from edge.verifier.batching import batched_forward
+from edge.verifier.jobs import (
+    GenerateJob,
+    Job,
+    PrefillJob,
+    Stream,
+    VerifyJob,
+    WorkerParts,
+    fail_job,
+    reject,
+    resolve,
+)
+from edge.verifier.requests import Sampling, SessionInfo, VerifyResult, derive_seed
+from edge.verifier.sessions import Replay, Session
+
+LOG = logging.getLogger("fedge.verifier")
+ACTIVE_WINDOW_S = 0.05  # a session used this recently counts as a stream a batch should wait for
+IDLE_POLL_S = 0.05  # an idle worker wakes this often to expire sessions and notice a stop
+
+
+class Worker:
+    """The loop of the engine's worker thread; every method runs on that thread."""
+
+    def __init__(self, parts: WorkerParts) -> None:
+        self.parts = parts
+        self.model = parts.model
+        self.sessions = parts.sessions
+        self.observer = parts.observer
+        self.streams: list[Stream] = []
+        self._batch_ids = itertools.count(1)
+        self._bytes_per_position = parts.geometry.bytes_per_position
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> None:
+        """One turn: take queued work, start it, then one solo run or one batched step."""
+        jobs = self._collect()
+        try:
+            verifies = [job for job in jobs if isinstance(job, VerifyJob) and self._take(job)]
+            for job in jobs:
+                if isinstance(job, PrefillJob):
+                    self._guarded_prefill(job)
+                elif isinstance(job, GenerateJob):
+                    self._start_stream(job)
+            self.streams = [s for s in self.streams if self._live(s)]
+            if not verifies and len(self.streams) == 1:
+                self._solo(self.streams[0])
+            else:
+                for chunk in _chunks([*verifies, *self.streams], self.parts.max_batch):
+                    self._run_batch(chunk)
+            self.streams = [s for s in self.streams if self._live(s)]
+        except Exception as exc:  # a bug must cost the requests in hand, not the worker
+            LOG.exception("verifier engine step failed; failing its requests")
+            for job in jobs:
+                fail_job(job, exc)
+            self.fail_streams(exc)
+
+    def fail_streams(self, error: BaseException) -> None:
+        """End every running stream with `error` and free its session."""
+        for stream in self.streams:
+            self._fail_stream(stream, error)
+        self.streams = []
+
+    def _fail_stream(self, stream: Stream, error: BaseException) -> None:
+        """End one stream with `error` and free its session."""
+        stream.finished = True
+        stream.job.channel.fail(error)
+        self._release(stream)
+
+    def _collect(self) -> list[Job]:
+        """Queued jobs for this turn: waits for a first one only when no stream is running.
+
+        Verifies arriving within the batching window join a verify that found other
+        sessions active; a lone session or a running stream never waits.
+        """
+        jobs = self.parts.jobs
+        try:
+            first = jobs.get_nowait() if self.streams else jobs.get(timeout=IDLE_POLL_S)
+        except queue.Empty:
+            if not self.streams and self.sessions.expire():
+                self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+            return []
+        collected, verifies = [first], int(isinstance(first, VerifyJob))
+        window = 0.0
+        recent = self.sessions.active_since(self.parts.clock() - ACTIVE_WINDOW_S)
+        if verifies and not self.streams and recent > 1:
+            window = self.parts.batch_window_s
+        deadline = time.monotonic() + window
+        while verifies < self.parts.max_batch:
+            remaining = deadline - time.monotonic()
+            try:
+                job = jobs.get(timeout=remaining) if remaining > 0 else jobs.get_nowait()
+            except queue.Empty:
+                break
+            collected.append(job)
+            verifies += isinstance(job, VerifyJob)
+        return collected
+
+    def _take(self, job: PrefillJob | VerifyJob) -> bool:
+        """Claim a job for running; False (and its session released) if its caller is gone."""
+        if job.future.set_running_or_notify_cancel():
+            return True
+        if isinstance(job, VerifyJob):
+            job.session.busy = False
+        self.observer.on_abandoned("verify" if isinstance(job, VerifyJob) else "open")
+        return False
+
+    def _live(self, stream: Stream) -> bool:
+        """False for a finished stream, or a cancelled one (whose session is then freed)."""
+        if stream.finished:
+            return False
+        if stream.job.channel.cancelled:
+            self.observer.on_abandoned("generate")
+            self._release(stream)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ opens
+    def _guarded_prefill(self, job: PrefillJob) -> None:
+        """Run a prefill unless its caller is gone, routing any error to its future."""
+        if not self._take(job):
+            return
+        try:
+            resolve(job.future, self._prefill(job))
+        except Exception as exc:  # the future carries it to the caller
+            reject(job.future, exc)
+
+    def _prefill(self, job: PrefillJob) -> SessionInfo:
+        """Fill the KV cache with all prompt tokens but the last, which stays pending."""
+        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, keep=set())
+        cache = DynamicCache()
+        if len(job.prompt) > 1:
+            _hf.forward_on(self.model, torch.tensor([job.prompt[:-1]]), cache)
+        self._admit(self._session(job.session_id, cache, job.prompt[-1], job.sampling, job.owner))
+        return self.parts.session_info(job.session_id)
+
+    def _session(
+        self, session_id: str, cache: DynamicCache, pending: int, sampling: Sampling, owner: str
+    ) -> Session:
+        """A new session holding `cache`, its sampling generator seeded per session."""
+        seed = sampling.seed or derive_seed(session_id)
+        return Session(
+            session_id=session_id,
+            cache=cache,
+            pending=pending,
+            temperature=sampling.temperature,
+            generator=torch.Generator().manual_seed(seed),
+            last_used=self.parts.clock(),
+            owner=owner,
+        )
+
+    def _admit(self, session: Session) -> None:
+        """Put a new session in the store (which may evict idle ones or refuse)."""
+        self.sessions.add(session)
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+
+    # ------------------------------------------------------------------ streams
+    def _start_stream(self, job: GenerateJob) -> None:
+        """Prefill the whole prompt in a private session and emit the first token."""
+        if job.channel.cancelled:
+            self.observer.on_abandoned("generate")
+            return
+        try:
+            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, keep=set())
+            cache = DynamicCache()
+            logits = _hf.forward_on(self.model, torch.tensor([job.prompt]), cache)
+            session = self._session(uuid.uuid4().hex, cache, -1, job.sampling, job.owner)
+            session.busy = True  # never evicted or expired while it decodes
+            self._admit(session)
+        except Exception as exc:  # the channel carries it to the caller
+            job.channel.fail(exc)
+            return
+        stream = Stream(job, session)
+        self.streams.append(stream)
+        self._emit(stream, self._choose(session, logits[0, -1:]))
+
+    def _solo(self, stream: Stream) -> None:
+        """Decode a lone stream in place until it ends, is cancelled, or other work is queued."""
+        session, channel = stream.session, stream.job.channel
+        keep, jobs, stop = {session.key}, self.parts.jobs, self.parts.stop
+        try:
+            while not (stream.finished or channel.cancelled or stop.is_set()):
+                started = time.monotonic()
+                self.sessions.reserve(self._bytes_per_position, keep)
+                logits = _hf.forward_on(
+                    self.model, torch.tensor([[session.pending]]), session.cache
+                )
+                self.sessions.resized(session)
+                self._emit(stream, self._choose(session, logits[0, -1:]))
+                self.observer.on_batch(1, time.monotonic() - started)
+                if not jobs.empty():
+                    break  # a newcomer: the next turn batches it with this stream
+        except Exception as exc:  # costs this stream only
+            self._fail_stream(stream, exc)
+        session.last_used = self.parts.clock()
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+
+    def _choose(self, session: Session, logits: torch.Tensor) -> int:
+        """The next token from one position's logits [1, V]: argmax, or a sample at the temperature."""
+        if session.temperature == 0.0:
+            return int(logits[0].argmax())
+        probs = torch.softmax(logits.double() / session.temperature, dim=-1)
+        vocab = probs.shape[1]
+        empty_q = torch.zeros(0, dtype=torch.float64)
+        return sampling_verdict(
+            [], empty_q, torch.zeros(0, vocab, dtype=torch.float64), probs, session.generator
+        ).next_token
+
+    def _emit(self, stream: Stream, token: int) -> None:
+        """Commit `token` to the stream's session, send it, and end the stream when done."""
+        stream.session.pending = token
+        job = stream.job
+        job.channel.put(token)
+        if job.channel.produced >= job.max_new_tokens or token == job.stop_token:
+            stream.finished = True
+            job.channel.close()
+            self._release(stream)
+
+    def _release(self, stream: Stream) -> None:
+        """Free a stream's session (it may already be gone)."""
+        self._discard(stream.session)
+
+    def _discard(self, session: Session) -> None:
+        """Drop a session from the store; the edge reopens it if it still needs it."""
+        session.busy = False
+        with contextlib.suppress(Exception):
+            self.sessions.remove(session.session_id, session.owner)
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+
+    # ------------------------------------------------------------------ batches
+    def _run_batch(self, members: Sequence[VerifyJob | Stream]) -> None:
+        """One forward for verifies and stream steps; each gets its verdict or its error.
+
+        A lone member runs on its session's cache object; several are padded into one batch.
+        """
+        if not members:
+            return
+        started = time.monotonic()
+        times_ns = [time.time_ns()]  # batch start, forward start, forward end, verdicts start
+        inputs = [
+            [m.session.pending, *m.draft.ids] if isinstance(m, VerifyJob) else [m.session.pending]
+            for m in members
+        ]
+        starts = [m.session.length for m in members]  # a lone forward grows the cache in place
+        try:
+            keep = {m.session.key for m in members}
+            growth = sum(len(tokens) for tokens in inputs) * self._bytes_per_position
+            self.sessions.reserve(growth, keep)
+            times_ns.append(time.time_ns())
+            logits, new_kv = self._forward(members, inputs)
+            times_ns.append(time.time_ns())
+        except Exception as exc:
+            for member in members:  # a batched forward touched no session's cache
+                self._fail_member(member, exc, touched=len(members) == 1)
+            return
+        choices = logits.argmax(dim=-1).tolist()  # [B, T]: all greedy sessions need
+        times_ns.append(time.time_ns())  # before any caller can have its reply
+        for row, member in enumerate(members):
+            stacked = None if new_kv is None else new_kv[row : row + 1]
+            try:
+                if isinstance(member, VerifyJob):
+                    self._commit(member, logits[row], choices[row], stacked, starts[row])
+                else:
+                    self._step_stream(member, logits[row, :1], stacked)
+            except Exception as exc:
+                self._fail_member(member, exc, touched=True)
+        self.observer.on_batch(len(members), time.monotonic() - started)
+        verifies = [m for m in members if isinstance(m, VerifyJob)]
+        if self.parts.tracing.tracer is not None and verifies:
+            self.parts.tracing.record_batch(
+                [job.trace for job in verifies],
+                next(self._batch_ids),
+                (times_ns[0], times_ns[1], times_ns[2], times_ns[3]),
+                [job.queued_ns for job in verifies],
+            )
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+
+    def _forward(
+        self, members: Sequence[VerifyJob | Stream], inputs: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, T, V], and the new positions' stacked KV when batched (None when in place)."""
+        if len(members) == 1:
+            cache = members[0].session.cache
+            return _hf.forward_on(self.model, torch.tensor(inputs), cache), None
+        pasts = [self._stacked(m.session.cache) for m in members]
+        return batched_forward(self.model, self.parts.geometry, pasts, inputs)
+
+    def _stacked(self, cache: DynamicCache) -> torch.Tensor:
+        """A session's KV as one stacked tensor [1, 2 * layers, heads, L, head_dim] (a copy)."""
+        if _hf.cache_length(cache) == 0:
+            return self.parts.geometry.empty()
+        return _hf.stack_kv(_hf.cache_to_kv(cache))
+
+    def _keep(self, session: Session, stacked: torch.Tensor | None, kept: int, fed: int) -> None:
+        """Keep the KV of the first `kept` of the `fed` positions a forward computed."""
+        if stacked is None:
+            _hf.drop_last(session.cache, fed - kept)
+        else:
+            _hf.append_stacked(session.cache, stacked[:, :, :, :kept])
+        self.sessions.resized(session)
+
+    def _fail_member(self, member: VerifyJob | Stream, error: BaseException, touched: bool) -> None:
+        """End one batch member with `error`; a session whose cache it may have changed is dropped."""
+        if isinstance(member, Stream):
+            self._fail_stream(member, error)
+            return
+        if touched:  # the edge reopens it from its committed tokens
+            self._discard(member.session)
+        else:
+            member.session.busy = False
+            reject(member.future, error)
+
+    def _step_stream(
+        self, stream: Stream, logits: torch.Tensor, stacked: torch.Tensor | None
+    ) -> None:
+        """A stream's share of a batched step: keep its one new position, emit its next token."""
+        token = self._choose(stream.session, logits)
+        self._keep(stream.session, stacked, 1, 1)
+        self._emit(stream, token)
+
+    def _commit(
+        self,
+        job: VerifyJob,
+        logits: torch.Tensor,
+        choices: list[int],
+        stacked: torch.Tensor | None,
+        start: int,
+    ) -> None:
+        """Decide one verify's verdict, keep the KV of its accepted tokens, reply.
+
+        `start` is the session's length before this verify (a retry of it expects that).
+        """
+        session, draft = job.session, job.draft
+        k = len(draft.ids)
+        if draft.probs is None or draft.dists is None:  # greedy session (see _check_draft)
+            verdict = greedy_choices_verdict(draft.ids, choices[: k + 1])
+        else:
+            probs = torch.softmax(logits[: k + 1].double() / session.temperature, dim=-1)
+            verdict = sampling_verdict(
+                draft.ids, draft.probs, draft.dists, probs, session.generator
+            )
+        self._keep(session, stacked, verdict.accepted + 1, k + 1)  # pending plus accepted drafts
+        session.pending = verdict.next_token
+        session.last_used = self.parts.clock()
+        self.observer.on_verify(k, verdict.accepted)
+        result = VerifyResult(verdict.accepted, verdict.next_token, session.length)
+        session.last = Replay(start, tuple(draft.ids), result)
+        session.busy = False  # before the reply: the caller may verify again at once
+        resolve(job.future, result)
+
+
+def _chunks(members: list[Any], size: int) -> list[list[Any]]:
+    """`members` in consecutive groups of at most `size`."""
+    return [members[i : i + size] for i in range(0, len(members), size)]
