@@ -164,6 +164,11 @@ def summarize(reports: list[Any], wire_bytes: int, objective: Any) -> dict[str, 
         "wire_bytes_per_token": per_token["bytes"],
         "payload_bytes_per_token": sum(r.bytes_up + r.bytes_down for r in reports) / tokens,
         "round_trips_per_token": sum(r.round_trips for r in reports) / tokens,
+        "one_way_messages_per_token": sum(r.one_way for r in reports) / tokens,
+        "tokens_per_verify": (
+            sum(r.tokens for r in reports if r.route == "speculative")
+            / max(1, sum(r.rounds for r in reports if r.route == "speculative"))
+        ),
         "cost_per_token": route_cost(per_token),
         "routes": sorted({r.route for r in reports}),
         "reasons": sorted({r.reason for r in reports}),
@@ -241,7 +246,10 @@ def per_request(
                 fixed = {}
                 for route in ROUTES:
                     with VerifierClient(ClientConfig(target)) as own:
-                        fixed[route] = run(route, EdgeClient(runtime, None, own, decode, Router()))
+                        edge = EdgeClient(runtime, None, own, decode, Router())
+                        for _ in edge.stream_ids(prompts[-1], route):  # warm, as a device is:
+                            pass  # connected, limits known, draft-length model fed
+                        fixed[route] = run(route, edge)
                 chosen = run(None, learner)
                 out[f"{rtt:g}ms"] = {**fixed, "router": chosen, **compare(fixed, chosen, objective)}
                 if rtt == 0:

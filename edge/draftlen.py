@@ -13,6 +13,12 @@ tokens, so the rate is R(g) = E(a, g) / T(g). When c0 dominates (a 100 ms round 
 1 ms draft step) R keeps rising until a^g is small, so drafts grow long; on a fast link with a
 slow draft, short drafts win. `SpeculationEstimator` learns t_draft, c0, c1 and a online, one
 verify at a time, with exponential forgetting, and answers `best_draft_len(lo, hi)`.
+
+The network round trip is part of c0 but changes on its own (a phone moves from Wi-Fi to LTE):
+the estimator is told the current RTT (`observe_rtt`, from a health check or the edge's recent
+calls) and learns only what a call costs beyond it, so c0 = RTT + that learnt part moves with
+the network at once instead of after ~10 verifies, and the draft length with it. The router
+asks the same model what speculative decoding would yield at another RTT (`seconds_per_token`).
 """
 
 from __future__ import annotations
@@ -105,6 +111,13 @@ class SpeculationEstimator:
         self._tried = [0.0] * MAX_POSITIONS  # decayed trials and successes per draft position
         self._kept = [0.0] * MAX_POSITIONS
         self.verifies = 0
+        self.rtt_s = 0.0  # the network round trip now; calls are learnt net of it
+
+    def observe_rtt(self, seconds: float) -> None:
+        """The network round trip now (0 when unknown): part of every call from here on."""
+        if not seconds >= 0:
+            raise ValueError(f"a round trip must be >= 0 s, got {seconds}")
+        self.rtt_s = seconds
 
     # ---- updates ------------------------------------------------------------------------------
     def observe(
@@ -124,12 +137,12 @@ class SpeculationEstimator:
         if drafted:
             self._steps = d * self._steps + drafted
             self._step_seconds = d * self._step_seconds + draft_seconds
-        g = float(drafted)
+        g, beyond = float(drafted), call_seconds - self.rtt_s  # what the call cost beyond the RTT
         self._n = d * self._n + 1
         self._sg = d * self._sg + g
-        self._sc = d * self._sc + call_seconds
+        self._sc = d * self._sc + beyond
         self._sgg = d * self._sgg + g * g
-        self._sgc = d * self._sgc + g * call_seconds
+        self._sgc = d * self._sgc + g * beyond
         self.verifies += 1
 
     # ---- estimates ----------------------------------------------------------------------------
@@ -163,24 +176,32 @@ class SpeculationEstimator:
     @property
     def call_line(self) -> tuple[float, float]:
         """(c0, c1): the verify call's fixed seconds and seconds per drafted token (c1 >= 0)."""
+        return self.call_line_at(self.rtt_s)
+
+    def call_line_at(self, rtt_s: float) -> tuple[float, float]:
+        """(c0, c1) at round trip `rtt_s`: c0 = rtt_s + the learnt cost beyond the network."""
         if self._n <= 0:
-            return self.config.prior_call_s, 0.0
+            return rtt_s + self.config.prior_call_s, 0.0
         mean_g, mean_c = self._sg / self._n, self._sc / self._n
         var = self._sgg / self._n - mean_g * mean_g
         cov = self._sgc / self._n - mean_g * mean_c
         # ridge towards 0: a verify pass costs about the same for any k here (bench/edge.py measures
         # it), so a slope must be supported by lengths that varied, not by noise in a few calls
         slope = max(0.0, cov / (var + self.config.slope_ridge))
-        return max(0.0, mean_c - slope * mean_g), slope
+        return max(0.0, rtt_s + mean_c - slope * mean_g), slope
 
-    def rate(self, g: int) -> float:
-        """Expected tokens per second at draft length g under the current estimates."""
-        c0, c1 = self.call_line
+    def rate(self, g: int, rtt_s: float | None = None) -> float:
+        """Expected tokens per second at draft length g (at round trip `rtt_s`, default now)."""
+        c0, c1 = self.call_line_at(self.rtt_s if rtt_s is None else rtt_s)
         return self.expected_tokens(g) / round_seconds(g, self.draft_step_s, max(c0, 1e-6), c1)
 
-    def best_draft_len(self, lo: int, hi: int) -> int:
-        """The draft length in [lo, hi] that maximises expected tokens per second now."""
+    def best_draft_len(self, lo: int, hi: int, rtt_s: float | None = None) -> int:
+        """The draft length in [lo, hi] that maximises expected tokens per second (at `rtt_s`)."""
         if not 0 <= lo <= hi:
             raise ValueError(f"best_draft_len needs 0 <= lo <= hi, got lo={lo}, hi={hi}")
-        rates = {g: self.rate(g) for g in range(lo, hi + 1)}
+        rates = {g: self.rate(g, rtt_s) for g in range(lo, hi + 1)}
         return max(rates, key=lambda g: (rates[g], -g))
+
+    def seconds_per_token(self, lo: int, hi: int, rtt_s: float) -> float:
+        """Expected seconds per committed token at round trip `rtt_s`, drafting the best length."""
+        return 1.0 / self.rate(self.best_draft_len(lo, hi, rtt_s), rtt_s)

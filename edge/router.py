@@ -114,6 +114,10 @@ class RouterConfig:
     queue_capacity: int = 8  # verifier queue depth at which the cloud counts as twice as slow
     overload_factor: float = 4.0  # load multiplier right after RESOURCE_EXHAUSTED
     overload_cooldown_s: float = 5.0
+    rtt_floor_s: float = 0.01  # RTTs are compared as (rtt + floor) ratios: 0 and 5 ms are alike
+    rtt_moved: float = 2.0  # estimates made at an RTT this many times off are re-measured ...
+    near_objective: float = 0.8  # ... when predicted within this share of the objective
+    max_draft: int = 16  # the longest draft the speculative model may assume (DecodeConfig's)
 
     def __post_init__(self) -> None:
         for name in ("pass_cost", "byte_cost", "joule_cost", "overload_cooldown_s"):
@@ -126,10 +130,15 @@ class RouterConfig:
                 "RouterConfig.margin and overload_factor must be >= 1, got "
                 f"{self.margin}, {self.overload_factor}"
             )
-        if self.remeasure_after < 1 or self.queue_capacity < 1:
+        if self.remeasure_after < 1 or self.queue_capacity < 1 or self.max_draft < 1:
             raise ValueError(
-                "RouterConfig.remeasure_after and queue_capacity must be >= 1, got "
-                f"{self.remeasure_after}, {self.queue_capacity}"
+                "RouterConfig.remeasure_after, queue_capacity and max_draft must be >= 1, got "
+                f"{self.remeasure_after}, {self.queue_capacity}, {self.max_draft}"
+            )
+        if self.rtt_floor_s <= 0 or self.rtt_moved <= 1 or not 0 < self.near_objective <= 1:
+            raise ValueError(
+                "RouterConfig needs rtt_floor_s > 0, rtt_moved > 1, 0 < near_objective <= 1, got "
+                f"{self.rtt_floor_s}, {self.rtt_moved}, {self.near_objective}"
             )
 
 
@@ -207,6 +216,7 @@ class RouterState:
     overloaded_at: float = -math.inf
     requests: int = 0
     clock: Callable[[], float] = time.monotonic
+    speculation: SpeculationEstimator = field(default_factory=SpeculationEstimator)
 
     def load(self) -> float:
         """Cloud slowdown and dearness: 1 idle, +1 per `queue_capacity` queued, more when overloaded."""
@@ -215,6 +225,25 @@ class RouterState:
             load *= self.config.overload_factor
         return load
 
+    def rtt_similarity(self, a_s: float, b_s: float | None = None) -> float:
+        """How alike two RTTs are (`b_s` default: the current one): 1 equal, towards 0 far apart."""
+        floor = self.config.rtt_floor_s
+        b_s = self.rtt_s if b_s is None else b_s
+        low, high = sorted((a_s + floor, b_s + floor))
+        return low / high
+
+
+def speculative_shift(state: RouterState, s: RouteStats) -> tuple[float, float, float]:
+    """What speculative decoding gains or loses per token (seconds, target passes) and in TTFT
+    going from the RTT its estimates were measured at to the current one, by the draft-length
+    model (edge.draftlen): the draft grows with the RTT, so each token pays less of it."""
+    est, hi = state.speculation, state.config.max_draft
+    then_g, now_g = est.best_draft_len(1, hi, s.rtt_s), est.best_draft_len(1, hi, state.rtt_s)
+    seconds = est.seconds_per_token(1, hi, state.rtt_s) - est.seconds_per_token(1, hi, s.rtt_s)
+    passes = 1 / est.expected_tokens(now_g) - 1 / est.expected_tokens(then_g)
+    ttft = state.rtt_s - s.rtt_s + (now_g - then_g) * est.draft_step_s
+    return seconds, passes, ttft
+
 
 def predict(state: RouterState, route: Route, device: DeviceState) -> Prediction | None:
     """The route's tokens/s, TTFT and cost at the current RTT, load and device state."""
@@ -222,20 +251,27 @@ def predict(state: RouterState, route: Route, device: DeviceState) -> Prediction
     if s.n == 0:
         return None
     cfg = state.config
-    # Each round trip costs the current RTT instead of the one measured with the estimates; the
-    # RTT removed is at most the time actually spent waiting (a ping can overstate it).
-    removed = min(s.rtt_s * s.round_trips, s.cloud_share * s.seconds)
     slow = 1.0 + (state.load() - 1.0) * s.cloud_share
-    seconds = max(1e-6, s.seconds - removed + state.rtt_s * s.round_trips) * slow
-    first = min(s.rtt_s, s.cloud_share * s.ttft_s) - state.rtt_s if s.round_trips else 0.0
-    ttft = max(1e-6, s.ttft_s - first) * slow
+    passes = s.passes
+    if route == Route.SPECULATIVE and state.speculation.verifies:
+        shift, more_passes, later = speculative_shift(state, s)
+        seconds = max(1e-6, s.seconds + shift) * slow
+        ttft = max(1e-6, s.ttft_s + later) * slow
+        passes = max(0.0, passes + more_passes)
+    else:
+        # Each round trip costs the current RTT instead of the one measured with the estimates; the
+        # RTT removed is at most the time actually spent waiting (a ping can overstate it).
+        removed = min(s.rtt_s * s.round_trips, s.cloud_share * s.seconds)
+        seconds = max(1e-6, s.seconds - removed + state.rtt_s * s.round_trips) * slow
+        first = min(s.rtt_s, s.cloud_share * s.ttft_s) - state.rtt_s if s.round_trips else 0.0
+        ttft = max(1e-6, s.ttft_s - first) * slow
     joules = s.bytes * device.joules_per_byte
     if s.drafted:  # drafting heats the device: dearer when warm, ruled out (inf) when critical
         joules += (
             s.drafted * device.joules_per_draft_token * THERMAL_FACTOR.get(device.thermal, math.inf)
         )
     cost = (
-        cfg.pass_cost * state.load() * s.passes
+        cfg.pass_cost * state.load() * passes
         + cfg.byte_cost * s.bytes
         + cfg.joule_cost * device.energy_weight * joules
     )
@@ -288,14 +324,20 @@ def policy_untried(ctx: Context) -> tuple[Route, str] | None:
 
 
 def policy_remeasure(ctx: Context) -> tuple[Route, str] | None:
-    """Try again a route cheaper than the best meeting one that looked too slow a while ago."""
+    """Try again a route cheaper than the best meeting one that looked too slow: a while ago, or
+    at a quite different RTT while it is now predicted near the objective."""
     meeting = ctx.meeting()
     ceiling = ctx.predicted[meeting[0]].cost if meeting else math.inf
+    state, cfg = ctx.state, ctx.state.config
     for route in sorted(ctx.routes, key=lambda r: ctx.predicted[r].cost):
-        s = ctx.state.stats[route]
-        stale = ctx.state.requests - s.last_request >= ctx.state.config.remeasure_after * s.backoff
-        if route not in meeting and ctx.predicted[route].cost < ceiling and stale:
+        if route in meeting or ctx.predicted[route].cost >= ceiling:
+            continue
+        s = state.stats[route]
+        if state.requests - s.last_request >= cfg.remeasure_after * s.backoff:
             return route, f"re-measuring {route.value} (not tried for a while)"
+        near = ctx.predicted[route].attainment(ctx.objective) >= cfg.near_objective
+        if near and state.rtt_similarity(s.rtt_s) * cfg.rtt_moved <= 1.0:
+            return route, f"re-measuring {route.value} (measured at another RTT, predicted near)"
     return None
 
 
@@ -333,8 +375,12 @@ class Router:
     ) -> None:
         self.state = RouterState(config or RouterConfig(), clock=clock)
         self.policies = policies
-        self.speculation = SpeculationEstimator()  # shared by every request's decoder
         self.device = DeviceState()
+
+    @property
+    def speculation(self) -> SpeculationEstimator:
+        """The draft-length model, shared by every request's decoder and read by predictions."""
+        return self.state.speculation
 
     def choose(self, objective: Objective | None = None) -> Decision:
         """First policy that decides wins."""
@@ -363,7 +409,9 @@ class Router:
             "drafted": outcome.drafted / n,
             "round_trips": outcome.round_trips / n,
         }
-        a = 1.0 if s.n == 0 else state.config.smoothing
+        # an outcome at another RTT replaces more of the old estimates than one at the same RTT
+        similar = state.rtt_similarity(s.rtt_s, outcome.rtt_s)
+        a = 1.0 if s.n == 0 else 1.0 - (1.0 - state.config.smoothing) * similar
         for name, value in per_token.items():
             setattr(s, name, (1 - a) * getattr(s, name) + a * value)
         s.ttft_s = (1 - a) * s.ttft_s + a * outcome.ttft_s
@@ -381,6 +429,7 @@ class Router:
         """A measured round trip (health check): the verifier is reachable."""
         self.state.rtt_s = seconds
         self.state.verifier_up = True
+        self.state.speculation.observe_rtt(seconds)
 
     def observe_queue_depth(self, depth: int) -> None:
         """The verifier's queue depth, as its replies or metrics report it."""

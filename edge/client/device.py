@@ -47,7 +47,7 @@ class EdgeClient:
         self.objective = objective or Objective()
         self.rtt_max_age_s = rtt_max_age_s
         self.last: RequestReport | None = None
-        self._rtt: tuple[float, float] | None = None  # (measured at, seconds)
+        self._up = False  # the verifier answered SERVING since it was last lost
         self._cloud_after = 0.0  # monotonic time before which the verifier asked us to stay away
         if verifier is None:
             self.router.verifier_down()
@@ -87,10 +87,16 @@ class EdgeClient:
     def _request(self, prompt_ids: Sequence[int], forced: str | None) -> Iterator[list[int]]:
         """One request: route, decode, fall back, then report (all round trips, pings included)."""
         verifier = self.verifier
-        calls0, up0, down0, overloads0 = (
-            (verifier.calls, verifier.bytes_up, verifier.bytes_down, verifier.overloads)
+        calls0, one_way0, up0, down0, overloads0 = (
+            (
+                verifier.calls,
+                verifier.one_way,
+                verifier.bytes_up,
+                verifier.bytes_down,
+                verifier.overloads,
+            )
             if verifier
-            else (0, 0, 0, 0)
+            else (0, 0, 0, 0, 0)
         )
         started = time.perf_counter()
         rtt = self.measure_rtt()
@@ -121,7 +127,7 @@ class EdgeClient:
         except (VerifierUnreachable, grpc.RpcError) as lost:
             if isinstance(lost, grpc.RpcError) and lost.code() not in TRANSIENT:  # type: ignore[attr-defined]
                 raise
-            self._rtt = None  # the next request checks health again, and returns when SERVING
+            self._up = False  # the next request checks health again, and returns when SERVING
             self.router.verifier_down()
             yield from counted(
                 finish_on_device(
@@ -137,6 +143,7 @@ class EdgeClient:
         report.seconds = time.perf_counter() - started
         if verifier is not None:
             report.round_trips = verifier.calls - calls0
+            report.one_way = verifier.one_way - one_way0
             report.bytes_up = verifier.bytes_up - up0
             report.bytes_down = verifier.bytes_down - down0
             if verifier.overloads > overloads0:
@@ -152,7 +159,7 @@ class EdgeClient:
         wait_s = self._cloud_after - time.monotonic()
         if route != Route.EDGE_ONLY and wait_s > 0:
             return Route.EDGE_ONLY, f"verifier rate limit: {wait_s:.2f} s left"
-        if route != Route.EDGE_ONLY and self.verifier is not None and not self._rtt:
+        if route != Route.EDGE_ONLY and self.verifier is not None and not self._up:
             return Route.EDGE_ONLY, "verifier down (health check): decoded on the device"
         return route, reason
 
@@ -171,21 +178,24 @@ class EdgeClient:
         )
 
     def measure_rtt(self, force: bool = False) -> float:
-        """The round trip from a health check, reused for `rtt_max_age_s` unless `force` (call it
-        on a network change); marks the verifier down when unreachable."""
+        """The round trip now, told to the router: while the verifier is up, the shortest exchange
+        of the last `rtt_max_age_s` (measured for free by the calls themselves); else, or with
+        `force` (call it on a network change: older exchanges are forgotten), a health check,
+        which also marks the verifier down when it is unreachable or not SERVING."""
         if self.verifier is None:
             return 0.0
-        now = time.monotonic()
-        if not force and self._rtt is not None and now - self._rtt[0] < self.rtt_max_age_s:
-            return self._rtt[1]
-        try:
-            if self._rtt is None:
-                self.verifier.ping()  # a fresh channel's first call also pays for the connection
-            rtt = self.verifier.ping()
-        except (grpc.RpcError, VerifierUnreachable):
-            self._rtt = None
-            self.router.verifier_down()
-            return 0.0
-        self._rtt = (now, rtt)
-        self.router.observe_rtt(rtt)
-        return rtt
+        if force:
+            self.verifier.forget_round_trips()
+        recent = self.verifier.recent_round_trip(self.rtt_max_age_s) if self._up else None
+        if recent is None:
+            try:
+                if not self._up:
+                    self.verifier.ping()  # a fresh channel's first call also pays for connecting
+                recent = self.verifier.ping()
+            except (grpc.RpcError, VerifierUnreachable):
+                self._up = False
+                self.router.verifier_down()
+                return 0.0
+            self._up = True
+        self.router.observe_rtt(recent)
+        return recent

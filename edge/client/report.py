@@ -17,7 +17,8 @@ class RequestReport:
     seconds: float = 0.0
     ttft_s: float = 0.0
     rounds: int = 0  # target passes in the cloud (verifies, or streamed tokens)
-    round_trips: int = 0  # request/response exchanges, health checks and retries included
+    round_trips: int = 0  # request/response exchanges waited on: health checks, retries included
+    one_way: int = 0  # messages sent without waiting for a reply (CloseSession)
     drafted: int = 0  # draft steps on the device
     acceptance: float = 0.0  # accepted / drafted over the speculative part
     bytes_up: int = 0

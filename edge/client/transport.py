@@ -1,9 +1,12 @@
 """One gRPC channel to the verifier, with round-trip and byte accounting and overload retries.
 
 `Transport` owns the channel, the call metadata (bearer token, `fedge-device`), the health
-check and the counters every report reads: `calls` (request/response exchanges, health
-checks included), `bytes_up` / `bytes_down` (protobuf payload bytes; HTTP/2 framing and
-headers excluded). For experiments without a network emulator it can add a round-trip time:
+check and the counters every report reads: `calls` (request/response exchanges the edge
+waited on: round trips, health checks and retries included), `one_way` (messages sent without
+waiting for the reply, such as CloseSession), `bytes_up` / `bytes_down` (protobuf payload
+bytes; HTTP/2 framing and headers excluded). It also keeps the duration of recent exchanges
+(`recent_round_trip`): the shortest of them is the round trip the edge sees, network plus the
+verifier's reply time, measured for free by the calls it makes anyway. For experiments without a network emulator it can add a round-trip time:
 it sleeps `added_rtt_s` before each call. RESOURCE_EXHAUSTED replies are retried: after the
 server's `fedge-retry-after-ms` when it sends one (a per-device rate limit; beyond
 `max_wait_s` the call raises `RateLimited` so the caller can take another route), else with
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -44,7 +48,9 @@ class Transport:
         self.config = config
         self.bytes_up = 0
         self.bytes_down = 0
-        self.calls = 0  # request/response exchanges (round trips), health checks included
+        self.calls = 0  # request/response exchanges waited on (round trips), health checks included
+        self.one_way = 0  # messages whose reply nobody waits for (fire-and-forget)
+        self._durations: deque[tuple[float, float]] = deque(maxlen=64)  # (ended at, seconds)
         self.rate_limited_waits = 0  # retries after a server-named retry-after
         self.overloads = 0  # RESOURCE_EXHAUSTED replies seen (the router reads them)
         self._in_flight: set[Any] = set()  # fire-and-forget calls not yet answered
@@ -79,7 +85,10 @@ class Transport:
             self.calls += 1
             self.bytes_up += request.ByteSize()
             try:
-                return rpc()
+                started = time.perf_counter()
+                result = rpc()
+                self.observe_round_trip(time.perf_counter() - started)
+                return result
             except grpc.RpcError as err:
                 time.sleep(self._retry_delay(err, attempt, backoff))
                 backoff *= 2
@@ -109,9 +118,23 @@ class Transport:
         self.bytes_down += reply.ByteSize()
         return reply
 
+    def observe_round_trip(self, seconds: float) -> None:
+        """One exchange took `seconds` from request to (first) reply."""
+        self._durations.append((time.monotonic(), seconds + self.config.added_rtt_s))
+
+    def recent_round_trip(self, max_age_s: float) -> float | None:
+        """The shortest exchange of the last `max_age_s` seconds; None when there was none."""
+        since = time.monotonic() - max_age_s
+        recent = [seconds for at, seconds in self._durations if at >= since]
+        return min(recent) if recent else None
+
+    def forget_round_trips(self) -> None:
+        """Drop the recorded durations (the network changed)."""
+        self._durations.clear()
+
     def send(self, method: Any, request: Message) -> None:
-        """A call whose reply nobody waits for (it still crosses the network: counted as a call)."""
-        self.calls += 1
+        """A call whose reply nobody waits for: it costs bytes, not a round trip (`one_way`)."""
+        self.one_way += 1
         self.bytes_up += request.ByteSize()
         call = method.future(request, timeout=self.config.timeout_s, metadata=self.metadata)
         self._in_flight.add(call)  # a dropped call object would cancel the RPC when collected
@@ -134,7 +157,9 @@ class Transport:
         if status != health_pb2.HealthCheckResponse.SERVING:
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)  # type: ignore[arg-type]
             raise VerifierUnreachable(f"verifier at {self.config.target} is {name}")
-        return time.perf_counter() - started + self.config.added_rtt_s
+        seconds = time.perf_counter() - started
+        self.observe_round_trip(seconds)
+        return seconds + self.config.added_rtt_s
 
 
 def _channel(config: ClientConfig) -> grpc.Channel:

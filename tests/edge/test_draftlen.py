@@ -101,6 +101,24 @@ def test_estimates_follow_a_change_of_network() -> None:
     assert short <= 3 < est.best_draft_len(1, 16)
 
 
+def test_a_new_rtt_moves_the_call_cost_at_once() -> None:
+    """Calls of 22 ms while the RTT was 20 ms cost 2 ms beyond it: told the RTT is now 100 ms,
+    c0 is 102 ms at once, without a verify at the new RTT, and the best draft grows with it."""
+    est = exact_estimator()
+    est.observe_rtt(0.02)
+    for _ in range(5):
+        est.observe(4, 4, 0.004, 0.022)
+        est.observe(4, 2, 0.004, 0.022)
+    assert est.call_line == pytest.approx((0.022, 0.0))
+    short = est.best_draft_len(1, 16)
+    est.observe_rtt(0.1)
+    assert est.call_line == pytest.approx((0.102, 0.0))
+    assert est.best_draft_len(1, 16) > short
+    assert est.best_draft_len(1, 16, rtt_s=0.02) == short  # the router asks about other RTTs
+    with pytest.raises(ValueError, match="round trip"):
+        est.observe_rtt(-1.0)
+
+
 def test_estimator_rejects_impossible_observations() -> None:
     with pytest.raises(ValueError, match="accepted <= drafted"):
         SpeculationEstimator().observe(2, 3, 0.0, 0.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+from edge.draftlen import EstimatorConfig, SpeculationEstimator
 from edge.router import (
     DeviceState,
     Objective,
@@ -30,6 +31,7 @@ from edge.router import (
 
 SPEC = Outcome(Route.SPECULATIVE, 48, 1.2, 0.05, 12, 4800, 12, 48, 0.6, 0.02)
 CLOUD = Outcome(Route.CLOUD_ONLY, 48, 0.48, 0.03, 48, 480, 1, 0, 0.48, 0.02)
+SLOW_SPEC_200 = Outcome(Route.SPECULATIVE, 48, 48 / 14, 0.25, 12, 4800, 12, 48, 2.5, 0.2)
 
 
 class Clock:
@@ -78,6 +80,9 @@ def test_rtt_shift_moves_predictions_and_the_choice() -> None:
     assert spec.tokens_per_s == pytest.approx(1 / 0.07)
     assert cloud.tokens_per_s == pytest.approx(1 / 0.01375)
     assert cloud.ttft_s == pytest.approx(0.21)
+    decision = router.choose()  # 14.3/s is near 15 and was measured at 20 ms: look again
+    assert decision.route == Route.SPECULATIVE and "another RTT" in decision.reason
+    router.observe(SLOW_SPEC_200)  # confirmed too slow at 200 ms
     assert router.choose().route == Route.CLOUD_ONLY
 
 
@@ -163,9 +168,13 @@ def test_draft_suffices_and_is_cheapest() -> None:
 
 
 def test_stale_cheaper_route_is_remeasured_with_doubling_backoff() -> None:
-    """Speculative misses at 200 ms; after 16 requests it is tried again, then after 32."""
-    router = measured(rtt=0.2)  # spec observed at request 1, cloud at 2
-    slow_spec = Outcome(Route.SPECULATIVE, 48, 48 / 14, 0.25, 12, 4800, 12, 48, 2.5, 0.2)
+    """Speculative at 200 ms met 15/s (16/s) but not the 16.5/s margin: after 16 requests it is
+    tried again; 14/s then misses, so the next try comes 32 requests later."""
+    router = Router(RouterConfig(smoothing=1.0), clock=Clock())
+    router.observe(Outcome(Route.SPECULATIVE, 48, 3.0, 0.25, 12, 4800, 12, 48, 2.5, 0.2))
+    router.observe(Outcome(Route.CLOUD_ONLY, 48, 0.48, 0.21, 48, 480, 1, 0, 0.48, 0.2))
+    router.observe_rtt(0.2)
+    slow_spec = SLOW_SPEC_200
     for _ in range(15):  # requests 3..17: with request 2, 16 requests since speculative's
         assert router.choose().route == Route.CLOUD_ONLY
         router.observe(CLOUD)
@@ -185,3 +194,50 @@ def test_bad_inputs_name_the_field() -> None:
         DeviceState(battery=1.5)
     with pytest.raises(ValueError, match=r"RouterConfig\.smoothing"):
         RouterConfig(smoothing=0)
+
+
+def test_the_draft_length_model_moves_speculative_to_a_new_rtt() -> None:
+    """Acceptance 0.8 at every position, 1 ms draft steps, calls 5 ms beyond the RTT. At 20 ms
+    the best draft is 9 tokens: E = (1 - 0.8^10) / 0.2 = 4.4631 per 34 ms, 7.618 ms/token; at
+    100 ms it is 14: E = 4.8241 per 119 ms, 24.668 ms/token. Speculative measured at 12.5
+    ms/token at 20 ms is predicted at 12.5 + 17.050 = 29.550 ms/token at 100 ms; passes move by
+    1/4.8241 - 1/4.4631 = -0.01677 per token; TTFT by 80 ms of RTT plus 5 more draft steps."""
+    router = Router(RouterConfig(smoothing=1.0))
+    router.state.speculation = SpeculationEstimator(EstimatorConfig(decay=1.0, prior_trials=1e-9))
+    router.observe_rtt(0.02)
+    for accepted in (1, 1, 1, 1, 0):
+        router.speculation.observe(1, accepted, 0.001, 0.025)
+    router.observe(Outcome(Route.SPECULATIVE, 48, 0.6, 0.05, 12, 4800, 12, 48, 0.3, 0.02))
+    router.observe_rtt(0.1)
+    spec = predict(router.state, Route.SPECULATIVE, router.device)
+    assert spec is not None
+    assert 1 / spec.tokens_per_s == pytest.approx(0.0125 + 0.024668 - 0.007618, rel=1e-3)
+    assert spec.ttft_s == pytest.approx(0.05 + 0.08 + 0.005)
+    assert spec.cost == pytest.approx(0.25 - 0.01677 + 0.001 + 0.031, abs=1e-4)
+
+
+def spike_then_rtt_change(config: RouterConfig) -> list[Route]:
+    """Last session's failure: speculative measured at 20 ms during a load spike (31 ms/token, 0.5
+    round trips/token) predicts 31.25 - 10 + 50 = 71.25 ms/token (14.0/s, attainment 0.94) at
+    100 ms, under the 16.5/s margin; cloud-only meets. Really speculative gives 19.3/s there."""
+    router = Router(config)
+    router.observe(Outcome(Route.SPECULATIVE, 48, 1.5, 0.05, 24, 4800, 24, 48, 1.2, 0.02))
+    router.observe(CLOUD)
+    router.observe_rtt(0.1)
+    chosen = []
+    for _ in range(8):
+        route = router.choose().route
+        chosen.append(route)
+        if route == Route.SPECULATIVE:  # what it really does at 100 ms
+            router.observe(Outcome(route, 48, 48 / 19.3, 0.15, 22, 4800, 22, 48, 2.2, 0.1))
+        else:
+            router.observe(Outcome(route, 48, 0.56, 0.11, 48, 480, 1, 0, 0.56, 0.1))
+    return chosen
+
+
+def test_a_route_measured_in_a_spike_at_another_rtt_is_measured_again() -> None:
+    """The router looks again at once (measured at 20 ms, predicted near the objective), sees
+    19.3/s and stays on the cheaper route; without that rule (rtt_moved huge) it would stay on
+    cloud-only for 16 requests, at 4x the cost per token, as it did in the last benchmark."""
+    assert spike_then_rtt_change(RouterConfig()) == [Route.SPECULATIVE] * 8
+    assert spike_then_rtt_change(RouterConfig(rtt_moved=1e9)) == [Route.CLOUD_ONLY] * 8
