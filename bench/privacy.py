@@ -38,82 +38,40 @@ for _k, _v in {
     os.environ.setdefault(_k, _v)
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "privacy.json"
-HALF, THRESHOLD = 0.5, 2 / 3  # legacy SecAggPlusWorkflow's graph for both sides: n/2 shares, t 2/3
 BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": os.cpu_count() or 2}}
 
 
 # ---------------------------------------------------------------- 1. SecAgg+ overhead
-def _vector(seed: int, size: int) -> np.ndarray:
-    return np.random.default_rng(seed).normal(0, 0.01, size).astype(np.float32)
+def simulate(server_app: Any, client_app: Any, num_clients: int) -> None:
+    """Run ``server_app`` against ``num_clients`` simulated nodes on Flower's Ray engine."""
+    from flwr.simulation import run_simulation
+
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=num_clients,
+        backend_config=BACKEND,  # type: ignore[arg-type]
+    )
 
 
 def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]:
     """Seconds of each round: plain vs SecAgg+ (legacy's graph: n/2 shares; and our default).
 
-    Each variant gets one untimed warm-up round (imports, actor caches, and for SecAgg+ the
-    once-per-run key advertisement), then ``rounds`` timed ``aggregate`` calls: send the
-    train messages, receive, sum (the same boundary as one legacy fit round).
+    The loop is ``bench.secagg_rounds.time_rounds``, the one the Deployment Engine bench runs.
     """
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
-    from flwr.clientapp import ClientApp
+    from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
-    from clients.mods import dispatch_mods
-    from fedge import keys
-    from fedge.secagg.config import SecAggConfig
-    from server.aggregation import PlainAggregator
-    from server.secagg.aggregator import SecAggPlusAggregator
-
-    spec = {"delta/v": (size,), "meta/weight": (1,), "meta/count": (1,)}
-    client_app = ClientApp(mods=[dispatch_mods])
-
-    @client_app.train()
-    def train(msg: Message, context: Context) -> Message:
-        pid = int(context.node_config["partition-id"])
-        arrays = {"delta/v": _vector(pid, size), "meta/weight": np.ones(1, np.float32)}
-        arrays["meta/count"] = np.ones(1, np.float32)
-        record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
-        return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
+    from bench import secagg_rounds
 
     out: dict[str, Any] = {}
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        while len(list(grid.get_node_ids())) < num_clients:
-            time.sleep(0.2)
-        nodes = sorted(grid.get_node_ids())
-        content = RecordDict({keys.REC_CONFIG: ConfigRecord({keys.CFG_CLIENT_MODS: ""})})
-        variants = {
-            "plain": PlainAggregator(),
-            "secagg_half_shares": SecAggPlusAggregator(
-                SecAggConfig(num_shares=HALF, reconstruction_threshold=THRESHOLD)
-            ),
-            "secagg_default_graph": SecAggPlusAggregator(SecAggConfig()),
-        }
-        for name, agg in variants.items():
-            agg.aggregate(grid, 0, nodes, content, spec, 600)  # warm-up, untimed
-            times: list[float] = []
-            stages: dict[str, float] = {}
-            for r in range(rounds):
-                t0 = time.perf_counter()
-                result = agg.aggregate(grid, r + 1, nodes, content, spec, 600)
-                times.append(time.perf_counter() - t0)
-                if result.summed is None:
-                    raise RuntimeError(f"{name} round failed: {result.rejected}")
-                for stage, sec in getattr(agg, "last_stage_seconds", {}).items():
-                    stages[stage] = stages.get(stage, 0.0) + sec / rounds
-            out[name] = times
-            if stages:
-                out[f"{name}_stages"] = {k: round(v, 3) for k, v in stages.items()}
+        out.update(secagg_rounds.time_rounds(grid, num_clients, size, rounds))
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_clients,
-        backend_config=BACKEND,
-    )  # type: ignore[arg-type]
+    simulate(server_app, secagg_rounds.client_app, num_clients)
     return out
 
 
@@ -133,14 +91,15 @@ def legacy_round_times(num_clients: int, size: int, rounds: int, secure: bool) -
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
     from flwr.server.workflow.default_workflows import default_fit_workflow
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
+
+    from bench.secagg_rounds import HALF, THRESHOLD, vector
 
     class VectorClient(NumPyClient):  # type: ignore[misc]
         def __init__(self, pid: int) -> None:
             self.pid = pid
 
         def fit(self, parameters, config):  # type: ignore[no-untyped-def]
-            return [_vector(self.pid, size)], 1, {}
+            return [vector(self.pid, size)], 1, {}
 
     def client_fn(context: Context):  # type: ignore[no-untyped-def]
         return VectorClient(int(context.node_config["partition-id"])).to_client()
@@ -174,12 +133,7 @@ def legacy_round_times(num_clients: int, size: int, rounds: int, secure: bool) -
 
         DefaultWorkflow(fit_workflow=timed_fit)(grid, legacy)
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_clients,
-        backend_config=BACKEND,
-    )  # type: ignore[arg-type]
+    simulate(server_app, client_app, num_clients)
     return times[1:]
 
 
@@ -288,7 +242,6 @@ def privacy_utility(
     """Federations on `model`: plain, SecAgg+, central DP per noise level, SecAgg+ with DDP."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from server.config import RunConfig
     from server.loop import run_federation
@@ -364,9 +317,7 @@ def privacy_utility(
             print(f"sweep {label}: {rows[-1]}", flush=True)
 
     os.environ["FEDGE_CONCURRENCY"] = "2"
-    run_simulation(
-        server_app=server_app, client_app=client_app, num_supernodes=clients, backend_config=BACKEND
-    )  # type: ignore[arg-type]
+    simulate(server_app, client_app, clients)
     return rows
 
 

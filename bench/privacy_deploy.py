@@ -1,10 +1,9 @@
 """SecAgg+ against plain aggregation under Flower's Deployment Engine (real SuperLink, SuperNodes).
 
-The same vector round as ``bench/privacy.py`` part 1, but every message crosses real gRPC:
-one ``flower-superlink``, N ``flower-supernode`` processes on 127.0.0.1, and a small Flower
-app (written to a temporary directory) whose ServerApp times ``aggregate`` calls of the plain
-and the SecAgg+ (n/2 shares, threshold 2/3) aggregators after one untimed warm-up round
-each. Flower's gRPC grid sleeps 3 s between pulls in ``send_and_receive``; fedge's
+The same vector round and timing loop as ``bench/privacy.py`` part 1
+(``bench/secagg_rounds.py``), but every message crosses real gRPC: one ``flower-superlink``,
+N ``flower-supernode`` processes on 127.0.0.1, and that app run by ``flwr run``; plain and
+SecAgg+ (n/2 shares, threshold 2/3) each get one untimed warm-up round. Flower's gRPC grid sleeps 3 s between pulls in ``send_and_receive``; fedge's
 aggregators push and then pull with backoff (``server.grid.exchange_messages``).
 
 Usage: ``python bench/privacy_deploy.py [--clients 10] [--size 100000] [--rounds 3]``. The last
@@ -39,60 +38,12 @@ BIN = Path(sys.executable).parent
 MARKER_VARIABLE = "FEDGE_BENCH_MARKER"
 MARKER = f"fedge-privacy-deploy-{uuid.uuid4().hex}"  # inherited by every process this bench starts
 
+# The app dir holds only names for Flower's loader; the app is bench.secagg_rounds (on PYTHONPATH).
 APP = """
-import json, time
-from pathlib import Path
-import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from clients.mods import dispatch_mods
-from fedge import keys
-from fedge.secagg.config import SecAggConfig
-from server.aggregation import PlainAggregator
-from server.secagg.aggregator import SecAggPlusAggregator
+from bench import secagg_rounds
 
-client_app = ClientApp(mods=[dispatch_mods])
-server_app = ServerApp()
-
-
-@client_app.train()
-def train(msg, context):
-    pid = int(context.node_config["partition-id"])
-    size = int(msg.content.config_records[keys.REC_CONFIG]["x-size"])
-    vec = np.random.default_rng(pid).normal(0, 0.01, size).astype(np.float32)
-    arrays = {"delta/v": vec, "meta/weight": np.ones(1, np.float32), "meta/count": np.ones(1, np.float32)}
-    record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
-    return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
-
-
-@server_app.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = context.run_config
-    n, size, rounds = int(cfg["x-clients"]), int(cfg["x-size"]), int(cfg["x-rounds"])
-    while len(list(grid.get_node_ids())) < n:
-        time.sleep(0.2)
-    nodes = sorted(grid.get_node_ids())
-    spec = {"delta/v": (size,), "meta/weight": (1,), "meta/count": (1,)}
-    content = RecordDict({keys.REC_CONFIG: ConfigRecord({"x-size": size})})
-    variants = {
-        "plain": PlainAggregator(),
-        "secagg": SecAggPlusAggregator(
-            SecAggConfig(num_shares=0.5, reconstruction_threshold=2 / 3, stage_timeout_s=600)
-        ),
-    }
-    out = {}
-    for name, agg in variants.items():
-        agg.aggregate(grid, 0, nodes, content, spec, 600)  # warm-up (and key advertisement)
-        times = []
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            result = agg.aggregate(grid, r + 1, nodes, content, spec, 600)
-            times.append(time.perf_counter() - t0)
-            if result.summed is None:
-                raise RuntimeError(f"{name} round failed: {result.rejected}")
-        out[name] = times
-    Path(str(cfg["x-out"])).write_text(json.dumps(out))
+client_app = secagg_rounds.client_app
+server_app = secagg_rounds.server_app
 """
 
 PYPROJECT = """
@@ -119,6 +70,7 @@ clientapp = "vector_app:client_app"
 x-clients = 10
 x-size = 100000
 x-rounds = 3
+x-variants = "plain,secagg_half_shares"
 x-out = ""
 """
 
@@ -196,11 +148,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for n in (int(c) for c in args.clients.split(",")):
         times = run(n, args.size, args.rounds)
-        plain, secagg = (sum(times[k]) / len(times[k]) for k in ("plain", "secagg"))
+        plain, secagg = (sum(times[k]) / len(times[k]) for k in ("plain", "secagg_half_shares"))
         result[str(n)] = {
             "plain_s": round(plain, 3),
             "secagg_s": round(secagg, 3),
             "ratio": round(secagg / plain, 3),
+            "secagg_stage_s": times.get("secagg_half_shares_stages", {}),
             "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
         }
         print(f"deployment n={n}: {result[str(n)]}", flush=True)

@@ -12,10 +12,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Literal
 
-import dp_accounting
-from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
-from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
-
 Method = Literal["rdp", "pld"]
 METHODS: tuple[Method, ...] = ("rdp", "pld")
 # PLD grid step: dp-accounting's pessimistic discretization stays an upper bound; at 1e-2
@@ -34,6 +30,12 @@ def gaussian_epsilon(noise_multipliers: Sequence[float], delta: float, method: M
     """Epsilon at ``delta`` of one Gaussian release per entry (0.0 for no release)."""
     if not noise_multipliers:
         return 0.0
+    # Imported here: dp-accounting pulls in scipy (seconds), and the Deployment Engine starts
+    # a fresh ClientApp process for every message, most of which never compute an epsilon.
+    import dp_accounting
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+    from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
     accountant = (
         PLDAccountant(value_discretization_interval=PLD_INTERVAL)
         if method == "pld"

@@ -9,27 +9,14 @@ An honest round under the same policy is the control.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from flwr.simulation import run_simulation
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
 
-from clients.mods import dispatch_mods
 from clients.privacy.policy import POLICY_ENV
 from fedge import keys
 from fedge.secagg import wire
@@ -40,6 +27,7 @@ from server.privacy.config import DPConfig
 from server.secagg.aggregator import SecAggPlusAggregator
 from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
 from server.secagg.protocol import run_secagg
+from tests.secagg.harness import known_client_app, partition_ids, simulate
 
 NUM_NODES = 4
 SIZE = 200
@@ -50,27 +38,19 @@ GOOD_DP = {"dp-clip-norm": 0.05, "dp-noise-std": 0.05, "dp-min-clients": 4}  # z
 WAIT = 300  # seconds per exchange: generous, a loaded machine starts Ray workers slowly
 RESULTS: dict[str, Any] = {}
 
-client_app = ClientApp(mods=[dispatch_mods])
 
-
-@client_app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Reply with a small known contribution and per-client metrics."""
-    pid = int(context.node_config["partition-id"])
-    arrays = {
+def contribution(pid: int) -> dict[str, np.ndarray]:
+    """A small known contribution of partition ``pid``."""
+    return {
         "delta/w": np.full(SIZE, 0.001 * (pid + 1), np.float32),
         "meta/weight": np.ones(1, np.float32),
         "meta/count": np.ones(1, np.float32),
     }
-    record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
-    metrics = MetricRecord({keys.MET_TRAIN_LOSS: 2.0 + pid, keys.MET_PARTITION: pid})
-    return Message(RecordDict({keys.REC_CONTRIB: record, keys.REC_METRICS: metrics}), reply_to=msg)
 
 
-@client_app.query()
-def query(msg: Message, context: Context) -> Message:
-    """Answer the warm-up query (it loads the app in every worker before the attacks)."""
-    return Message(RecordDict(), reply_to=msg)
+def train_loss(pid: int) -> float:
+    """The train loss partition ``pid`` reports."""
+    return 2.0 + pid
 
 
 def train_content(**config: Any) -> RecordDict:
@@ -130,17 +110,9 @@ def both_secrets(stage: str, requests: dict[int, RecordDict]) -> None:
         requests[first][wire.SECAGG_RECORD][wire.KEY_DROPPED] = wire.pack_ids([second])
 
 
-server_app = ServerApp()
-
-
-@server_app.main()
-def main(grid: Grid, context: Context) -> None:
+def main(grid: Grid) -> None:
     """Play every attack once, then an honest round; stash what came back."""
-    while len(list(grid.get_node_ids())) < NUM_NODES:
-        time.sleep(0.1)
-    nodes = sorted(grid.get_node_ids())
-    warm = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
-    grid.send_and_receive(warm, timeout=WAIT)
+    nodes = sorted(partition_ids(grid, NUM_NODES))
     RESULTS["omit-secagg"] = PlainAggregator().aggregate(
         grid, 1, nodes, train_content(**GOOD_DP), SPEC, WAIT
     )
@@ -168,12 +140,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     mp.setenv(POLICY_ENV, str(policy))
     mp.syspath_prepend(str(root))
     try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=NUM_NODES,
-            backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
-        )
+        simulate(main, known_client_app(contribution, train_loss), NUM_NODES)
     finally:
         mp.undo()
     return {**RESULTS, "marker": marker}

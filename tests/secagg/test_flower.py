@@ -13,21 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from flwr.simulation import run_simulation
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
 
-from clients.mods import dispatch_mods
 from fedge import keys
 from fedge.secagg.config import SecAggConfig
 from server.aggregation import PlainAggregator
@@ -35,6 +23,7 @@ from server.grid import ReplyHookGrid
 from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
 from server.privacy.config import DPConfig
 from server.secagg.aggregator import SecAggPlusAggregator
+from tests.secagg.harness import CRASH_KEY, known_client_app, partition_ids, simulate
 
 NUM_NODES = 5
 SIZE = 3000
@@ -53,28 +42,12 @@ def true_contribution(pid: int) -> dict[str, np.ndarray]:
     }
 
 
+def train_loss(pid: int) -> float:
+    """The train loss partition `pid` reports."""
+    return 1.5 + pid
+
+
 SPEC = {k: tuple(v.shape) for k, v in true_contribution(0).items()}
-
-client_app = ClientApp(mods=[dispatch_mods])
-
-
-@client_app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Reply with this partition's known contribution; listed partitions crash (a real fault)."""
-    pid = int(context.node_config["partition-id"])
-    crash = str(msg.content.config_records[keys.REC_CONFIG].get("crash-pids", ""))
-    if str(pid) in crash.split(","):
-        raise RuntimeError("injected crash during local training")
-    record = ArrayRecord({k: Array(v) for k, v in true_contribution(pid).items()})
-    metrics = MetricRecord({keys.MET_TRAIN_LOSS: 1.5 + pid, keys.MET_PARTITION: pid})
-    return Message(RecordDict({keys.REC_CONTRIB: record, keys.REC_METRICS: metrics}), reply_to=msg)
-
-
-@client_app.query()
-def query(msg: Message, context: Context) -> Message:
-    """Report the partition id (maps node ids to partitions for the test)."""
-    pid = int(context.node_config["partition-id"])
-    return Message(RecordDict({keys.REC_METRICS: MetricRecord({"pid": pid})}), reply_to=msg)
 
 
 class RecordingGrid(ReplyHookGrid):
@@ -90,22 +63,10 @@ class RecordingGrid(ReplyHookGrid):
         return msg
 
 
-server_app = ServerApp()
-
-
-@server_app.main()
-def main(grid: Grid, context: Context) -> None:
+def main(grid: Grid) -> None:
     """Run every aggregator once over the same nodes; stash results for the test."""
-    import time
-
-    while len(list(grid.get_node_ids())) < NUM_NODES:
-        time.sleep(0.2)
-    nodes = sorted(grid.get_node_ids())
-    q = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
-    RESULTS["pid"] = {
-        r.metadata.src_node_id: int(r.content.metric_records[keys.REC_METRICS]["pid"])
-        for r in grid.send_and_receive(q)
-    }
+    RESULTS["pid"] = partition_ids(grid, NUM_NODES)
+    nodes = sorted(RESULTS["pid"])
 
     def content(mods: str = "") -> RecordDict:
         return RecordDict({keys.REC_CONFIG: ConfigRecord({keys.CFG_CLIENT_MODS: mods})})
@@ -119,10 +80,10 @@ def main(grid: Grid, context: Context) -> None:
     RESULTS["plain"] = PlainAggregator().aggregate(grid, 2, nodes, content(), SPEC, 60)
     # Two clients crash while training: 3 of 5 shares still rebuild every mask
     crash = content()
-    crash[keys.REC_CONFIG]["crash-pids"] = "0,3"
+    crash[keys.REC_CONFIG][CRASH_KEY] = "0,3"
     RESULTS["drop2"] = SecAggPlusAggregator(secagg_cfg).aggregate(grid, 3, nodes, crash, SPEC, 60)
     # Three crash: below the threshold, the round must fail with no sum
-    crash[keys.REC_CONFIG]["crash-pids"] = "0,2,3"
+    crash[keys.REC_CONFIG][CRASH_KEY] = "0,2,3"
     failing = SecAggPlusAggregator(secagg_cfg)
     RESULTS["drop3"] = failing.aggregate(grid, 4, nodes, crash, SPEC, 60)
     RESULTS["drop3_message"] = failing.last_failure
@@ -140,12 +101,7 @@ def main(grid: Grid, context: Context) -> None:
 
 def _run_once() -> dict[str, Any]:
     if not RESULTS:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=NUM_NODES,
-            backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
-        )
+        simulate(main, known_client_app(true_contribution, train_loss), NUM_NODES)
     return RESULTS
 
 
