@@ -287,42 +287,128 @@ def plain_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> 
 
 
 # ---------------------------------------------------------------- 2. capacity
-def pass_cost_regime(model_dir: Path, prompt: list[int]) -> dict[str, Any]:
-    """Time one target pass over n new tokens on a warm KV cache (1 torch thread), batch 1 and 8."""
+def verifier_costs(preset: str, prompt_len: int = 64) -> dict[str, Any]:
+    """What verifying and streaming cost the verifier for one zoo's target (1 torch thread).
+
+    Pass CPU times on the engine's own paths after a `prompt_len`-token past: a lone session's
+    pass over n new tokens in place on its cache object (then cropped back, as a lone verify
+    does), and a padded batch of B sessions (the copies a batch makes included). Then the
+    verifier process's CPU per Verify (4-token greedy drafts) and per streamed Generate token,
+    one caller on loopback: what a message costs beyond its pass.
+    """
     import torch
+    from transformers import DynamicCache
 
-    from edge._hf import forward
+    from edge import _hf
+    from edge.verifier.batching import KVGeometry, batched_forward
     from fedge.models import load_causal_lm
+    from fedge.zoo import ensure_zoo
 
-    model = load_causal_lm(model_dir)
-    figures: dict[str, Any] = {}
+    zoo = ensure_zoo(preset)
+    model = load_causal_lm(zoo.target_dir)
+    vocab = int(model.config.vocab_size)
+    geometry = KVGeometry.of(model)
+    torch.manual_seed(0)
+    past = torch.randint(4, vocab, (1, prompt_len))
+
+    def median_ms(run: Any, repeats: int = 9) -> float:
+        """Median CPU time of `run` (this thread does all the work with 1 torch thread, so a
+        shared machine's preemption does not count)."""
+        samples = []
+        for _ in range(repeats):
+            tick = time.thread_time()
+            run()
+            samples.append(time.thread_time() - tick)
+        return float(np.median(samples[2:])) * 1e3
+
+    lengths, batches = (1, 5, 9, 17), (1, 8, 32)
+    pass_ms: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
-        for batch in (1, 8):
-            _, kv = forward(model, torch.tensor([prompt] * batch), None)
-            times = {}
-            for n in (1, 5, 9, 17):
-                new = torch.randint(4, 200, (batch, n))
-                samples = []
-                for _ in range(7):
-                    tick = time.perf_counter()
-                    forward(
-                        model, new, kv
-                    )  # the engine's path: cache rebuilt from the session's KV
-                    samples.append(time.perf_counter() - tick)
-                times[n] = float(np.median(samples[2:]))
-            figures[f"batch{batch}"] = {
-                "pass_ms": {str(n): t * 1e3 for n, t in times.items()},
-                "cost_of_k_plus_1_in_passes": {str(n): t / times[1] for n, t in times.items()},
-            }
-    ratio = figures["batch1"]["cost_of_k_plus_1_in_passes"]["5"]
-    figures["regime"] = (
+        cache = DynamicCache()
+        _hf.forward_on(model, past, cache)
+        stacked = _hf.stack_kv(_hf.cache_to_kv(cache))
+        for batch in batches:
+            row = {}
+            for n in lengths:
+                new = torch.randint(4, vocab, (batch, n))
+                if batch == 1:
+
+                    def lone(new: Any = new, n: int = n) -> None:
+                        _hf.forward_on(model, new, cache)
+                        _hf.drop_last(cache, n)
+
+                    row[str(n)] = median_ms(lone)
+                else:
+                    inputs = new.tolist()
+                    row[str(n)] = median_ms(
+                        lambda inputs=inputs: batched_forward(
+                            model, geometry, [stacked] * len(inputs), inputs
+                        )
+                    )
+            pass_ms[f"batch{batch}"] = row
+    single = pass_ms["batch1"]["1"]
+    out: dict[str, Any] = {
+        "preset": preset,
+        "target_parameters": sum(p.numel() for p in model.parameters()),
+        "past_tokens": prompt_len,
+        "pass_ms": pass_ms,
+        "k_plus_1_in_passes": {
+            b: {n: t / pass_ms[b]["1"] for n, t in row.items()} for b, row in pass_ms.items()
+        },
+        "batch_of_streams_in_passes": {str(b): pass_ms[f"batch{b}"]["1"] / single for b in batches},
+    }
+    out.update(message_costs(zoo.target_dir, past[0].tolist()[:32]))
+    out["overhead_ms_per_verify"] = out["server_cpu_ms_per_verify"] - pass_ms["batch1"]["5"]
+    out["overhead_ms_per_generate_token"] = out["server_cpu_ms_per_generate_token"] - single
+    ratio = out["k_plus_1_in_passes"]["batch1"]["5"]
+    out["regime"] = (
         "overhead/memory-bound: verifying k+1 tokens costs about one pass"
         if ratio < 2.0
         else "compute-bound: verifying k+1 tokens costs about k+1 passes"
         if ratio > 3.5
         else "between: verifying k+1 tokens costs a fraction of k+1 passes"
     )
-    return figures
+    return out
+
+
+def message_costs(model_dir: Path, prompt: list[int], calls: int = 200) -> dict[str, float]:
+    """The verifier process's CPU (user + system) per Verify and per streamed Generate token."""
+    import grpc
+
+    from edge.proto import verifier_pb2 as pb
+    from edge.proto import verifier_pb2_grpc as pb_grpc
+
+    server = VerifierProcess(model_dir)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            for _ in stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=8)):
+                pass  # warm up
+            before = cpu_seconds(server.proc.pid)
+            for _ in stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=calls)):
+                pass
+            per_token = (cpu_seconds(server.proc.pid) - before) / calls
+            rounds, used = 0, 0.0
+            while rounds < calls:  # sessions of 20 verifies, so the past stays near the prompt's
+                sid = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt)).session_id
+                before = cpu_seconds(server.proc.pid)
+                for _ in range(20):
+                    stub.Verify(pb.VerifyRequest(session_id=sid, draft_ids=[5, 6, 7, 8]))
+                used += cpu_seconds(server.proc.pid) - before
+                rounds += 20
+                stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    finally:
+        server.stop()
+    return {
+        "server_cpu_ms_per_verify": used / rounds * 1e3,
+        "server_cpu_ms_per_generate_token": per_token * 1e3,
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def capacity(
@@ -505,7 +591,15 @@ def main() -> None:
     parser.add_argument("--fault-devices", type=int, default=16)
     parser.add_argument("--fault-requests", type=int, default=3)
     parser.add_argument(
-        "--skip", default="", help="comma-separated parts to skip: routes,capacity,faults"
+        "--skip", default="", help="comma-separated parts to skip: regime,routes,capacity,faults"
+    )
+    parser.add_argument(
+        "--regime-presets",
+        default="",
+        help="zoos whose verifier costs to measure (default: --preset's)",
+    )
+    parser.add_argument(
+        "--results", default="", help="file name under bench/results (default edge.json)"
     )
     args = parser.parse_args()
     if args.quick:
@@ -539,8 +633,15 @@ def main() -> None:
         "load_start": loadavg(),
     }
     started = time.perf_counter()
-    print(f"preset {preset}: measuring the pass-cost regime", file=sys.stderr)
-    result["verify_cost_regime"] = pass_cost_regime(zoo.target_dir, prompts[0])
+    if "regime" not in skip:
+        result["verifier_costs"] = {}
+        for name in filter(None, (args.regime_presets or preset).split(",")):
+            print(f"preset {name}: measuring what verifies and streams cost", file=sys.stderr)
+            result["verifier_costs"][name] = verifier_costs(name)
+        result["load_after_regime"] = loadavg()
+    if {"routes", "capacity", "faults"} <= skip:
+        finish(result, started, args)
+        return
     work = Path(tempfile.mkdtemp(prefix="fedge-bench-edge-"))
     manifest = export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig())
     runtime = load_draft_runtime(work / "draft", "auto", threads=1)
@@ -587,10 +688,19 @@ def main() -> None:
             result["faults"], server = faults(tables, step_s, server, zoo.target_dir, args)
     finally:
         server.stop()
+    finish(result, started, args)
+
+
+def finish(result: dict[str, Any], started: float, args: Any) -> None:
+    """Stamp the load and wall time, print the JSON line and write it to bench/results."""
     result["load_end"] = loadavg()
     result["wall_s"] = time.perf_counter() - started
     line = json.dumps(_rounded(result))
     results = RESULTS_FILE.with_name("edge_quick.json") if args.quick else RESULTS_FILE
+    if args.results:  # a bare name goes under bench/results, a path where it says
+        results = (
+            Path(args.results) if os.sep in args.results else RESULTS_FILE.with_name(args.results)
+        )
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(line + "\n")
     print(line)

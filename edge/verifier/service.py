@@ -10,11 +10,12 @@ session opened for a caller that left is closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -153,17 +154,27 @@ class VerifierService(pb_grpc.VerifierServicer):
     ) -> R:
         """Validate and queue off the event loop, then await the engine's result.
 
-        If the caller goes away first, the queued work is cancelled (the engine skips
-        it) and `orphan` receives a result that was produced anyway.
+        The loop wakes once, for the result: the validation thread chains the engine's
+        future to the one awaited here. If the caller goes away first, the queued work is
+        cancelled (the engine skips it) and `orphan` receives a result produced anyway.
         """
+        relay: Future[R] = Future()
+
+        def queue_it() -> None:
+            try:
+                pending = submit()
+            except BaseException as exc:  # the awaiting caller gets it
+                with contextlib.suppress(InvalidStateError):
+                    relay.set_exception(exc)
+                return
+            pending.add_done_callback(lambda done: _relay(done, relay))
+            relay.add_done_callback(
+                lambda awaited: _abandon(pending, orphan) if awaited.cancelled() else None
+            )
+
         # run in a copy of this call's context, so the engine sees its trace context
-        handoff = self._pool.submit(contextvars.copy_context().run, submit)
-        try:
-            pending = await asyncio.wrap_future(handoff)
-            return await asyncio.wrap_future(pending)
-        except asyncio.CancelledError:
-            handoff.add_done_callback(lambda done: _abandon(done, orphan))
-            raise
+        self._pool.submit(contextvars.copy_context().run, queue_it)
+        return await asyncio.wrap_future(relay)
 
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
@@ -304,11 +315,19 @@ def _cancel_stream(handoff: Future[TokenChannel]) -> None:
         handoff.result().cancel()
 
 
-def _abandon(handoff: Future[Future[R]], orphan: Callable[[R], None] | None) -> None:
+def _relay(done: Future[R], relay: Future[R]) -> None:
+    """Copy the engine's outcome to the future the caller awaits (unless the caller left)."""
+    with contextlib.suppress(InvalidStateError):
+        if done.cancelled():
+            relay.cancel()
+        elif (error := done.exception()) is not None:
+            relay.set_exception(error)
+        else:
+            relay.set_result(done.result())
+
+
+def _abandon(pending: Future[R], orphan: Callable[[R], None] | None) -> None:
     """The caller left: cancel its queued work; hand a result produced anyway to `orphan`."""
-    if handoff.cancelled() or handoff.exception() is not None:
-        return
-    pending = handoff.result()
     pending.cancel()
     if orphan is not None:
         pending.add_done_callback(
