@@ -188,6 +188,12 @@ def summarize(records: list[Record], wall: float) -> dict[str, Any]:
         "tokens_per_s": sum(r.tokens for r in ok) / wall,
         "ttft": percentiles([r.ttft for r in ok]),
         "itl": percentiles(itl),
+        "itl_by_route": {
+            route: percentiles(
+                [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.route == route and r.tokens > 1]
+            )
+            for route in ("speculative", "cloud-only")
+        },
         "e2e": percentiles([r.e2e for r in ok]),
         "wall_s": wall,
     }
@@ -207,6 +213,7 @@ def measure(
     try:
         warm = argparse.Namespace(**{**vars(args), "duration": 3.0})
         run_load(fleet.port, draft, prompts, warm)
+        fleet.ingress.reset_stats.remote().result()
 
         def kill() -> None:
             name = sorted(fleet.replica_actors().values())[0]
@@ -216,10 +223,10 @@ def measure(
         records, wall = run_load(fleet.port, draft, prompts, args, kill if kill_one else None)
         summary = summarize(records, wall)
         summary["loadavg_before"], summary["loadavg_after"] = load_before, loadavg()
+        stats = fleet.ingress.fleet_stats.remote().result()
+        summary["per_replica"] = stats["replicas"]
         if kill_one:
-            summary["resumed_streams"] = fleet.ingress.fleet_stats.remote().result()[
-                "resumed_streams"
-            ]
+            summary["resumed_streams"] = stats["resumed_streams"]
         return summary
     finally:
         fleet.stop()

@@ -11,29 +11,29 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from edge.cli_options import (
+    TOKEN_ENV,
+    AdapterOption,
+    GenerateBurstOption,
+    GenerateRateOption,
+    MaxBatchOption,
+    MaxDraftOption,
+    ModelOption,
+    OtlpEndpointOption,
+    RequireTokenOption,
+    SessionTtlOption,
+    TracingOption,
+    VerifyBurstOption,
+    VerifyRateOption,
+    rate_limits,
+)
+
 edge_app = typer.Typer(
     help="Device side: export the draft to ONNX, generate speculatively.", no_args_is_help=True
 )
 verifier_app = typer.Typer(help="Cloud side: the gRPC verifier service.", no_args_is_help=True)
 
-TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
-TRACING_ENV = "FEDGE_TRACING"  # = edge.tracing.TRACING_ENV (kept import-free: --help stays fast)
-OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _console = Console(stderr=True)
-TracingOption = Annotated[
-    str,
-    typer.Option(
-        envvar=TRACING_ENV,
-        help=f"OpenTelemetry span exporter: none, console or otlp (or ${TRACING_ENV}).",
-    ),
-]
-OtlpEndpointOption = Annotated[
-    str | None,
-    typer.Option(
-        envvar=OTLP_ENDPOINT_ENV,
-        help=f"OTLP gRPC collector for --tracing otlp (or ${OTLP_ENDPOINT_ENV}).",
-    ),
-]
 
 
 @edge_app.command("export")
@@ -176,16 +176,11 @@ def generate_command(
 
 @verifier_app.command("serve")
 def serve_command(
-    model: Annotated[Path, typer.Option(help="Base model dir (Hugging Face format).")],
-    adapter: Annotated[
-        Path | None, typer.Option(help="peft LoRA adapter dir, merged at load.")
-    ] = None,
+    model: ModelOption,
+    adapter: AdapterOption = None,
     host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Listen port; 0 = any free port (printed).")] = 50061,
-    token: Annotated[
-        str | None,
-        typer.Option(envvar=TOKEN_ENV, help=f"Require this bearer token (or ${TOKEN_ENV})."),
-    ] = None,
+    token: RequireTokenOption = None,
     tls_cert: Annotated[
         Path | None, typer.Option(help="PEM certificate chain (with --tls-key).")
     ] = None,
@@ -193,39 +188,28 @@ def serve_command(
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus /metrics on this port.")
     ] = None,
-    max_batch: Annotated[int, typer.Option(help="Verifies per batched forward pass.")] = 32,
+    max_batch: MaxBatchOption = 32,
     batch_window_ms: Annotated[
         float, typer.Option(help="Wait this long for a batch to fill.")
     ] = 2.0,
-    max_draft: Annotated[int, typer.Option(help="Longest accepted draft.")] = 16,
+    max_draft: MaxDraftOption = 16,
     max_sessions: Annotated[int, typer.Option(help="Open sessions before LRU eviction.")] = 1024,
-    session_ttl_s: Annotated[float, typer.Option(help="Idle session lifetime, seconds.")] = 300.0,
+    session_ttl_s: SessionTtlOption = 300.0,
     kv_cap_mb: Annotated[int, typer.Option(help="KV cache memory cap, MiB.")] = 1024,
     grace_s: Annotated[float, typer.Option(help="Drain time on SIGTERM, seconds.")] = 5.0,
     torch_threads: Annotated[
         int, typer.Option(help="torch intra-op threads; 0 = torch's default.")
     ] = 0,
-    verify_rate: Annotated[
-        float | None,
-        typer.Option(
-            help="Per-device verify tokens (draft + 1 per Verify) per second; off if unset."
-        ),
-    ] = None,
-    verify_burst: Annotated[int, typer.Option(help="Per-device verify token bucket size.")] = 256,
-    generate_rate: Annotated[
-        float | None,
-        typer.Option(help="Per-device Generate tokens (max_new_tokens) per second; off if unset."),
-    ] = None,
-    generate_burst: Annotated[
-        int, typer.Option(help="Per-device Generate token bucket size (largest max_new_tokens).")
-    ] = 512,
+    verify_rate: VerifyRateOption = None,
+    verify_burst: VerifyBurstOption = 256,
+    generate_rate: GenerateRateOption = None,
+    generate_burst: GenerateBurstOption = 512,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:
     """Serve MODEL (plus ADAPTER) over gRPC until SIGINT/SIGTERM; health is NOT_SERVING while loading and draining."""
     from edge.tracing import TracingConfig, shutdown, tracer_provider
     from edge.verifier.engine import EngineConfig
-    from edge.verifier.limits import RateLimitConfig
     from edge.verifier.server import ServerConfig, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -248,12 +232,7 @@ def serve_command(
             max_batch=max_batch,
             torch_threads=torch_threads,
         ),
-        rate_limits=RateLimitConfig(
-            verify_rate=verify_rate,
-            verify_burst=verify_burst,
-            generate_rate=generate_rate,
-            generate_burst=generate_burst,
-        ),
+        rate_limits=rate_limits(verify_rate, verify_burst, generate_rate, generate_burst),
     )
     provider = tracer_provider(TracingConfig(tracing, "fedge-verifier", otlp_endpoint))
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from edge.fleet.ingress import REPLICA_DEPLOYMENT, FleetIngress, IngressSpec
-from edge.fleet.replica import ReplicaSpec, VerifierReplica
+from edge.fleet.ingress import INGRESS_SERVICE, REPLICA_DEPLOYMENT, FleetIngress, IngressSpec
+from edge.fleet.replica import REPLICA_SERVICE, ReplicaSpec, VerifierReplica
 from edge.fleet.routers import policy_class, policy_path
+from edge.tracing import TracingConfig
 from edge.verifier.engine import EngineConfig
+from edge.verifier.limits import RateLimitConfig
 
 LOG = logging.getLogger("fedge.fleet")
 INGRESS_APP = "fedge-ingress"
@@ -51,6 +53,8 @@ class FleetConfig:
     health_timeout_s: float = 10.0
     replica_cpus: float = 1.0  # logical CPUs each replica reserves in Ray
     slowdown: float = 1.0  # bench: the rank-0 replica computes this many times slower
+    rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # ingress and replicas
 
     def __post_init__(self) -> None:
         policy_class(self.policy)
@@ -77,6 +81,18 @@ class FleetConfig:
             self.engine,
             self.token,
             self.slowdown,
+            replace(self.tracing, service_name=REPLICA_SERVICE),
+        )
+
+    def ingress_spec(self, stable_app: str) -> IngressSpec:
+        """The ingress in front of `stable_app`: address, fleet-wide rate limits, tracing."""
+        return IngressSpec(
+            stable_app,
+            self.host,
+            self.port,
+            pickle.dumps(self),
+            self.rate_limits,
+            replace(self.tracing, service_name=INGRESS_SERVICE),
         )
 
     def autoscaling(self) -> dict[str, Any] | None:
@@ -109,6 +125,7 @@ def replica_application(config: FleetConfig, adapter_dir: Path | None = None) ->
         "request_router_config": RequestRouterConfig(
             request_router_class=policy_path(config.policy),  # type: ignore[arg-type]
             request_router_kwargs={"affinity": config.affinity},
+            request_routing_stats_period_s=config.health_period_s,  # type: ignore[arg-type]
         ),
     }
     if scaling is None:
@@ -201,7 +218,7 @@ def start_fleet(config: FleetConfig) -> Fleet:
     stable = version_app(1)
     serve.run(replica_application(config), name=stable, route_prefix=None)
     ingress = serve.run(
-        ingress_application(IngressSpec(stable, config.host, config.port, pickle.dumps(config))),
+        ingress_application(config.ingress_spec(stable)),
         name=INGRESS_APP,
         route_prefix=None,
     )

@@ -13,16 +13,29 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+from edge.cli_options import (
+    AdapterOption,
+    GenerateBurstOption,
+    GenerateRateOption,
+    MaxBatchOption,
+    MaxDraftOption,
+    ModelOption,
+    OtlpEndpointOption,
+    RequireTokenOption,
+    SessionTtlOption,
+    TracingOption,
+    VerifyBurstOption,
+    VerifyRateOption,
+    rate_limits,
+)
+
 FLEET_FILE = "fleet.json"
 _console = Console(stderr=True)
 
 
 def fleet_command(
-    model: Annotated[Path, typer.Option(help="Base model dir (Hugging Face format).")],
-    adapter: Annotated[
-        Path | None, typer.Option(help="peft LoRA adapter dir, merged at load.")
-    ] = None,
+    model: ModelOption,
+    adapter: AdapterOption = None,
     replicas: Annotated[int, typer.Option(help="Replicas (autoscaling: the starting count).")] = 2,
     policy: Annotated[
         str,
@@ -33,10 +46,7 @@ def fleet_command(
     ] = True,
     host: Annotated[str, typer.Option(help="Ingress listen address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Ingress port; 0 = any free port (printed).")] = 50062,
-    token: Annotated[
-        str | None,
-        typer.Option(envvar=TOKEN_ENV, help=f"Require this bearer token (or ${TOKEN_ENV})."),
-    ] = None,
+    token: RequireTokenOption = None,
     min_replicas: Annotated[int, typer.Option(help="Autoscaling lower bound.")] = 1,
     max_replicas: Annotated[
         int | None, typer.Option(help="Autoscaling upper bound; omit for a fixed count.")
@@ -45,15 +55,25 @@ def fleet_command(
         float, typer.Option(help="Autoscaling target: ongoing calls per replica.")
     ] = 8.0,
     replica_cpus: Annotated[float, typer.Option(help="Ray CPUs reserved per replica.")] = 1.0,
-    max_draft: Annotated[int, typer.Option(help="Longest accepted draft.")] = 16,
-    max_batch: Annotated[int, typer.Option(help="Verifies per batched forward pass.")] = 32,
-    session_ttl_s: Annotated[float, typer.Option(help="Idle session lifetime, seconds.")] = 300.0,
+    max_draft: MaxDraftOption = 16,
+    max_batch: MaxBatchOption = 32,
+    session_ttl_s: SessionTtlOption = 300.0,
+    verify_rate: VerifyRateOption = None,
+    verify_burst: VerifyBurstOption = 256,
+    generate_rate: GenerateRateOption = None,
+    generate_burst: GenerateBurstOption = 512,
+    tracing: TracingOption = "none",
+    otlp_endpoint: OtlpEndpointOption = None,
     run_dir: Annotated[
         Path, typer.Option(help="Where fleet.json (Ray address, port) goes, for `rollout`.")
     ] = Path("runs/fleet"),
 ) -> None:
-    """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM."""
+    """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM.
+
+    Per-device rate limits are enforced in the ingress, so they hold across all replicas.
+    """
     from edge.fleet.app import FleetConfig, running_fleet
+    from edge.tracing import TracingConfig
     from edge.verifier.engine import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -71,6 +91,8 @@ def fleet_command(
         target_queue=target_queue,
         replica_cpus=replica_cpus,
         engine=EngineConfig(max_draft=max_draft, max_batch=max_batch, session_ttl_s=session_ttl_s),
+        rate_limits=rate_limits(verify_rate, verify_burst, generate_rate, generate_burst),
+        tracing=TracingConfig(tracing, endpoint=otlp_endpoint),
     )
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

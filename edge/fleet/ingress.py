@@ -25,38 +25,90 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor, message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import propagate
 
-from edge.fleet.routers import ROUTE_REPLICA, ROUTE_TOKENS
-from edge.fleet.stats import ArmStats
+from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_TOKENS
+from edge.fleet.stats import ArmStats, ReplicaFigures
 from edge.fleet.wire import CallResult, Metadata, clean_metadata
 from edge.proto import verifier_pb2 as pb
+from edge.tracing import TracingConfig, server_interceptors, shutdown, tracer_provider
+from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 
 LOG = logging.getLogger("fedge.fleet")
-SERVICE_NAME = "fedge.edge.v1.Verifier"
+SERVICE_NAME = "fedge.edge.v1.Verifier"  # = edge.verifier.server.SERVICE_NAME (no torch import)
 REPLICA_DEPLOYMENT = "verifier"
 SESSION_FIELD = "session_id"
 RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id per message out
 RESUME_ATTEMPTS = 3
 SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire on replicas anyway)
 INT_TYPES = (descriptor.FieldDescriptor.TYPE_INT32, descriptor.FieldDescriptor.TYPE_INT64)
+INGRESS_SERVICE = "fedge-fleet-ingress"  # service.name of the ingress's spans
+TRACE_KEYS = frozenset({"traceparent", "tracestate"})  # W3C context the ingress re-injects
+
+
+class SwitchableLimits(grpc.aio.ServerInterceptor):
+    """The fleet's per-device rate limits, replaceable while the ingress serves (None: off).
+
+    The ingress is the one place every call of the fleet passes, so its buckets
+    bound a device across all replicas (limits in each replica would allow N times
+    the rate).
+    """
+
+    def __init__(self, config: RateLimitConfig) -> None:
+        self.current: RateLimitInterceptor | None = None
+        self.configure(config)
+
+    def configure(self, config: RateLimitConfig) -> None:
+        """Start fresh buckets of `config` (limits off when it limits nothing)."""
+        self.config = config
+        limiter = RateLimiter(config) if config.enabled else None
+        self.current = None if limiter is None else RateLimitInterceptor(limiter, SERVICE_NAME)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        current = self.current
+        if current is None:
+            return await continuation(handler_call_details)
+        return await current.intercept_service(continuation, handler_call_details)
+
+
+def relay_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> Metadata:
+    """Caller metadata for the replica, its trace context replaced by the current span's.
+
+    The replica's server span then nests under the ingress's span rather than beside
+    it; with tracing off there is no current span and the caller's context passes on.
+    """
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if not carrier:
+        return clean_metadata(pairs)
+    kept = tuple((k, v) for k, v in clean_metadata(pairs) if k not in TRACE_KEYS)
+    return kept + tuple(carrier.items())
 
 
 @dataclass(frozen=True)
 class IngressSpec:
-    """Where the ingress listens and which replica application serves at start."""
+    """Where the ingress listens, which replica application serves at start, limits and tracing."""
 
     stable_app: str
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port; `port()` tells which
     fleet: bytes = b""  # the pickled FleetConfig (opaque here: unpickling it would import torch)
+    rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
+    tracing: TracingConfig = field(
+        default_factory=lambda: TracingConfig(service_name=INGRESS_SERVICE)
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -90,10 +142,15 @@ class FleetIngress:
         self.canary_fraction = 0.0
         self.sessions: dict[str, tuple[str, str]] = {}  # session id -> (app, replica id)
         self.arms: dict[str, ArmStats] = {}
+        self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
         self._handles: dict[str, Any] = {}
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
+        self.limits = SwitchableLimits(spec.rate_limits)
+        self.tracer_provider = tracer_provider(spec.tracing)
+        self.server = grpc.aio.server(
+            interceptors=[*server_interceptors(self.tracer_provider), self.limits]
+        )
         self.server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._port = self.server.add_insecure_port(f"{spec.host}:{spec.port}")
@@ -122,6 +179,10 @@ class FleetIngress:
             self.arms[app] = ArmStats()
             self.arms[self.stable] = ArmStats()
 
+    def set_rate_limits(self, config: RateLimitConfig) -> None:
+        """Replace the fleet's per-device limits (fresh buckets; an empty config turns them off)."""
+        self.limits.configure(config)
+
     def fleet_config(self) -> bytes:
         """The pickled FleetConfig of the stable version (for the rollout controller)."""
         return self.fleet
@@ -136,15 +197,25 @@ class FleetIngress:
         return {app: stats.summary() for app, stats in self.arms.items()}
 
     def fleet_stats(self) -> dict[str, Any]:
-        """Open sessions per replica, and Generate streams resumed after a replica died."""
+        """Open sessions per replica, per-replica figures, Generate streams resumed elsewhere."""
         per_replica: dict[str, int] = {}
         for _, replica in self.sessions.values():
             per_replica[replica] = per_replica.get(replica, 0) + 1
-        return {"sessions": per_replica, "resumed_streams": self.resumed_streams}
+        return {
+            "sessions": per_replica,
+            "replicas": {replica: figures.summary() for replica, figures in self.replicas.items()},
+            "resumed_streams": self.resumed_streams,
+        }
+
+    def reset_stats(self) -> None:
+        """Forget the per-replica figures (e.g. after a warm-up)."""
+        self.replicas.clear()
+        self.resumed_streams = 0
 
     async def __del__(self) -> None:
-        """Stop answering when Serve retires the ingress."""
+        """Stop answering when Serve retires the ingress; flush its spans."""
         await self.server.stop(1.0)
+        shutdown(self.tracer_provider)
 
     # ------------------------------------------------------------------ routing
     def _live(self, app: str) -> bool:
@@ -218,6 +289,7 @@ class FleetIngress:
             session_id = _session_of(request)
             app, home = self._target(session_id)
             result = await self._relay_unary(name, request, context, app, home)
+            self._count(name, request, result.replica, started, 0)
             if result.code == "OK":
                 reply = reply_cls.FromString(result.payload)
                 self._remember(name, session_id or _session_of(reply), app, result)
@@ -255,9 +327,13 @@ class FleetIngress:
                     .remote(
                         name,
                         request.SerializeToString(),
-                        clean_metadata(context.invocation_metadata() or ()),
+                        relay_metadata(context.invocation_metadata() or ()),
                         context.time_remaining(),
-                        **{ROUTE_TOKENS: routing_tokens(request), ROUTE_REPLICA: home},
+                        **{
+                            ROUTE_TOKENS: routing_tokens(request),
+                            ROUTE_REPLICA: home,
+                            ROUTE_MOVE_TOKENS: int(getattr(request, "expected_length", 0)),
+                        },
                     )
                 )
             except Exception as error:  # a replica died or was retired mid-call
@@ -279,11 +355,15 @@ class FleetIngress:
             started = time.perf_counter()
             app, _ = self._target("")
             code, details, trailing = "OK", "", Metadata()
+            replica, streamed = "", 0
             async for result in self._relay_stream(name, request, context, app):
+                replica = result.replica or replica
                 if result.code != "OK":
                     code, details, trailing = result.code, result.details, result.trailing
                     break
+                streamed += 1
                 yield reply_cls.FromString(result.payload)
+            self._count(name, request, replica, started, streamed)
             self._observe(app, name, request, None, code, started)
             if code != "OK":
                 await context.abort(grpc.StatusCode[code], details, trailing)
@@ -304,7 +384,7 @@ class FleetIngress:
                     .stream.remote(
                         name,
                         current.SerializeToString(),
-                        clean_metadata(context.invocation_metadata() or ()),
+                        relay_metadata(context.invocation_metadata() or ()),
                         context.time_remaining(),
                         **{ROUTE_TOKENS: routing_tokens(current), ROUTE_REPLICA: ""},
                     )
@@ -324,6 +404,17 @@ class FleetIngress:
                 current = resumed
                 self.resumed_streams += 1
         yield CallResult("UNAVAILABLE", "the verifier replica serving this stream went away")
+
+    def _count(
+        self, method: str, request: Message, replica: str, started: float, streamed: int
+    ) -> None:
+        """Feed the per-replica figures (calls that reached no replica are not counted)."""
+        if not replica:
+            return
+        figures = self.replicas.setdefault(replica, ReplicaFigures())
+        opened = method == "OpenSession" or len(getattr(request, "committed_ids", ())) > 0
+        elapsed = time.perf_counter() - started
+        figures.record(method, elapsed, routing_tokens(request), opened, streamed)
 
     def _observe(
         self,

@@ -21,11 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from edge.cli_options import TOKEN_ENV
 from edge.fleet.app import FleetConfig, ingress_application, replica_application
 from edge.fleet.ingress import IngressSpec
 from edge.verifier.engine import EngineConfig
+from edge.verifier.limits import RateLimitConfig
 
-TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+LIMIT_ARGS = ("verify_rate", "verify_burst", "generate_rate", "generate_burst")  # RateLimitConfig
 VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine.)
     "model": "model_dir",
     "adapter": "adapter_dir",
@@ -40,7 +42,7 @@ VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine
     "max_batch": "engine.max_batch",
     "session_ttl_s": "engine.session_ttl_s",
 }
-INGRESS_ARGS = ("stable", "host", "port")
+INGRESS_ARGS = ("stable", "host", "port", *LIMIT_ARGS)  # limits: per device, fleet-wide
 
 
 def _check(args: Mapping[str, Any], known: Any, app: str) -> None:
@@ -81,6 +83,9 @@ def ingress_app(args: dict[str, Any]) -> Any:
     if "stable" not in args:
         raise ValueError("ingress application: args.stable (the version application) is required")
     spec = IngressSpec(
-        str(args["stable"]), str(args.get("host", "0.0.0.0")), int(args.get("port", 50061))
+        str(args["stable"]),
+        str(args.get("host", "0.0.0.0")),
+        int(args.get("port", 50061)),
+        rate_limits=RateLimitConfig(**{k: v for k, v in args.items() if k in LIMIT_ARGS}),
     )
     return ingress_application(spec)

@@ -20,12 +20,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edge.fleet.wire import CallResult, Metadata, clean_metadata
+from edge.fleet.wire import SERVING, CallResult, Metadata, clean_metadata
+from edge.tracing import TracingConfig, tracer_provider
 from edge.verifier.engine import EngineConfig
-from edge.verifier.server import BackgroundServer, ServerConfig, load_verifier_model
+from edge.verifier.server import (
+    SERVICE_NAME,
+    BackgroundServer,
+    ServerConfig,
+    load_verifier_model,
+)
 
 LOG = logging.getLogger("fedge.fleet")
 SERVICE_PATH = "/fedge.edge.v1.Verifier/"
+REPLICA_SERVICE = "fedge-verifier-replica"  # service.name of a replica's spans
 
 
 @dataclass(frozen=True)
@@ -36,8 +43,9 @@ class ReplicaSpec:
     adapter_dir: Path | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     token: str | None = None  # bearer token the replica's verifier requires (relayed from the edge)
-    slowdown: float = (
-        1.0  # the rank-0 replica's forward passes take this many times as long (bench)
+    slowdown: float = 1.0  # the rank-0 replica's forward passes take this many times as long
+    tracing: TracingConfig = field(
+        default_factory=lambda: TracingConfig(service_name=REPLICA_SERVICE)
     )
 
     def __post_init__(self) -> None:
@@ -78,7 +86,9 @@ class VerifierReplica:
             drain_notice_s=0.0,
             grace_s=1.0,
         )
-        self._server: BackgroundServer | None = BackgroundServer(config, model)
+        self._server: BackgroundServer | None = BackgroundServer(
+            config, model, tracer_provider(spec.tracing)
+        )
         self.port = self._server.start()  # type: ignore[union-attr]
         self._channel: grpc.aio.Channel | None = None
         self._health_stub = health_pb2_grpc.HealthStub(
@@ -129,15 +139,40 @@ class VerifierReplica:
         except grpc.aio.AioRpcError as error:
             yield self._fail(error)
 
-    def check_health(self) -> None:
-        """Ray Serve's health probe: the private verifier must report SERVING over gRPC.
+    def _serving(self) -> bool:
+        """Whether the private verifier reports SERVING over gRPC.
 
         A blocking channel of its own: Serve may call this from another event loop than
         the relays', and a grpc.aio channel must stay on the loop that made it.
         """
         reply = self._health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: failing it, the replica is replaced."""
+        if not self._serving():
             raise RuntimeError(f"verifier of replica {self.replica_id} is not SERVING")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the fleet's routers read of this replica (Serve polls it): whether it serves.
+
+        A replica that reports NOT_SERVING gets no new calls from the moment its
+        routers see this, before Serve's health check has replaced it.
+        """
+        return {SERVING: self._serving()}
+
+    def set_serving(self, serving: bool) -> str:
+        """Report SERVING or NOT_SERVING (drain for maintenance); returns this replica's id."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        server = self._server.server if self._server is not None else None
+        if server is not None:
+            for name in ("", SERVICE_NAME):
+                self._server.submit(server.health.set(name, status)).result()  # type: ignore[union-attr]
+        return self.replica_id
 
     def __del__(self) -> None:
         """Drain the private verifier when Serve stops the replica."""

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import statistics
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -31,9 +33,65 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from edge.fleet.wire import SERVING
+
 ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
-ROUTE_REPLICA = "route_replica"
-SPEED_EWMA = 0.2  # weight of the newest completed call in a replica's seconds-per-token estimate  # kwarg: unique id of the replica holding the call's session
+ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
+ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere would prefill
+K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
+SPEED_EWMA = 0.2  # weight of the newest completed call in a replica's seconds-per-token estimate
+SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
+
+
+def call_kind(method: str, tokens: int) -> str:
+    """Calls alike enough to compare replicas on: same method, tokens within a factor of two.
+
+    A 100-token prefill costs far less per token than a one-token verify, so one
+    seconds-per-token figure over a mix of calls swings with the mix, not the replica.
+    """
+    return f"{method}/{max(1, tokens).bit_length()}"
+
+
+def relative_slowness(
+    speed: Mapping[tuple[K, str], float], replicas: Sequence[K]
+) -> dict[K, float]:
+    """Each replica's seconds per token over the fastest's, on kinds of call two or more served.
+
+    The median ratio over shared kinds; 1.0 for a replica with no shared kind yet
+    (an unmeasured replica counts as the fastest, so it gets measured).
+    """
+    by_kind: dict[str, dict[K, float]] = defaultdict(dict)
+    for (replica, kind), seconds in speed.items():
+        if replica in replicas and seconds > 0:
+            by_kind[kind][replica] = seconds
+    ratios: dict[K, list[float]] = defaultdict(list)
+    for measured in by_kind.values():
+        if len(measured) >= 2:
+            fastest = min(measured.values())
+            for replica, seconds in measured.items():
+                ratios[replica].append(seconds / fastest)
+    return {r: float(statistics.median(ratios[r])) if ratios[r] else 1.0 for r in replicas}
+
+
+def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
+    """A call's expected time on a replica, in fastest-replica token times: its queue and itself."""
+    return slowness * (pending_tokens + tokens)
+
+
+def should_spill(home: float, best_other: float, move_tokens: int, other_slowness: float) -> bool:
+    """Move a session when its replica's expected time exceeds `SPILL_FACTOR` x another's,
+    counting the reopen there (prefilling the committed tokens) against the move."""
+    return home > SPILL_FACTOR * (best_other + other_slowness * move_tokens)
+
+
+def serving(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """The replicas whose verifier last reported SERVING (all of them when none did).
+
+    A replica reports it through Serve's routing stats (`VerifierReplica.record_routing_stats`);
+    one that has not reported yet counts as serving.
+    """
+    live = [r for r in replicas if r.routing_stats.get(SERVING, True)]
+    return live or replicas
 
 
 def _kwarg(request: PendingRequest | None, key: str, default: Any) -> Any:
@@ -43,12 +101,20 @@ def _kwarg(request: PendingRequest | None, key: str, default: Any) -> Any:
     return request.kwargs.get(key, default)
 
 
+def _method(request: PendingRequest | None) -> str:
+    """The relayed method's name (the replica call's first argument), or "" when unknown."""
+    args = getattr(request, "args", None) or ()
+    return str(args[0]) if args else ""
+
+
 class FleetRouter(RequestRouter):
-    """Shared state of the fleet policies: session affinity and this handle's outstanding work.
+    """Shared state of the fleet policies: session affinity, this handle's outstanding work, speeds.
 
     Outstanding requests and tokens are counted per replica from the moment a call is
     routed until Ray Serve reports it completed (success, error or cancellation), so
     a slow replica accumulates work and the load-aware policies steer away from it.
+    Each completed call also updates its replica's seconds per token for its kind of
+    call (`call_kind`), from which `relative_slowness` compares replicas.
     """
 
     affinity = False
@@ -58,8 +124,8 @@ class FleetRouter(RequestRouter):
         self.affinity = bool(affinity)
         self.outstanding: dict[ReplicaID, int] = defaultdict(int)
         self.outstanding_tokens: dict[ReplicaID, int] = defaultdict(int)
-        self._in_flight: dict[str, tuple[ReplicaID, int, float]] = {}
-        self.seconds_per_token: dict[ReplicaID, float] = {}  # EWMA of completed calls
+        self._in_flight: dict[str, tuple[ReplicaID, int, str, float]] = {}
+        self.speed: dict[tuple[ReplicaID, str], float] = {}  # EWMA s/token per (replica, kind)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -69,28 +135,30 @@ class FleetRouter(RequestRouter):
         self._in_flight[pending_request.metadata.internal_request_id] = (
             replica_id,
             tokens,
+            call_kind(_method(pending_request), tokens),
             time.monotonic(),
         )
         self.outstanding[replica_id] += 1
         self.outstanding_tokens[replica_id] += tokens
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """Release the call's count."""
+        """Release the call's count; update its replica's speed on this kind of call."""
         routed = self._in_flight.pop(internal_request_id, None)
         if routed is None:
             return
-        replica, tokens, started = routed
+        replica, tokens, kind, started = routed
         self.outstanding[replica] -= 1
         self.outstanding_tokens[replica] -= tokens
         rate = (time.monotonic() - started) / tokens
-        previous = self.seconds_per_token.get(replica, rate)
-        self.seconds_per_token[replica] = previous + SPEED_EWMA * (rate - previous)
+        previous = self.speed.get((replica, kind), rate)
+        self.speed[(replica, kind)] = previous + SPEED_EWMA * (rate - previous)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        """Forget a dead replica's counts as well as the replica."""
+        """Forget a dead replica's counts and speeds as well as the replica."""
         super().on_replica_actor_died(replica_id)
         self.outstanding.pop(replica_id, None)
         self.outstanding_tokens.pop(replica_id, None)
+        self.speed = {key: s for key, s in self.speed.items() if key[0] != replica_id}
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -116,11 +184,13 @@ class FleetRouter(RequestRouter):
             self._remove_pending_request_from_indices(chosen)
 
     def _suits(self, request: PendingRequest, replica: RunningReplica) -> bool:
-        """Whether `replica` may serve `request`: any may, unless its session lives elsewhere."""
+        """Whether `replica` may serve `request`: any may, unless its session stays elsewhere."""
         home = _kwarg(request, ROUTE_REPLICA, "")
         if not self.affinity or not home or home == replica.replica_id.unique_id:
             return True
-        return all(r.unique_id != home for r in self.curr_replicas)
+        live = serving(list(self.curr_replicas.values()))
+        homes = [r for r in live if r.replica_id.unique_id == home]
+        return not homes or self.leave_home(homes[0], live, request)
 
     async def choose_replicas(
         self,
@@ -135,6 +205,7 @@ class FleetRouter(RequestRouter):
         spinning on it would starve the loop the router shares with the caller.
         """
         await asyncio.sleep(0)
+        candidate_replicas = serving(candidate_replicas)
         pending_request = next(
             (pr for pr in self._pending_requests_to_fulfill if not pr.future.done()),
             pending_request,
@@ -143,8 +214,23 @@ class FleetRouter(RequestRouter):
             home = _kwarg(pending_request, ROUTE_REPLICA, "")
             for replica in candidate_replicas:
                 if home and replica.replica_id.unique_id == home:
-                    return [[replica]]
+                    if not self.leave_home(replica, candidate_replicas, pending_request):
+                        return [[replica]]
+                    others = [r for r in candidate_replicas if r is not replica]
+                    return self.rank(others, pending_request)
         return self.rank(candidate_replicas, pending_request)
+
+    def leave_home(
+        self,
+        home: RunningReplica,
+        candidates: list[RunningReplica],
+        request: PendingRequest | None,
+    ) -> bool:
+        """Whether a session's call should leave its replica (the session then reopens elsewhere).
+
+        Never, for policies that do not model expected time: affinity is absolute there.
+        """
+        return False
 
     def rank(
         self, candidates: list[RunningReplica], request: PendingRequest | None
@@ -153,7 +239,7 @@ class FleetRouter(RequestRouter):
         raise NotImplementedError
 
     def _by_load(
-        self, candidates: list[RunningReplica], load: dict[ReplicaID, int]
+        self, candidates: list[RunningReplica], load: Mapping[ReplicaID, float]
     ) -> list[list[RunningReplica]]:
         """One replica per rank, least loaded first (ties broken at random)."""
         shuffled = random.sample(candidates, len(candidates))
@@ -198,35 +284,54 @@ class PowerOfTwoRouter(FleetRouter):
 
 
 class TokenAwareRouter(FleetRouter):
-    """The replica expected to clear its pending target tokens soonest.
+    """The replica expected to serve the call soonest; sessions leave a replica far worse than another.
 
     A call's cost is the tokens it puts through the target (`ROUTE_TOKENS`): a long
     prompt's prefill or a long Generate weighs more than a one-token verify, so
     counting calls alone (least outstanding) misjudges a replica busy with prefills.
-    Pending tokens are weighed by each replica's measured seconds per token (an
-    EWMA over its completed calls), so a slower replica (older hardware, a noisy
-    neighbour) gets proportionally less; a replica not yet measured counts as the
-    fastest known.
+    Expected time = relative slowness x (pending tokens + the call's tokens), where
+    slowness is measured per kind of call (`relative_slowness`), so a slower replica
+    (older hardware, a noisy neighbour) gets proportionally less. With affinity, a
+    session's call stays home unless home's expected time exceeds `SPILL_FACTOR`
+    times the best other replica's plus the reopen there (`should_spill`): the call
+    then lands elsewhere, which answers NOT_FOUND, and the edge reopens the session
+    from its committed tokens on the faster replica.
     """
+
+    def _expected(self, candidates: list[RunningReplica], tokens: int) -> dict[ReplicaID, float]:
+        """Expected time of a `tokens` call on each candidate."""
+        slow = relative_slowness(self.speed, [r.replica_id for r in candidates])
+        return {
+            r.replica_id: expected_time(
+                slow[r.replica_id], self.outstanding_tokens.get(r.replica_id, 0), tokens
+            )
+            for r in candidates
+        }
 
     def rank(
         self, candidates: list[RunningReplica], request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        """Least expected time to clear pending tokens (plus this call's) first."""
-        known = [
-            self.seconds_per_token[r.replica_id]
-            for r in candidates
-            if r.replica_id in self.seconds_per_token
-        ]
-        fastest = min(known, default=1.0)
+        """Least expected time first."""
+        return self._by_load(
+            candidates, self._expected(candidates, int(_kwarg(request, ROUTE_TOKENS, 1)))
+        )
+
+    def leave_home(
+        self,
+        home: RunningReplica,
+        candidates: list[RunningReplica],
+        request: PendingRequest | None,
+    ) -> bool:
+        """Spill when home's expected time is far worse than the best other's plus a reopen."""
+        others = [r for r in candidates if r.replica_id != home.replica_id]
+        if not others:
+            return False
         tokens = int(_kwarg(request, ROUTE_TOKENS, 1))
-        wait = {
-            r.replica_id: (self.outstanding_tokens.get(r.replica_id, 0) + tokens)
-            * self.seconds_per_token.get(r.replica_id, fastest)
-            for r in candidates
-        }
-        shuffled = random.sample(candidates, len(candidates))
-        return [[r] for r in sorted(shuffled, key=lambda r: wait[r.replica_id])]
+        expected = self._expected([home, *others], tokens)
+        slow = relative_slowness(self.speed, [r.replica_id for r in (home, *others)])
+        best = min(others, key=lambda r: expected[r.replica_id]).replica_id
+        move = int(_kwarg(request, ROUTE_MOVE_TOKENS, 0))
+        return should_spill(expected[home.replica_id], expected[best], move, slow[best])
 
 
 POLICIES: dict[str, type[FleetRouter]] = {

@@ -1,9 +1,10 @@
-"""Per-application serving figures (acceptance, errors, latency) the canary rollout compares."""
+"""Serving figures: per application (the canary rollout compares them) and per replica (policy diagnosis)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -49,4 +50,47 @@ class ArmStats:
             "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
             "latency_p50_ms": float(np.percentile(latency, 50)) if latency.size else 0.0,
             "latency_p99_ms": float(np.percentile(latency, 99)) if latency.size else 0.0,
+        }
+
+
+def _percentiles_ms(seconds: deque[float]) -> dict[str, float]:
+    """p50 and p99 of `seconds`, in ms (zeros when empty)."""
+    if not seconds:
+        return {"p50_ms": 0.0, "p99_ms": 0.0}
+    values = np.asarray(seconds, dtype=float) * 1e3
+    return {"p50_ms": float(np.percentile(values, 50)), "p99_ms": float(np.percentile(values, 99))}
+
+
+@dataclass
+class ReplicaFigures:
+    """What the ingress saw of one replica: calls, sessions opened there, verify and stream latency.
+
+    These are the per-replica figures a policy is judged by: how much of the load a
+    slow replica got, and how much slower each of its calls and streamed tokens were.
+    """
+
+    calls: int = 0
+    sessions: int = 0  # sessions opened (or reopened) on this replica
+    tokens: int = 0  # target tokens routed here (prompts, drafts, Generate budgets)
+    verify: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    stream_token: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+
+    def record(self, method: str, seconds: float, tokens: int, opened: bool, streamed: int) -> None:
+        """Count one finished call (`streamed`: messages a stream delivered)."""
+        self.calls += 1
+        self.sessions += opened
+        self.tokens += tokens
+        if method == "Verify":
+            self.verify.append(seconds)
+        elif streamed > 0:
+            self.stream_token.append(seconds / streamed)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and latency percentiles (Verify round trip; seconds per streamed token)."""
+        return {
+            "calls": self.calls,
+            "sessions": self.sessions,
+            "tokens": self.tokens,
+            "verify": _percentiles_ms(self.verify),
+            "stream_token": _percentiles_ms(self.stream_token),
         }

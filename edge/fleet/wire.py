@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 Metadata = tuple[tuple[str, str], ...]
+SERVING = "serving"  # routing stat a replica reports: its verifier says SERVING
 
 
 @dataclass(frozen=True)

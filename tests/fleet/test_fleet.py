@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,10 @@ from transformers import PreTrainedModel
 from edge.client import ClientConfig, EdgeClient, VerifierClient
 from edge.decoder import DecodeConfig, SpeculativeDecoder
 from edge.fleet.rollout import RolloutConfig, run_rollout
+from edge.proto import verifier_pb2 as pb
+from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.runtime import TorchDraftRuntime
+from edge.verifier.limits import DEVICE_KEY, RateLimitConfig, retry_after_ms
 from fedge.models import load_causal_lm
 from fedge.zoo import ZooPaths
 
@@ -210,6 +214,79 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
     assert fleet.describe() == {"stable": good["canary_app"], "canary": None, "fraction": 0.0}
     assert (tmp_path / "good" / "rollout.json").is_file()
     assert load.failures == [] and load.done > 0
+
+
+def test_rate_limits_bind_a_device_across_all_replicas(
+    fleet: Any, prompts: list[list[int]]
+) -> None:
+    # burst 20 Generate tokens, practically no refill: two 8-token streams fit, a third does
+    # not, whichever replica it would go to (per-replica buckets would admit about four)
+    limits = RateLimitConfig(
+        verify_rate=0.001, verify_burst=6, generate_rate=0.001, generate_burst=20
+    )
+    fleet.ingress.set_rate_limits.remote(limits).result()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{fleet.port}") as channel:
+            stub = pb_grpc.VerifierStub(channel)
+
+            def generate(device: str) -> str:
+                request = pb.GenerateRequest(prompt_ids=prompts[0], max_new_tokens=8)
+                try:
+                    replies = list(stub.Generate(request, metadata=((DEVICE_KEY, device),)))
+                except grpc.RpcError as err:
+                    assert retry_after_ms(err.trailing_metadata()) is not None  # type: ignore[attr-defined]
+                    return err.code().name  # type: ignore[attr-defined, no-any-return]
+                return "OK" if len(replies) == 8 else f"{len(replies)} tokens"
+
+            assert [generate("a") for _ in range(6)] == ["OK", "OK"] + ["RESOURCE_EXHAUSTED"] * 4
+            assert generate("b") == "OK"  # another device has its own bucket
+
+            def verify(device: str) -> str:  # 5 drafts + 1 = 6 verify tokens: one per burst
+                request = pb.VerifyRequest(
+                    session_id=uuid.uuid4().hex,
+                    draft_ids=prompts[1][:5],
+                    committed_ids=prompts[1][:4],
+                )
+                try:
+                    stub.Verify(request, metadata=((DEVICE_KEY, device),))
+                except grpc.RpcError as err:
+                    return err.code().name  # type: ignore[attr-defined, no-any-return]
+                return "OK"
+
+            assert [verify("a") for _ in range(4)] == ["OK"] + ["RESOURCE_EXHAUSTED"] * 3
+            fleet.ingress.set_rate_limits.remote(RateLimitConfig()).result()
+            assert generate("a") == "OK"  # limits off again
+    finally:
+        fleet.ingress.set_rate_limits.remote(RateLimitConfig()).result()
+
+
+def test_replica_reporting_not_serving_stops_receiving_traffic(
+    fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
+) -> None:
+    from ray import serve
+
+    _, draft = models
+
+    def work(client: VerifierClient, i: int) -> None:
+        decode_with_reopen(client, draft, prompts[i % len(prompts)], NEW_TOKENS)
+
+    def calls(replica: str) -> int:
+        figures = fleet.ingress.fleet_stats.remote().result()["replicas"]
+        return int(figures.get(replica, {}).get("calls", 0))
+
+    wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas")
+    stable = fleet.describe()["stable"]
+    with Load(fleet.port, work, threads=3) as load:
+        wait_for(lambda: load.done >= 3, 60, "load to start")
+        replicas = serve.get_deployment_handle("verifier", app_name=stable)
+        victim = replicas.set_serving.remote(False).result()
+        wait_for(lambda: victim not in fleet.replica_actors(), 60, "Serve to retire it")
+        # its routers dropped it on its first NOT_SERVING report; no call reached it since
+        settled = calls(victim)
+        done = load.done
+        wait_for(lambda: load.done >= done + 6, 60, "requests after the drain")
+        assert calls(victim) == settled
+    assert load.failures == []
 
 
 def test_replica_killed_under_load_fails_no_request(

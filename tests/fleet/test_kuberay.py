@@ -46,6 +46,7 @@ def test_no_token_in_the_environment_means_no_auth(monkeypatch: pytest.MonkeyPat
         (ingress_app, {"port": 50061}, "args.stable"),
         (ingress_app, {"stable": "fedge-v1", "port": 70000}, "IngressSpec.port"),
         (ingress_app, {"stable": "fedge-v1", "adapter": "/a"}, "unknown args ['adapter']"),
+        (ingress_app, {"stable": "fedge-v1", "verify_rate": -1}, "RateLimitConfig.verify_rate"),
     ],
 )
 def test_bad_args_are_refused_by_name(builder, args, message) -> None:  # type: ignore[no-untyped-def]

@@ -14,14 +14,20 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from edge.fleet.adapters import AdapterMismatch, check_adapter
 from edge.fleet.rollout import RolloutConfig, decide
 from edge.fleet.routers import (
+    ROUTE_MOVE_TOKENS,
     ROUTE_REPLICA,
     ROUTE_TOKENS,
+    SPILL_FACTOR,
     FleetRouter,
     PowerOfTwoRouter,
     RoundRobinRouter,
     TokenAwareRouter,
+    call_kind,
     policy_class,
+    relative_slowness,
+    should_spill,
 )
+from edge.fleet.wire import SERVING
 from fedge.manifest import write_manifest
 
 DEPLOYMENT = DeploymentID(name="verifier", app_name="fedge-v1")
@@ -29,9 +35,10 @@ DEPLOYMENT = DeploymentID(name="verifier", app_name="fedge-v1")
 
 @dataclass
 class Replica:
-    """What a router reads of a running replica: its id."""
+    """What a router reads of a running replica: its id and its routing stats."""
 
     replica_id: ReplicaID
+    routing_stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,8 +70,17 @@ def choose(router: FleetRouter, candidates: list[Replica], request: Request | No
     return [r.replica_id.unique_id for rank in ranks for r in rank]
 
 
-def request(rid: str, tokens: int = 1, home: str = "") -> Request:
-    return Request({ROUTE_TOKENS: tokens, ROUTE_REPLICA: home}, Metadata(rid))
+def request(
+    rid: str, tokens: int = 1, home: str = "", method: str = "Verify", move: int = 0
+) -> Request:
+    kwargs = {ROUTE_TOKENS: tokens, ROUTE_REPLICA: home, ROUTE_MOVE_TOKENS: move}
+    return Request(kwargs, Metadata(rid), [method])
+
+
+def served(router: FleetRouter, replica: Replica, rid: str, tokens: int, method: str) -> None:
+    """Route one call to `replica` and complete it at once (a speed sample)."""
+    router.on_request_routed(request(rid, tokens, method=method), replica.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(replica.replica_id, rid)
 
 
 def test_round_robin_cycles_through_replicas_whatever_their_load() -> None:
@@ -89,7 +105,8 @@ def test_token_aware_steers_away_from_the_replica_with_pending_tokens() -> None:
 def test_token_aware_weighs_pending_tokens_by_each_replicas_measured_speed() -> None:
     router = make_router(TokenAwareRouter)
     fast, slow = replicas("fast", "slow")
-    router.seconds_per_token.update({fast.replica_id: 0.001, slow.replica_id: 0.010})
+    kind = call_kind("Verify", 10)
+    router.speed.update({(fast.replica_id, kind): 0.001, (slow.replica_id, kind): 0.010})
     for i in range(3):  # 30 tokens pending on the fast one clear sooner than none on the slow one
         router.on_request_routed(request(f"f{i}", tokens=10), fast.replica_id, None)  # type: ignore[arg-type]
     assert choose(router, [fast, slow], request("new", tokens=10))[0] == "fast"
@@ -105,6 +122,91 @@ def test_affinity_sends_a_session_home_and_new_sessions_by_policy() -> None:
     assert choose(router, pool, request("x", home="gone")) in (["a", "b"], ["b", "a"])
     without = make_router(RoundRobinRouter, affinity=False)
     assert {choose(without, pool, request(str(i), home="b"))[0] for i in range(4)} == {"a", "b"}
+
+
+def test_slowness_compares_replicas_on_like_calls_not_on_their_mix() -> None:
+    # fast: 1 ms/token on 6-token verifies and 4 ms/token on 40-token Generates (per-token
+    # dear: one pass per token); slow: 4x on both. A single EWMA over the mix would call the
+    # fast replica slow right after its Generates and the slow one fast after its verifies.
+    verify, stream = call_kind("Verify", 6), call_kind("Generate", 40)
+    speed = {("fast", verify): 0.001, ("fast", stream): 0.004, ("slow", verify): 0.004}
+    speed[("slow", stream)] = 0.016
+    assert relative_slowness(speed, ["fast", "slow"]) == {"fast": 1.0, "slow": 4.0}
+    # a kind only one replica served says nothing; an unmeasured replica counts as the fastest
+    only = relative_slowness(
+        {("fast", verify): 0.001, ("slow", stream): 0.016}, ["fast", "slow", "new"]
+    )
+    assert only == {"fast": 1.0, "slow": 1.0, "new": 1.0}
+    assert call_kind("Verify", 6) == call_kind("Verify", 7) != call_kind("Verify", 8)
+
+
+def test_token_aware_learns_the_slow_replica_from_mixed_calls_and_places_new_sessions_off_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [0.0]
+    monkeypatch.setattr("edge.fleet.routers.time.monotonic", lambda: clock[0])
+    router = make_router(TokenAwareRouter, affinity=True)
+    fast, slow = replicas("fast", "slow")
+
+    def serve(replica: Replica, rid: str, tokens: int, method: str, seconds: float) -> None:
+        router.on_request_routed(request(rid, tokens, method=method), replica.replica_id, None)  # type: ignore[arg-type]
+        clock[0] += seconds
+        router.on_request_completed(replica.replica_id, rid)
+
+    for i in range(5):  # verifies: 6 ms on the fast replica, 24 on the slow; only fast streams
+        serve(fast, f"f{i}", 6, "Verify", 0.006)
+        serve(slow, f"s{i}", 6, "Verify", 0.024)
+        serve(fast, f"g{i}", 40, "Generate", 0.400)  # 10 ms/token: dear, but not comparable
+    assert relative_slowness(router.speed, [fast.replica_id, slow.replica_id]) == {
+        fast.replica_id: 1.0,
+        slow.replica_id: pytest.approx(4.0),
+    }
+    for i in range(2):  # 12 tokens pending on the fast one: 1 x (12 + 6) < 4 x 6
+        router.on_request_routed(request(f"p{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
+    for i in range(2, 4):  # 24 pending: 1 x 30 > 4 x 6, the slow one is now the sooner
+        router.on_request_routed(request(f"p{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "slow"
+
+
+def test_spill_moves_a_session_only_when_home_is_far_worse_counting_the_reopen() -> None:
+    assert should_spill(home=100.0, best_other=10.0, move_tokens=0, other_slowness=1.0)
+    assert not should_spill(
+        home=SPILL_FACTOR * 10.0, best_other=10.0, move_tokens=0, other_slowness=1.0
+    )
+    # the same gap, but re-prefilling 60 committed tokens elsewhere costs more than staying
+    assert not should_spill(home=100.0, best_other=10.0, move_tokens=60, other_slowness=1.0)
+
+
+def test_affinity_spills_a_session_off_a_swamped_slow_replica_and_not_otherwise() -> None:
+    router = make_router(TokenAwareRouter, affinity=True)
+    fast, slow = replicas("fast", "slow")
+    kind = call_kind("Verify", 6)
+    router.speed.update({(fast.replica_id, kind): 0.001, (slow.replica_id, kind): 0.004})
+    call = request("v", tokens=6, home="slow", move=20)
+    assert choose(router, [fast, slow], call) == ["slow"]  # idle home: 24 vs 3 x (6 + 20): stay
+    for i in range(10):  # 60 tokens queued on the slow home: 4 x 66 = 264 > 3 x 26
+        router.on_request_routed(request(f"q{i}", tokens=6), slow.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [fast, slow], call) == ["fast"]
+    # round robin keeps affinity absolute however swamped home is (the baseline)
+    rr = make_router(RoundRobinRouter, affinity=True)
+    for i in range(10):
+        rr.on_request_routed(request(f"q{i}", tokens=6), slow.replica_id, None)  # type: ignore[arg-type]
+    assert choose(rr, [fast, slow], call) == ["slow"]
+
+
+@pytest.mark.parametrize("cls", [RoundRobinRouter, TokenAwareRouter, PowerOfTwoRouter])
+def test_a_replica_reporting_not_serving_gets_no_call_not_even_its_sessions(
+    cls: type[FleetRouter],
+) -> None:
+    router = make_router(cls, affinity=True)
+    up, down = replicas("up", "down")
+    down.routing_stats[SERVING] = False
+    for i in range(6):
+        assert choose(router, [up, down], request(str(i))) == ["up"]
+        assert choose(router, [up, down], request(f"s{i}", home="down")) == ["up"]
+    up.routing_stats[SERVING] = False  # none serving: better a draining replica than none
+    assert set(choose(router, [up, down], request("x"))) <= {"up", "down"}
 
 
 def test_power_of_two_offers_two_replicas_in_one_rank() -> None:
@@ -204,3 +306,21 @@ def test_autoscaling_on_queue_depth_within_bounds(micro_zoo: Any) -> None:
         FleetConfig(micro_zoo.target_dir, replicas=5, max_replicas=4)
     with pytest.raises(ValueError, match="unknown load-balancing policy 'random'"):
         FleetConfig(micro_zoo.target_dir, policy="random")
+
+
+def test_ingress_relays_its_own_span_as_the_replicas_parent() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import format_span_id, format_trace_id
+
+    from edge.fleet.ingress import relay_metadata
+
+    edge_context = ("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    caller = [edge_context, ("authorization", "Bearer t"), ("grpc-accept-encoding", "gzip")]
+    assert relay_metadata(caller) == (edge_context, ("authorization", "Bearer t"))  # tracing off
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("ingress") as span:
+        relayed = dict(relay_metadata(caller))
+    ids = span.get_span_context()
+    assert relayed["authorization"] == "Bearer t"
+    _, trace_id, parent_id, _ = relayed["traceparent"].split("-")
+    assert (trace_id, parent_id) == (format_trace_id(ids.trace_id), format_span_id(ids.span_id))

@@ -1,0 +1,68 @@
+"""Typer options shared by `fedge verifier serve` and `fedge verifier fleet`: one definition each.
+
+Kept free of heavy imports (no torch, grpc or opentelemetry) so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from edge.verifier.limits import RateLimitConfig
+
+TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
+TRACING_ENV = "FEDGE_TRACING"  # = edge.tracing.TRACING_ENV
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+ModelOption = Annotated[Path, typer.Option(help="Base model dir (Hugging Face format).")]
+AdapterOption = Annotated[Path | None, typer.Option(help="peft LoRA adapter dir, merged at load.")]
+RequireTokenOption = Annotated[
+    str | None,
+    typer.Option(envvar=TOKEN_ENV, help=f"Require this bearer token (or ${TOKEN_ENV})."),
+]
+MaxBatchOption = Annotated[int, typer.Option(help="Verifies per batched forward pass.")]
+MaxDraftOption = Annotated[int, typer.Option(help="Longest accepted draft.")]
+SessionTtlOption = Annotated[float, typer.Option(help="Idle session lifetime, seconds.")]
+VerifyRateOption = Annotated[
+    float | None,
+    typer.Option(help="Per-device verify tokens (draft + 1 per Verify) per second; off if unset."),
+]
+VerifyBurstOption = Annotated[int, typer.Option(help="Per-device verify token bucket size.")]
+GenerateRateOption = Annotated[
+    float | None,
+    typer.Option(help="Per-device Generate tokens (max_new_tokens) per second; off if unset."),
+]
+GenerateBurstOption = Annotated[
+    int, typer.Option(help="Per-device Generate token bucket size (largest max_new_tokens).")
+]
+TracingOption = Annotated[
+    str,
+    typer.Option(
+        envvar=TRACING_ENV,
+        help=f"OpenTelemetry span exporter: none, console or otlp (or ${TRACING_ENV}).",
+    ),
+]
+OtlpEndpointOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar=OTLP_ENDPOINT_ENV,
+        help=f"OTLP gRPC collector for --tracing otlp (or ${OTLP_ENDPOINT_ENV}).",
+    ),
+]
+
+
+def rate_limits(
+    verify_rate: float | None, verify_burst: int, generate_rate: float | None, generate_burst: int
+) -> RateLimitConfig:
+    """The per-device limits the four rate options describe."""
+    from edge.verifier.limits import RateLimitConfig
+
+    return RateLimitConfig(
+        verify_rate=verify_rate,
+        verify_burst=verify_burst,
+        generate_rate=generate_rate,
+        generate_burst=generate_burst,
+    )
