@@ -21,7 +21,7 @@ import itertools
 import random
 import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -39,7 +39,8 @@ ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
 ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
 ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere would prefill
 K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
-SPEED_EWMA = 0.2  # weight of the newest completed call in a replica's seconds-per-token estimate
+SPEED_SAMPLES = 15  # a replica's seconds per token on a kind of call: median of its last calls
+SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones pay the warm-up)
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
 
 
@@ -78,9 +79,18 @@ def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
     return slowness * (pending_tokens + tokens)
 
 
-def should_spill(home: float, best_other: float, move_tokens: int, other_slowness: float) -> bool:
-    """Move a session when its replica's expected time exceeds `SPILL_FACTOR` x another's,
-    counting the reopen there (prefilling the committed tokens) against the move."""
+def should_spill(
+    home: float, best_other: float, move_tokens: int, home_slowness: float, other_slowness: float
+) -> bool:
+    """Move a session only off a replica measured `SPILL_FACTOR` x slower than another, and only
+    when its expected time there exceeds `SPILL_FACTOR` x the other's plus the reopen (prefilling
+    the committed tokens).
+
+    Pending tokens alone never move a session: concurrent verifies share a batched pass, so
+    a busy home costs less than its pending tokens suggest, and a move costs a round trip.
+    """
+    if home_slowness < SPILL_FACTOR * other_slowness:
+        return False
     return home > SPILL_FACTOR * (best_other + other_slowness * move_tokens)
 
 
@@ -114,7 +124,8 @@ class FleetRouter(RequestRouter):
     routed until Ray Serve reports it completed (success, error or cancellation), so
     a slow replica accumulates work and the load-aware policies steer away from it.
     Each completed call also updates its replica's seconds per token for its kind of
-    call (`call_kind`), from which `relative_slowness` compares replicas.
+    call (`call_kind`): the median of the last `SPEED_SAMPLES`, robust to a warm-up call
+    or a stall; `relative_slowness` compares replicas on these.
     """
 
     affinity = False
@@ -125,7 +136,8 @@ class FleetRouter(RequestRouter):
         self.outstanding: dict[ReplicaID, int] = defaultdict(int)
         self.outstanding_tokens: dict[ReplicaID, int] = defaultdict(int)
         self._in_flight: dict[str, tuple[ReplicaID, int, str, float]] = {}
-        self.speed: dict[tuple[ReplicaID, str], float] = {}  # EWMA s/token per (replica, kind)
+        self.speed: dict[tuple[ReplicaID, str], float] = {}  # median s/token per (replica, kind)
+        self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -149,9 +161,10 @@ class FleetRouter(RequestRouter):
         replica, tokens, kind, started = routed
         self.outstanding[replica] -= 1
         self.outstanding_tokens[replica] -= tokens
-        rate = (time.monotonic() - started) / tokens
-        previous = self.speed.get((replica, kind), rate)
-        self.speed[(replica, kind)] = previous + SPEED_EWMA * (rate - previous)
+        samples = self._samples.setdefault((replica, kind), deque(maxlen=SPEED_SAMPLES))
+        samples.append((time.monotonic() - started) / tokens)
+        if len(samples) >= SPEED_MIN_SAMPLES:
+            self.speed[(replica, kind)] = statistics.median(samples)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget a dead replica's counts and speeds as well as the replica."""
@@ -159,6 +172,7 @@ class FleetRouter(RequestRouter):
         self.outstanding.pop(replica_id, None)
         self.outstanding_tokens.pop(replica_id, None)
         self.speed = {key: s for key, s in self.speed.items() if key[0] != replica_id}
+        self._samples = {key: s for key, s in self._samples.items() if key[0] != replica_id}
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -292,8 +306,8 @@ class TokenAwareRouter(FleetRouter):
     Expected time = relative slowness x (pending tokens + the call's tokens), where
     slowness is measured per kind of call (`relative_slowness`), so a slower replica
     (older hardware, a noisy neighbour) gets proportionally less. With affinity, a
-    session's call stays home unless home's expected time exceeds `SPILL_FACTOR`
-    times the best other replica's plus the reopen there (`should_spill`): the call
+    session's call stays home unless home is measured `SPILL_FACTOR` times slower and its
+    expected time exceeds that factor times the best other's plus the reopen (`should_spill`): the call
     then lands elsewhere, which answers NOT_FOUND, and the edge reopens the session
     from its committed tokens on the faster replica.
     """
@@ -331,7 +345,9 @@ class TokenAwareRouter(FleetRouter):
         slow = relative_slowness(self.speed, [r.replica_id for r in (home, *others)])
         best = min(others, key=lambda r: expected[r.replica_id]).replica_id
         move = int(_kwarg(request, ROUTE_MOVE_TOKENS, 0))
-        return should_spill(expected[home.replica_id], expected[best], move, slow[best])
+        return should_spill(
+            expected[home.replica_id], expected[best], move, slow[home.replica_id], slow[best]
+        )
 
 
 POLICIES: dict[str, type[FleetRouter]] = {

@@ -126,7 +126,7 @@ def test_affinity_sends_a_session_home_and_new_sessions_by_policy() -> None:
 
 def test_slowness_compares_replicas_on_like_calls_not_on_their_mix() -> None:
     # fast: 1 ms/token on 6-token verifies and 4 ms/token on 40-token Generates (per-token
-    # dear: one pass per token); slow: 4x on both. A single EWMA over the mix would call the
+    # dear: one pass per token); slow: 4x on both. One average over the mix would call the
     # fast replica slow right after its Generates and the slow one fast after its verifies.
     verify, stream = call_kind("Verify", 6), call_kind("Generate", 40)
     speed = {("fast", verify): 0.001, ("fast", stream): 0.004, ("slow", verify): 0.004}
@@ -153,6 +153,13 @@ def test_token_aware_learns_the_slow_replica_from_mixed_calls_and_places_new_ses
         clock[0] += seconds
         router.on_request_completed(replica.replica_id, rid)
 
+    serve(fast, "warm-up", 6, "Verify", 0.600)  # a first call that paid the warm-up: an outlier
+    for i in range(4):  # too few calls of a kind to judge: neither is slower yet
+        serve(slow, f"early{i}", 6, "Verify", 0.024)
+    assert relative_slowness(router.speed, [fast.replica_id, slow.replica_id]) == {
+        fast.replica_id: 1.0,
+        slow.replica_id: 1.0,
+    }
     for i in range(5):  # verifies: 6 ms on the fast replica, 24 on the slow; only fast streams
         serve(fast, f"f{i}", 6, "Verify", 0.006)
         serve(slow, f"s{i}", 6, "Verify", 0.024)
@@ -169,13 +176,14 @@ def test_token_aware_learns_the_slow_replica_from_mixed_calls_and_places_new_ses
     assert choose(router, [fast, slow], request("new", tokens=6))[0] == "slow"
 
 
-def test_spill_moves_a_session_only_when_home_is_far_worse_counting_the_reopen() -> None:
-    assert should_spill(home=100.0, best_other=10.0, move_tokens=0, other_slowness=1.0)
-    assert not should_spill(
-        home=SPILL_FACTOR * 10.0, best_other=10.0, move_tokens=0, other_slowness=1.0
-    )
+def test_spill_moves_a_session_only_off_a_much_slower_replica_counting_the_reopen() -> None:
+    assert should_spill(100.0, 10.0, move_tokens=0, home_slowness=4.0, other_slowness=1.0)
+    assert not should_spill(SPILL_FACTOR * 10.0, 10.0, 0, home_slowness=4.0, other_slowness=1.0)
     # the same gap, but re-prefilling 60 committed tokens elsewhere costs more than staying
-    assert not should_spill(home=100.0, best_other=10.0, move_tokens=60, other_slowness=1.0)
+    assert not should_spill(100.0, 10.0, move_tokens=60, home_slowness=4.0, other_slowness=1.0)
+    # equally fast replicas: a long queue at home never moves a session (batched, and a move
+    # costs a round trip): this is what keeps affinity intact on an evenly matched fleet
+    assert not should_spill(1000.0, 10.0, 0, home_slowness=2.0, other_slowness=1.0)
 
 
 def test_affinity_spills_a_session_off_a_swamped_slow_replica_and_not_otherwise() -> None:
@@ -193,6 +201,12 @@ def test_affinity_spills_a_session_off_a_swamped_slow_replica_and_not_otherwise(
     for i in range(10):
         rr.on_request_routed(request(f"q{i}", tokens=6), slow.replica_id, None)  # type: ignore[arg-type]
     assert choose(rr, [fast, slow], call) == ["slow"]
+    # an evenly matched pair: however long home's queue, the session stays
+    even = make_router(TokenAwareRouter, affinity=True)
+    even.speed.update({(fast.replica_id, kind): 0.001, (slow.replica_id, kind): 0.0012})
+    for i in range(50):
+        even.on_request_routed(request(f"q{i}", tokens=6), slow.replica_id, None)  # type: ignore[arg-type]
+    assert choose(even, [fast, slow], call) == ["slow"]
 
 
 @pytest.mark.parametrize("cls", [RoundRobinRouter, TokenAwareRouter, PowerOfTwoRouter])
