@@ -16,8 +16,9 @@ verifier is a child process (`fedge verifier serve`, one torch thread).
    machine almost nothing; the proxy runs in its own process. Also measured: whether a target
    pass over k+1 tokens costs about one pass or k+1 (the CPU's regime).
 3. Faults: 16 devices decoding speculatively while the verifier is killed (SIGKILL) and
-   restarted behind the proxy: requests finished in the cloud, on the device, failed, and
-   whether every cloud-verified greedy output equals the target's.
+   restarted behind the proxy: requests finished in the cloud, finished on the device after
+   the verifier was lost mid-request, decoded on the device while it was down, failed, and
+   whether every token the verifier produced equals the target's greedy output.
 
 Usage: ``python bench/edge.py [--quick] [--preset auto|micro|demo|default]``; the last line
 printed is one JSON object, also written to ``bench/results/edge.json`` (``edge_quick.json``
@@ -496,10 +497,26 @@ def capacity(
 
 
 # ---------------------------------------------------------------- 3. faults
+def classify(report: Any, produced: list[int], table: Any) -> dict[str, Any]:
+    """Where one request finished, and whether what the verifier produced is the target's."""
+    expected = list(table.path[table.prompt_len : table.prompt_len + len(produced)])
+    if report.finished_on_device:
+        where, cloud = "device_after_loss", report.cloud_tokens
+    elif report.route == "edge-only":
+        where, cloud = "device_while_down", 0
+    else:
+        where, cloud = "cloud", len(produced)
+    return {"where": where, "exact": produced[:cloud] == expected[:cloud]}
+
+
 def faults(
     tables: list[Any], step_s: float, server: VerifierProcess, model_dir: Path, args: Any
 ) -> tuple[dict[str, Any], VerifierProcess]:
-    """Kill and restart the verifier under 16 speculative devices; classify every request."""
+    """Kill (SIGKILL) and restart the verifier under speculative devices; classify every request.
+
+    Each device decodes requests back to back; once every device finished one in the cloud the
+    verifier is killed and a new one started behind the proxy. A device stops after its first
+    request back in the cloud following the restart (or `--fault-patience-s` after it)."""
     import threading
 
     from edge.client import ClientConfig, EdgeClient, VerifierClient
@@ -511,14 +528,18 @@ def faults(
     decode = DecodeConfig(max_new_tokens=args.capacity_tokens)
     outcomes: list[dict[str, Any]] = []
     lock = threading.Lock()
-    with NetworkEmulator(server.port, LinkConfig(rtt_s=0.02)) as netem:
+    restarted = threading.Event()
+    restarted_at = [0.0]
+    with NetworkEmulator(server.port, LinkConfig(rtt_s=args.fault_rtt_ms / 1e3)) as netem:
+        config = ClientConfig(f"127.0.0.1:{netem.port}", timeout_s=5.0)
         edges = [
             EdgeClient(
                 ReplayRuntime(tables[i % len(tables)], step_s),
                 None,
-                VerifierClient(ClientConfig(f"127.0.0.1:{netem.port}", timeout_s=5.0)),
+                VerifierClient(config),
                 decode,
                 Router(),
+                rtt_max_age_s=0.5,
             )
             for i in range(args.fault_devices)
         ]
@@ -526,22 +547,23 @@ def faults(
         def device(i: int) -> None:
             table = tables[i % len(tables)]
             prompt = list(table.path[: table.prompt_len])
-            for _ in range(args.fault_requests):
+            while (
+                not restarted.is_set() or time.monotonic() < restarted_at[0] + args.fault_patience_s
+            ):
+                after = restarted.is_set()
                 try:
                     produced = [
                         t for chunk in edges[i].stream_ids(prompt, "speculative") for t in chunk
                     ]
-                    r = edges[i].last
-                    on_device = r.route == "edge-only" or "device" in r.reason
-                    expected = list(table.path[table.prompt_len : table.prompt_len + len(produced)])
-                    row = {
-                        "where": "device" if on_device else "cloud",
-                        "exact": produced == expected,
-                    }
-                except Exception as err:
-                    row = {"where": "failed", "error": type(err).__name__}
+                    row = {**classify(edges[i].last, produced, table), "after": after}
+                except Exception as err:  # counted: the goal is none
+                    row = {"where": "failed", "error": f"{type(err).__name__}: {err}"[:200]}
                 with lock:
-                    outcomes.append(row)
+                    outcomes.append({**row, "device": i})
+                if after and row["where"] == "cloud":
+                    return
+                if row["where"] != "cloud":
+                    restarted.wait(0.2)  # on the device: leave the CPUs to the restart
 
         threads = [
             threading.Thread(target=device, args=(i,), daemon=True)
@@ -549,27 +571,44 @@ def faults(
         ]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with lock:
+                if len({o["device"] for o in outcomes if o["where"] == "cloud"}) == len(threads):
+                    break
+            time.sleep(0.01)
         server.kill()
         killed_at = time.perf_counter()
         server = VerifierProcess(model_dir)
         netem.retarget(server.port)
         restart_s = time.perf_counter() - killed_at
+        restarted_at[0] = time.monotonic()
+        restarted.set()
         for thread in threads:
-            thread.join()
+            thread.join(args.fault_patience_s + 60)
         for edge in edges:
+            assert edge.verifier is not None
             edge.verifier.close_channel()
-    cloud = [o for o in outcomes if o["where"] == "cloud"]
-    return {
-        "devices": args.fault_devices,
-        "requests": len(outcomes),
-        "finished_in_cloud": len(cloud),
-        "finished_on_device": sum(o["where"] == "device" for o in outcomes),
-        "failed": sum(o["where"] == "failed" for o in outcomes),
-        "errors": sorted({o["error"] for o in outcomes if "error" in o}),
-        "cloud_outputs_exact": all(o["exact"] for o in cloud),
-        "restart_s": restart_s,
-    }, server
+    count = {w: sum(o["where"] == w for o in outcomes) for w in ("cloud", "device_after_loss")}
+    back = {o["device"] for o in outcomes if o.get("after") and o["where"] == "cloud"}
+    return (
+        {
+            "devices": args.fault_devices,
+            "rtt_ms": args.fault_rtt_ms,
+            "requests": len(outcomes),
+            "finished_in_cloud": count["cloud"],
+            "finished_on_device_after_loss": count["device_after_loss"],
+            "decoded_on_device_while_down": sum(
+                o["where"] == "device_while_down" for o in outcomes
+            ),
+            "failed": sum(o["where"] == "failed" for o in outcomes),  # goal 0
+            "errors": sorted({o["error"] for o in outcomes if "error" in o})[:5],
+            "verified_tokens_exact": all(o.get("exact", True) for o in outcomes),
+            "devices_back_in_cloud": len(back),
+            "restart_s": restart_s,
+        },
+        server,
+    )
 
 
 # ---------------------------------------------------------------- main
@@ -589,7 +628,10 @@ def main() -> None:
     parser.add_argument("--tokens-per-s", type=float, default=15.0, help="objective")
     parser.add_argument("--ttft-s", type=float, default=1.0, help="objective")
     parser.add_argument("--fault-devices", type=int, default=16)
-    parser.add_argument("--fault-requests", type=int, default=3)
+    parser.add_argument("--fault-rtt-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--fault-patience-s", type=float, default=60.0, help="after the restart, per device"
+    )
     parser.add_argument(
         "--skip", default="", help="comma-separated parts to skip: regime,routes,capacity,faults"
     )
@@ -604,7 +646,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rtts, args.capacity_rtts, args.prompts = "0,100", "100", 2
-        args.capacity_limit, args.fault_devices, args.fault_requests = 8, 4, 2
+        args.capacity_limit, args.fault_devices = 8, 4
     args.rtts = [float(x) for x in args.rtts.split(",")]
     args.capacity_rtts = [float(x) for x in args.capacity_rtts.split(",")]
     skip = set(filter(None, args.skip.split(",")))

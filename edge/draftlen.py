@@ -11,8 +11,10 @@ each extra drafted token adds to it (bytes and the verifier's extra compute). It
 
 tokens, so the rate is R(g) = E(a, g) / T(g). When c0 dominates (a 100 ms round trip against a
 1 ms draft step) R keeps rising until a^g is small, so drafts grow long; on a fast link with a
-slow draft, short drafts win. `SpeculationEstimator` learns t_draft, c0, c1 and a online, one
-verify at a time, with exponential forgetting, and answers `best_draft_len(lo, hi)`.
+slow draft, short drafts win. Near its peak R is flat, while the verifies per token (1/E, the
+cloud's cost) keep falling with g, so the estimator drafts the longest g within 2% of the best
+R. `SpeculationEstimator` learns t_draft, c0, c1 and a online, one verify at a time, with
+exponential forgetting, and answers `best_draft_len(lo, hi)`.
 
 The network round trip is part of c0 but changes on its own (a phone moves from Wi-Fi to LTE):
 the estimator is told the current RTT (`observe_rtt`, from a health check or the edge's recent
@@ -73,6 +75,9 @@ class EstimatorConfig:
     prior_draft_step_s: float = 0.002
     prior_call_s: float = 0.01
     slope_ridge: float = 4.0  # tokens^2 added to the draft lengths' variance when fitting c1
+    # the longest draft within this share of the best rate: fewer verifies (the cloud's cost) for
+    # at most 2% of speed; near its peak the rate curve is flat, so this saves verifies cheaply
+    rate_slack: float = 0.02
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay <= 1.0:
@@ -80,6 +85,10 @@ class EstimatorConfig:
         if not 0.0 <= self.prior_acceptance < 1.0:
             raise ValueError(
                 f"EstimatorConfig.prior_acceptance must lie in [0, 1), got {self.prior_acceptance}"
+            )
+        if not 0.0 <= self.rate_slack < 1.0:
+            raise ValueError(
+                f"EstimatorConfig.rate_slack must lie in [0, 1), got {self.rate_slack}"
             )
         for name in ("prior_trials", "prior_draft_step_s", "prior_call_s", "slope_ridge"):
             if getattr(self, name) <= 0:
@@ -196,11 +205,13 @@ class SpeculationEstimator:
         return self.expected_tokens(g) / round_seconds(g, self.draft_step_s, max(c0, 1e-6), c1)
 
     def best_draft_len(self, lo: int, hi: int, rtt_s: float | None = None) -> int:
-        """The draft length in [lo, hi] that maximises expected tokens per second (at `rtt_s`)."""
+        """The longest draft length in [lo, hi] whose expected tokens per second (at `rtt_s`) is
+        within `rate_slack` of the best: each token then costs the cloud the fewest verifies."""
         if not 0 <= lo <= hi:
             raise ValueError(f"best_draft_len needs 0 <= lo <= hi, got lo={lo}, hi={hi}")
         rates = {g: self.rate(g, rtt_s) for g in range(lo, hi + 1)}
-        return max(rates, key=lambda g: (rates[g], -g))
+        floor = (1.0 - self.config.rate_slack) * max(rates.values())
+        return max(g for g, rate in rates.items() if rate >= floor)
 
     def seconds_per_token(self, lo: int, hi: int, rtt_s: float) -> float:
         """Expected seconds per committed token at round trip `rtt_s`, drafting the best length."""

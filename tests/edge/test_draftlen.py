@@ -119,6 +119,17 @@ def test_a_new_rtt_moves_the_call_cost_at_once() -> None:
         est.observe_rtt(-1.0)
 
 
+@pytest.mark.parametrize(("slack", "expected"), [(0.0, 9), (0.02, 11)])
+def test_the_longest_draft_within_the_slack_of_the_best_rate(slack: float, expected: int) -> None:
+    """Acceptance 0.8 at every position, 1 ms steps, 25 ms calls: R(9) = 4.4631 / 0.034 = 131.27/s
+    is the best; 2% below it is 128.64, which g = 11 clears (4.6564 / 0.036 = 129.34) and g = 12
+    does not (4.7251 / 0.037 = 127.71): 0.215 verifies per token instead of 0.224."""
+    est = SpeculationEstimator(EstimatorConfig(decay=1.0, prior_trials=1e-9, rate_slack=slack))
+    for accepted in (1, 1, 1, 1, 0):
+        est.observe(1, accepted, 0.001, 0.025)
+    assert est.best_draft_len(1, 16) == expected
+
+
 def test_estimator_rejects_impossible_observations() -> None:
     with pytest.raises(ValueError, match="accepted <= drafted"):
         SpeculationEstimator().observe(2, 3, 0.0, 0.0)

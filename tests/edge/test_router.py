@@ -203,7 +203,8 @@ def test_the_draft_length_model_moves_speculative_to_a_new_rtt() -> None:
     ms/token at 20 ms is predicted at 12.5 + 17.050 = 29.550 ms/token at 100 ms; passes move by
     1/4.8241 - 1/4.4631 = -0.01677 per token; TTFT by 80 ms of RTT plus 5 more draft steps."""
     router = Router(RouterConfig(smoothing=1.0))
-    router.state.speculation = SpeculationEstimator(EstimatorConfig(decay=1.0, prior_trials=1e-9))
+    exact = EstimatorConfig(decay=1.0, prior_trials=1e-9, rate_slack=0.0)  # the fastest length
+    router.state.speculation = SpeculationEstimator(exact)
     router.observe_rtt(0.02)
     for accepted in (1, 1, 1, 1, 0):
         router.speculation.observe(1, accepted, 0.001, 0.025)
