@@ -206,6 +206,7 @@ def train(msg: Message, context: Context) -> Message:
         )
         model.train()
         loss_fn = distill.batch_loss(config)  # next-token CE, or KL to `distill-teacher`
+        batches = distill.teacher_batches(config, batches)  # realignment: the teacher's own paths
         losses = run_local_steps(
             lm.params,
             lambda step: loss_fn(model, batches[step]),

@@ -79,6 +79,7 @@ CFG_COMMITTED_ROUNDS: Final = "committed-rounds"  # list[int]: the accepted roun
 CFG_MODEL: Final = "model"  # a model dir or hub id, or "zoo:<preset>"
 CFG_DISTILL_TEACHER: Final = "distill-teacher"  # model dir: clients distil from it (realignment)
 CFG_DISTILL_TEMPERATURE: Final = "distill-temperature"  # softmax temperature of that distillation
+CFG_DISTILL_GENERATE: Final = "distill-generate"  # teacher's greedy tokens per window (0: none)
 CFG_MODEL_PATH: Final = "model-path"  # server-resolved model dir, used when it exists here
 CFG_PARTITION_SCHEME: Final = "partition-scheme"  # natural | iid | dirichlet
 CFG_NUM_PARTITIONS: Final = "num-partitions"

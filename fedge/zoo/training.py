@@ -86,6 +86,31 @@ def distillation_loss(teacher: nn.Module, temperature: float) -> LossFn:
     return loss
 
 
+@torch.no_grad()
+def greedy_continuation(teacher: nn.Module, batch: torch.Tensor, generate: int) -> torch.Tensor:
+    """Each row's first `len - generate` tokens followed by the teacher's greedy continuation.
+
+    Sequence-level KD (Kim & Rush 2016): a draft distilled on these rows learns the path
+    greedy speculative decoding verifies. Generated in fp32 (autocast off), the precision
+    the draft's acceptance is measured in.
+    """
+    if not 0 < generate < batch.size(1) - 1:
+        raise ValueError(
+            f"generate={generate} must be > 0 and leave a prompt in windows of "
+            f"{batch.size(1)} tokens; generate fewer tokens or train on longer windows"
+        )
+    prompt = batch[:, : batch.size(1) - generate]
+    with torch.autocast(batch.device.type, enabled=False):
+        rows: torch.Tensor = teacher.generate(  # type: ignore[operator]  # loosely typed
+            prompt,
+            max_new_tokens=generate,
+            min_new_tokens=generate,  # as in greedy_agreement: no early end of text
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return rows
+
+
 def shared_parameters(model: PreTrainedModel) -> tuple[nn.Parameter, nn.Parameter]:
     """A Llama model's token embedding (tied to its output layer) and final norm weights."""
     embedding: Any = model.get_input_embeddings()

@@ -10,6 +10,7 @@ import torch
 
 from fedge.lm import distill
 from fedge.models import load_causal_lm
+from fedge.types import ConfigValue
 from fedge.zoo import ZooPaths
 from server.rundir import MetricsLog
 from simulations.realign import acceptance_by_client, participating, realign_draft
@@ -61,6 +62,29 @@ def test_acceptance_is_measured_per_participating_client(
     assert rows and {r.partition for r in rows} <= set(clients)
     for row in rows:
         assert all(0.0 <= x <= 1.0 for x in (row.base, row.drifted, row.realigned))
+
+
+def test_teacher_batches_keep_the_prompt_and_follow_the_teachers_greedy_path(
+    micro_zoo: ZooPaths,
+) -> None:
+    """Sequence-level KD rows: the window's head, then exactly what target.generate would say."""
+    teacher = str(micro_zoo.target_dir)
+    windows = [torch.randint(2, 1000, (3, 17)), torch.randint(2, 1000, (2, 17))]
+    config: dict[str, ConfigValue] = {"distill-teacher": teacher, "distill-generate": 6}
+    out = distill.teacher_batches(config, windows)
+    assert [tuple(b.shape) for b in out] == [(3, 17), (2, 17)]
+    model = distill.teacher_model(teacher)
+    for window, row in zip(torch.cat(windows), torch.cat(out), strict=True):
+        assert torch.equal(row[:11], window[:11])
+        expected = model.generate(  # type: ignore[operator]
+            window[None, :11], max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+        )[0]
+        assert torch.equal(row, expected)
+    assert distill.teacher_batches({"distill-teacher": teacher}, windows) is windows
+    with pytest.raises(ValueError, match=r"generate=16 must be > 0 and leave a prompt"):
+        distill.teacher_batches({**config, "distill-generate": 16}, windows)
+    with pytest.raises(ValueError, match=r"distill-generate must be >= 0"):
+        distill.teacher_batches({**config, "distill-generate": -1}, windows)
 
 
 def test_bad_teacher_and_dpsgd_are_refused(tmp_path: Path) -> None:
