@@ -26,6 +26,12 @@ def card_row(card: dict[str, Any]) -> str:
     load = card.get("build_load_average")
     load_text = f", load {load[0]:.1f}-{load[1]:.1f}" if load else ""
     cpu = f" ({card['build_cpu_seconds']:.0f})" if "build_cpu_seconds" in card else ""
+    stage_cpu = [card[r].get("training_cpu_seconds") for r in ("target", "draft")]
+    if all(isinstance(c, (int, float)) for c in stage_cpu):
+        trained = sum(stage_cpu)  # type: ignore[arg-type]  # checked numeric just above
+        if trained > card.get("build_cpu_seconds", 0.0):
+            # a resumed build: this process's seconds miss the stages' earlier sessions
+            cpu = f" resumed ({trained:.0f} training CPU s over all sessions)"
     return (
         f"| `{card['preset']}` | {_count(target['parameters'])}, "
         f"{target['heldout_perplexity']:.1f} (vocab {card['tokenizer']['vocab_size']}) | "
