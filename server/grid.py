@@ -53,6 +53,7 @@ class ReplyHookGrid(Grid):
 
 FIRST_PULL_S = 0.002  # first wait after the push; replies of fast clients arrive within ms
 MAX_PULL_S = 0.05  # the backoff's ceiling: a gRPC pull per 50 ms at most
+MAX_LOCAL_PULL_S = 0.01  # in simulation a pull is a call on the in-process LinkState: cheap
 
 
 def exchange_messages(
@@ -64,14 +65,14 @@ def exchange_messages(
     Deployment Engine's HTTP grid) between pulls, which a protocol of several exchanges per
     round pays at every barrier. On those grids (bare, or behind a ``ReplyHookGrid`` that
     only edits replies) this pushes, then pulls after 2 ms, 1.5x longer each time, at most
-    50 ms. A grid with its own ``send_and_receive`` (a device simulation, an in-process
+    50 ms over gRPC and 10 ms in simulation. A grid with its own ``send_and_receive`` (a device simulation, an in-process
     engine) keeps it: the exchange goes through it unchanged.
     """
     if not _polls_like_flower(grid):
         return list(grid.send_and_receive(messages, timeout=timeout))
     pending = set(grid.push_messages(messages))
     deadline = None if timeout is None else time.monotonic() + timeout
-    wait = FIRST_PULL_S
+    wait, ceiling = FIRST_PULL_S, _pull_ceiling(grid)
     out: list[Message] = []
     while pending:
         replies = list(grid.pull_messages(pending))
@@ -80,8 +81,15 @@ def exchange_messages(
         if not pending or (deadline is not None and time.monotonic() >= deadline):
             break
         time.sleep(wait if deadline is None else min(wait, max(0.0, deadline - time.monotonic())))
-        wait = min(MAX_PULL_S, wait * 1.5)
+        wait = min(ceiling, wait * 1.5)
     return out
+
+
+def _pull_ceiling(grid: Grid) -> float:
+    """The longest wait between pulls: short on the in-process grid, longer over gRPC."""
+    while isinstance(grid, ReplyHookGrid):
+        grid = grid._grid
+    return MAX_LOCAL_PULL_S if isinstance(grid, InMemoryGrid) else MAX_PULL_S
 
 
 def _polls_like_flower(grid: Grid) -> bool:

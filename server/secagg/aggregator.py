@@ -34,7 +34,8 @@ class SecAggPlusAggregator:
 
     Keys are advertised once per run (this object's :class:`KeyBook`); each round is then
     two exchanges, collect (the strategy's train content plus the protocol record) and
-    unmask. Each stage waits at most ``cfg.stage_timeout_s`` (collect, which trains, at
+    unmask (to the holders the thresholds need; a second unmask exchange asks the others
+    only if some of those stay silent). Each stage waits at most ``cfg.stage_timeout_s`` (collect, which trains, at
     most the loop's timeout when that is longer). When too few clients answer, the round
     fails: ``summed`` is None. Clients' metrics arrive only as their sum.
     """

@@ -2,6 +2,8 @@
 
 Keys are advertised once per key session (:class:`KeyBook`, one per run); a round is
 then two exchanges, collect and unmask (three when some sampled node has no keys yet).
+Unmask asks only as many contributors as the thresholds need, plus a spare share per
+node; the others are asked in a further exchange only if some of those stay silent.
 """
 
 from __future__ import annotations
@@ -23,9 +25,20 @@ from fedge.secagg.vectors import IntVec, Layout, dequantize_sum, prg_mask
 
 log = logging.getLogger(__name__)
 
+# Shares asked for beyond each node's threshold in the first unmask exchange, so one
+# silent holder per neighbourhood costs no second exchange.
+UNMASK_SPARE = 1
+
 
 class SecAggRoundFailed(FedgeError):
     """A SecAgg+ round could not produce the sum; nothing from it may be applied."""
+
+
+def ring_order(node_ids: Sequence[int], seed: int) -> list[int]:
+    """The nodes' places on the ring: a shuffle seeded by ``seed``."""
+    order = list(node_ids)
+    np.random.default_rng(seed).shuffle(order)
+    return order
 
 
 def ring_neighbours(node_ids: Sequence[int], num_shares: int, seed: int) -> dict[int, list[int]]:
@@ -34,8 +47,7 @@ def ring_neighbours(node_ids: Sequence[int], num_shares: int, seed: int) -> dict
     This is the Harary-graph construction of SecAgg+: every node has the same degree and the
     server learns nothing from the placement beyond what it chose.
     """
-    order = list(node_ids)
-    np.random.default_rng(seed).shuffle(order)
+    order = ring_order(node_ids, seed)
     n = len(order)
     half = math.ceil((num_shares - 1) / 2)
     out: dict[int, list[int]] = {}
@@ -89,11 +101,15 @@ class _Round:
     """What the server knows about one round; never an individual unmasked vector."""
 
     neighbours: dict[int, list[int]] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)  # ring order of the keyed nodes
     thresholds: dict[int, int] = field(default_factory=dict)
     forward: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
     masked: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     layout: Layout | None = None
     extras: dict[int, RecordDict] = field(default_factory=dict)
+    asked: set[int] = field(default_factory=set)  # contributors sent an unmask request
+    shares: dict[int, list[bytes]] = field(default_factory=dict)  # self-mask shares per owner
+    seeds: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (dropped, live) -> seed
 
 
 class SecAggServerEngine:
@@ -162,6 +178,7 @@ class SecAggServerEngine:
         self._require(len(keyed), "hold SecAgg+ keys")
         num_shares = self.cfg.shares_for(len(keyed))
         self._r.neighbours = ring_neighbours(keyed, num_shares, self._seed)
+        self._r.order = ring_order(keyed, self._seed)
         scale_names = [k for k, _ in self._scales()]
         scale_values = [float(v) for _, v in self._scales()]
         out = {}
@@ -238,34 +255,51 @@ class SecAggServerEngine:
 
     # ------------------------------------------------------------------ stage 2: unmask
     def unmask_requests(self) -> dict[int, RecordDict]:
-        """Ask each contributor for live neighbours' seed shares and dropped ones' pair seeds."""
+        """Ask contributors for live neighbours' seed shares and dropped ones' pair seeds.
+
+        The first call asks the holders :meth:`_first_holders` picks; a later call (after
+        :meth:`receive_unmask_shares` returned None) asks every contributor not asked yet.
+        Every request names the same live and dropped sets.
+        """
         alive = set(self._r.masked)
+        if not self._r.asked:
+            for v in sorted(alive):
+                active = (set(self._r.neighbours[v]) | {v}) & alive
+                if len(active) < self._r.thresholds[v]:
+                    raise SecAggRoundFailed(
+                        f"SecAgg+: only {len(active)} live nodes around node {v}, below its "
+                        f"threshold {self._r.thresholds[v]}; the round is abandoned and no "
+                        "aggregate is applied"
+                    )
+            targets = self._first_holders(alive)
+        else:
+            targets = alive - self._r.asked
+        self._r.asked |= targets
         out = {}
-        for v in sorted(alive):
+        for v in sorted(targets):
             hood = set(self._r.neighbours[v])
-            active = sorted((hood | {v}) & alive)
-            if len(active) < self._r.thresholds[v]:
-                raise SecAggRoundFailed(
-                    f"SecAgg+: only {len(active)} live nodes around node {v}, below its threshold "
-                    f"{self._r.thresholds[v]}; the round is abandoned and no aggregate is applied"
-                )
             fwd = [(u, ct) for u, ct in self._r.forward.get(v, []) if u in alive and u != v]
             rec = self._record(wire.STAGE_UNMASK)
-            rec[wire.KEY_ACTIVE] = wire.pack_ids(active)
+            rec[wire.KEY_ACTIVE] = wire.pack_ids(sorted((hood | {v}) & alive))
             rec[wire.KEY_DROPPED] = wire.pack_ids(sorted(hood - alive))
             rec[wire.KEY_SOURCES] = wire.pack_ids([u for u, _ in fwd])
             rec[wire.KEY_CIPHERTEXTS] = [ct for _, ct in fwd]
             out[v] = RecordDict({wire.SECAGG_RECORD: rec})
         return out
 
-    def receive_unmask_shares(self, replies: Mapping[int, RecordDict]) -> dict[str, np.ndarray]:
-        """Rebuild the masks from the shares and seeds; return the float sum of the inputs."""
+    def receive_unmask_shares(
+        self, replies: Mapping[int, RecordDict]
+    ) -> dict[str, np.ndarray] | None:
+        """Keep the shares and seeds; return the float sum once the masks can be removed.
+
+        Returns None when more shares are needed and some contributor has not been asked
+        yet (ask again with :meth:`unmask_requests`); raises `SecAggRoundFailed` when every
+        contributor was asked and the shares still fall short.
+        """
         alive = set(self._r.masked)
-        collected: dict[int, list[bytes]] = {}
-        seeds: dict[tuple[int, int], bytes] = {}  # (dropped u, live v) -> this round's seed
         for v, content in replies.items():
             rec = self._reply_record(v, content, wire.STAGE_UNMASK)
-            if rec is None or v not in alive:
+            if rec is None or v not in self._r.asked:
                 continue
             try:
                 owners = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_SHARE_OWNERS))
@@ -281,29 +315,52 @@ class SecAggServerEngine:
             hood = set(self._r.neighbours[v])
             for u, share in zip(owners, shares, strict=True):
                 if u in alive and u in hood | {v}:
-                    collected.setdefault(u, []).append(share)
+                    self._r.shares.setdefault(u, []).append(share)
             for u, seed in zip(seed_peers, pair_seeds, strict=True):
                 if u in hood and u not in alive:
-                    seeds[(u, v)] = seed
-        short = sorted(u for u in alive if len(collected.get(u, [])) < self._r.thresholds[u])
+                    self._r.seeds[(u, v)] = seed
+        short = sorted(u for u in alive if len(self._r.shares.get(u, [])) < self._r.thresholds[u])
         missing = sorted(
             (u, v)
             for u in self._r.neighbours
             if u not in alive
             for v in self._r.neighbours[u]
-            if v in alive and (u, v) not in seeds
+            if v in alive and (u, v) not in self._r.seeds
         )
-        if short or missing:
-            detail = ", ".join(
-                f"{u}: {len(collected.get(u, []))}/{self._r.thresholds[u]}" for u in short
-            )
-            raise SecAggRoundFailed(
-                f"SecAgg+ unmask: too few shares or seeds to remove the masks (self-mask shares "
-                f"{detail or 'complete'}; {len(missing)} pairwise seed(s) of dropped nodes missing); "
-                "more clients dropped out than the protocol tolerates. The round is abandoned and "
-                "no aggregate is applied."
-            )
-        return self._unmask(alive, collected, seeds)
+        if not short and not missing:
+            return self._unmask(alive, self._r.shares, self._r.seeds)
+        if alive - self._r.asked:
+            return None
+        detail = ", ".join(
+            f"{u}: {len(self._r.shares.get(u, []))}/{self._r.thresholds[u]}" for u in short
+        )
+        raise SecAggRoundFailed(
+            f"SecAgg+ unmask: too few shares or seeds to remove the masks (self-mask shares "
+            f"{detail or 'complete'}; {len(missing)} pairwise seed(s) of dropped nodes missing); "
+            "more clients dropped out than the protocol tolerates. The round is abandoned and "
+            "no aggregate is applied."
+        )
+
+    def _first_holders(self, alive: set[int]) -> set[int]:
+        """The contributors the first unmask exchange asks: fewer messages, the same secrecy.
+
+        Every live neighbour of a drop-out is asked (only it knows that pair's seed). Of the
+        rest, going round the ring, a node is left out while each contributor whose share it
+        holds keeps ``threshold + UNMASK_SPARE`` asked holders (or all it has). Asking fewer
+        clients reveals less, never more: each asked client applies its own checks.
+        """
+        holders = {v: (set(self._r.neighbours[v]) | {v}) & alive for v in alive}
+        need = {v: min(self._r.thresholds[v] + UNMASK_SPARE, len(holders[v])) for v in alive}
+        count = {v: len(holders[v]) for v in alive}
+        left_out: set[int] = set()
+        for w in self._r.order:
+            if w not in alive or set(self._r.neighbours[w]) - alive:
+                continue
+            if all(count[v] > need[v] for v in holders[w]):  # w holds shares of holders[w]
+                for v in holders[w]:
+                    count[v] -= 1
+                left_out.add(w)
+        return alive - left_out
 
     # ------------------------------------------------------------------ helpers
     def _unmask(

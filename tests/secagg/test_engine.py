@@ -94,6 +94,45 @@ def test_dropout_during_unmask_is_tolerated(make_federation: Callable) -> None:
     ) <= quantization_bound(cfg, 5)
 
 
+def test_unmask_asks_only_the_holders_the_thresholds_need(make_federation: Callable) -> None:
+    # Prepare: 12 clients, everyone a neighbour, threshold 8 (+1 spare) of 12 holders
+    fed = make_federation(12, seed=19, size=200)
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=8)
+    nodes = sorted(fed.contributions)
+    # Execute
+    got = run_secagg(SecAggServerEngine(cfg, nodes, MASKED), fed.exchange)
+    # Assert: 9 of the 12 are asked, in one exchange, and the sum is exact
+    asked = [node for stage, node, _ in fed.received if stage == wire.STAGE_UNMASK]
+    assert len(asked) == 9
+    want = plain_sum(fed, nodes)
+    assert np.max(np.abs(got["delta/layer.lora_B"] - want["delta/layer.lora_B"])) <= (
+        quantization_bound(cfg, 12)
+    )
+
+
+def test_silent_unmask_holders_make_the_server_ask_the_rest(make_federation: Callable) -> None:
+    # Prepare: 12 clients, threshold 8; two of the first 9 holders go silent at unmask
+    fed = make_federation(12, seed=20, size=200)
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=8)
+    nodes = sorted(fed.contributions)
+    # (the first holders depend only on the graph: a dry run of the same ring finds them)
+    dry = make_federation(12, seed=20, size=200)
+    probe = SecAggServerEngine(cfg, nodes, MASKED, seed=21)
+    probe.receive_public_keys(dry.exchange(wire.STAGE_ADVERTISE, probe.advertise_requests()))
+    probe.receive_masked_inputs(dry.exchange(wire.STAGE_COLLECT, probe.collect_requests()))
+    silent = sorted(probe.unmask_requests())[:2]
+    fed.silent[wire.STAGE_UNMASK] = set(silent)
+    # Execute
+    got = run_secagg(SecAggServerEngine(cfg, nodes, MASKED, seed=21), fed.exchange)
+    # Assert: a second unmask exchange asked the other three; the sum is exact
+    asked = [node for stage, node, _ in fed.received if stage == wire.STAGE_UNMASK]
+    assert len(asked) == 12 - 2 and not set(asked) & set(silent)
+    want = plain_sum(fed, nodes)
+    assert np.max(np.abs(got["delta/layer.lora_B"] - want["delta/layer.lora_B"])) <= (
+        quantization_bound(cfg, 12)
+    )
+
+
 def test_below_threshold_the_round_fails_without_a_sum(make_federation: Callable) -> None:
     # Prepare: 3 of 6 vanish after key sharing, one more than threshold 4 tolerates
     fed = make_federation(6, seed=7)
