@@ -327,7 +327,6 @@ def verifier_costs(preset: str, prompt_len: int = 64) -> dict[str, Any]:
     with torch.inference_mode():
         cache = DynamicCache()
         _hf.forward_on(model, past, cache)
-        stacked = _hf.stack_kv(_hf.cache_to_kv(cache))
         for batch in batches:
             row = {}
             for n in lengths:
@@ -343,7 +342,7 @@ def verifier_costs(preset: str, prompt_len: int = 64) -> dict[str, Any]:
                     inputs = new.tolist()
                     row[str(n)] = median_ms(
                         lambda inputs=inputs: batched_forward(
-                            model, geometry, [stacked] * len(inputs), inputs
+                            model, geometry, [cache] * len(inputs), inputs
                         )
                     )
             pass_ms[f"batch{batch}"] = row
@@ -406,6 +405,11 @@ def message_costs(model_dir: Path, prompt: list[int], calls: int = 200) -> dict[
     }
 
 
+def _cpu_of(usage: Any) -> float:
+    """User + system seconds of a `resource.getrusage` result."""
+    return float(usage.ru_utime + usage.ru_stime)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used so far (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -413,9 +417,21 @@ def cpu_seconds(pid: int) -> float:
 
 
 def capacity(
-    tables: list[Any], step_s: float, server_port: int, args: Any, objective: Any, router: Any
+    tables: list[Any],
+    step_s: float,
+    server: VerifierProcess,
+    args: Any,
+    objective: Any,
+    router: Any,
 ) -> dict[str, Any]:
-    """Max devices meeting the objective per route at each capacity RTT."""
+    """Max devices meeting the objective per route at each capacity RTT.
+
+    Each trial also records the CPU the verifier process and the bench process (the emulated
+    devices) used per second of the trial: a verifier near 1.0 (its one torch thread) is the
+    limit; a bench process near 1.0 means the devices' emulation limited that trial instead.
+    """
+    import resource
+
     from edge.client import ClientConfig, EdgeClient, VerifierClient
     from edge.decoder import DecodeConfig
     from edge.router import Router
@@ -430,10 +446,10 @@ def capacity(
     decode = DecodeConfig(max_new_tokens=args.capacity_tokens)
     out: dict[str, Any] = {}
     for rtt in args.capacity_rtts:
-        proxy = ProxyProcess(server_port, rtt)
+        proxy = ProxyProcess(server.port, rtt)
         per_route: dict[str, Any] = {}
         try:
-            for route in ("cloud-only", "speculative", "router"):
+            for route in args.capacity_routes:
                 trials: dict[int, Any] = {}
 
                 def trial(
@@ -465,7 +481,12 @@ def capacity(
                         except Exception as err:  # a failed request counts against the objective
                             return RequestFigures(i, route, "failed", 0, 1.0, 1e9, 0, repr(err))
 
+                    cpu_before = cpu_seconds(server.proc.pid), resource.getrusage(0)
+                    wall_before = time.perf_counter()
                     figures = run_devices(n, request, args.capacity_requests, warmup=1)
+                    wall = time.perf_counter() - wall_before
+                    verifier_cpu = cpu_seconds(server.proc.pid) - cpu_before[0]
+                    bench_cpu = _cpu_of(resource.getrusage(0)) - _cpu_of(cpu_before[1])
                     for edge in edges:
                         edge.verifier.close_channel()
                     met, total = devices_meeting(figures, objective.tokens_per_s, objective.ttft_s)
@@ -475,6 +496,10 @@ def capacity(
                         "tokens_per_s_min": float(min(tps)) if tps else 0.0,
                         "ttft_s_max": float(max(f.ttft_s for f in figures)),
                         "routes": sorted({f.route for f in figures}),
+                        "tokens_per_round_trip": sum(f.tokens for f in figures)
+                        / max(1, sum(f.round_trips for f in figures)),
+                        "verifier_cpu_per_s": verifier_cpu / wall,
+                        "devices_cpu_per_s": bench_cpu / wall,
                         "load": loadavg()[0],
                     }
                     print(f"capacity rtt {rtt:g} ms {route} x{n}: {met}/{total}", file=sys.stderr)
@@ -488,10 +513,9 @@ def capacity(
         finally:
             proxy.stop()
         cloud = max(1, per_route["cloud-only"]["max_devices"])
-        per_route["speculative_over_cloud_devices"] = (
-            per_route["speculative"]["max_devices"] / cloud
-        )
-        per_route["router_over_cloud_devices"] = per_route["router"]["max_devices"] / cloud
+        for route in ("speculative", "router"):
+            if route in per_route:
+                per_route[f"{route}_over_cloud_devices"] = per_route[route]["max_devices"] / cloud
         out[f"{rtt:g}ms"] = per_route
     return out
 
@@ -625,6 +649,9 @@ def main() -> None:
     parser.add_argument("--capacity-limit", type=int, default=128)
     parser.add_argument("--capacity-tokens", type=int, default=32)
     parser.add_argument("--capacity-requests", type=int, default=2)
+    parser.add_argument(
+        "--capacity-routes", default="cloud-only,speculative,router", help="routes to size"
+    )
     parser.add_argument("--tokens-per-s", type=float, default=15.0, help="objective")
     parser.add_argument("--ttft-s", type=float, default=1.0, help="objective")
     parser.add_argument("--fault-devices", type=int, default=16)
@@ -649,6 +676,9 @@ def main() -> None:
         args.capacity_limit, args.fault_devices = 8, 4
     args.rtts = [float(x) for x in args.rtts.split(",")]
     args.capacity_rtts = [float(x) for x in args.capacity_rtts.split(",")]
+    args.capacity_routes = [r for r in args.capacity_routes.split(",") if r]
+    if "cloud-only" not in args.capacity_routes:
+        parser.error("--capacity-routes must include cloud-only, the baseline of the ratios")
     skip = set(filter(None, args.skip.split(",")))
 
     import torch
@@ -721,9 +751,7 @@ def main() -> None:
                 ),
                 "requests_per_device": args.capacity_requests,
                 "tokens_per_request": args.capacity_tokens,
-                "by_rtt": capacity(
-                    tables, step_s, server.port, args, objective, router or Router()
-                ),
+                "by_rtt": capacity(tables, step_s, server, args, objective, router or Router()),
             }
             result["load_after_capacity"] = loadavg()
         if "faults" not in skip:

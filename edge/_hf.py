@@ -106,22 +106,12 @@ def drop_last(cache: DynamicCache, positions: int) -> None:
         cache.crop(-positions)
 
 
-def append_stacked(cache: DynamicCache, stacked: torch.Tensor) -> None:
-    """Append stacked KV [1, 2 * layers, heads, T, head_dim] (see `stack_kv`) to a cache."""
-    for layer in range(stacked.shape[1] // 2):
-        cache.update(stacked[:, 2 * layer], stacked[:, 2 * layer + 1], layer)
+def append_kv(cache: DynamicCache, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append per-layer keys and values [1, heads, T, head_dim] to a cache."""
+    for layer, (key, value) in enumerate(kv):
+        cache.update(key, value, layer)
 
 
 def kv_length(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """Sequence positions held by a KV cache (0 when empty)."""
     return int(kv[0][0].shape[2]) if kv else 0
-
-
-def stack_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Per-layer (key, value) pairs as one tensor [B, 2 * layers, heads, L, head_dim] (k0, v0, k1, ...)."""
-    return torch.stack([t for pair in kv for t in pair], dim=1)
-
-
-def unstack_kv(stacked: torch.Tensor) -> KV:
-    """Inverse of `stack_kv`: views, no copy."""
-    return [(stacked[:, 2 * i], stacked[:, 2 * i + 1]) for i in range(stacked.shape[1] // 2)]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from edge import _hf
 
@@ -32,47 +33,43 @@ class KVGeometry:
         """KV bytes one token adds to a session."""
         return 2 * self.layers * self.heads * self.head_dim * self.dtype.itemsize
 
-    def empty(self) -> torch.Tensor:
-        """A zero-length stacked KV for a session whose cache is still empty."""
-        return torch.zeros(1, 2 * self.layers, self.heads, 0, self.head_dim, dtype=self.dtype)
 
-
-@torch.no_grad()
 def batched_forward(
-    model: PreTrainedModel, geometry: KVGeometry, pasts: list[torch.Tensor], inputs: list[list[int]]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model: PreTrainedModel,
+    geometry: KVGeometry,
+    caches: Sequence[DynamicCache],
+    inputs: list[list[int]],
+) -> tuple[torch.Tensor, _hf.KV]:
     """Run every session's new tokens on its own past in one pass, padded to a rectangle.
 
-    `pasts` are stacked KV caches (edge._hf.stack_kv), [1, 2 * layers, heads, L_b, head_dim].
-    They are left-padded to the longest past P and the inputs right-padded to the longest
-    T, so every session's new tokens start at column P; the attention mask hides the
-    padding and position ids continue each session's own length. Returns logits
-    [B, T, V] and the new tokens' stacked KV [B, 2 * layers, heads, T, head_dim].
+    The sessions' caches (L_b positions each) are copied, left-padded to the longest past P,
+    into one batch, and the inputs right-padded to the longest T, so every session's new
+    tokens start at column P; the attention mask hides the padding and position ids continue
+    each session's own length. The caches themselves are not changed. Returns logits
+    [B, T, V] and, per layer, the new positions' keys and values [B, heads, T, head_dim]
+    (views into the pass's output).
     """
-    lengths = [int(past.shape[3]) for past in pasts]
+    lengths = [_hf.cache_length(cache) for cache in caches]
     counts = [len(tokens) for tokens in inputs]
     size, longest_past, longest_new = len(inputs), max(lengths), max(counts)
     input_ids = torch.tensor([tokens + [0] * (longest_new - len(tokens)) for tokens in inputs])
     past_len = torch.tensor(lengths)[:, None]  # [B, 1]
-    positions = (
-        past_len + torch.arange(longest_new)[None, :]
-    )  # [B, T]: each session's own positions
+    positions = past_len + torch.arange(longest_new)[None, :]  # [B, T]: each session's own
     column = torch.arange(longest_past + longest_new)[None, :]  # [1, P + T]
     real_past = column >= longest_past - past_len  # left padding of the past is hidden
-    real_new = (
-        column < longest_past + torch.tensor(counts)[:, None]
-    )  # right padding of the input too
+    real_new = column < longest_past + torch.tensor(counts)[:, None]  # right padding too
     mask = (real_past & real_new).long()
-    padded = torch.zeros(
-        size,
-        2 * geometry.layers,
-        geometry.heads,
-        longest_past,
-        geometry.head_dim,
-        dtype=geometry.dtype,
-    )
-    for b, past in enumerate(pasts):  # one copy per session, all layers at once
-        padded[b, :, :, longest_past - lengths[b] :] = past[0]
-    logits, new_kv = _hf.forward(model, input_ids, _hf.unstack_kv(padded), mask, positions)
-    # each new_kv layer is [B, heads, P + T, head_dim]; column P holds each session's first new token
-    return logits, _hf.stack_kv(new_kv)[:, :, :, longest_past:]
+    shape = (size, geometry.heads, longest_past, geometry.head_dim)
+    padded: _hf.KV = []
+    pasts = [_hf.cache_to_kv(cache) for cache in caches]
+    for layer in range(geometry.layers):  # one copy of each session's past, straight from its cache
+        keys = torch.zeros(shape, dtype=geometry.dtype)
+        values = torch.zeros(shape, dtype=geometry.dtype)
+        for b, past in enumerate(pasts):
+            if lengths[b]:
+                keys[b, :, longest_past - lengths[b] :] = past[layer][0][0]
+                values[b, :, longest_past - lengths[b] :] = past[layer][1][0]
+        padded.append((keys, values))
+    logits, out = _hf.forward(model, input_ids, padded, mask, positions)
+    # each output layer is [B, heads, P + T, head_dim]; column P holds each session's first new token
+    return logits, [(k[:, :, longest_past:], v[:, :, longest_past:]) for k, v in out]

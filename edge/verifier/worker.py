@@ -283,12 +283,16 @@ class Worker:
         choices = logits.argmax(dim=-1).tolist()  # [B, T]: all greedy sessions need
         times_ns.append(time.time_ns())  # before any caller can have its reply
         for row, member in enumerate(members):
-            stacked = None if new_kv is None else new_kv[row : row + 1]
+            new = (
+                None
+                if new_kv is None
+                else [(k[row : row + 1], v[row : row + 1]) for k, v in new_kv]
+            )
             try:
                 if isinstance(member, VerifyJob):
-                    self._commit(member, logits[row], choices[row], stacked, starts[row])
+                    self._commit(member, logits[row], choices[row], new, starts[row])
                 else:
-                    self._step_stream(member, logits[row, :1], stacked)
+                    self._step_stream(member, logits[row, :1], new)
             except Exception as exc:
                 self._fail_member(member, exc, touched=True)
         self.observer.on_batch(len(members), time.monotonic() - started)
@@ -304,26 +308,19 @@ class Worker:
 
     def _forward(
         self, members: Sequence[VerifyJob | Stream], inputs: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, T, V], and the new positions' stacked KV when batched (None when in place)."""
+    ) -> tuple[torch.Tensor, _hf.KV | None]:
+        """Logits [B, T, V], and the new positions' KV per layer when batched (None when in place)."""
+        caches = [m.session.cache for m in members]
         if len(members) == 1:
-            cache = members[0].session.cache
-            return _hf.forward_on(self.model, torch.tensor(inputs), cache), None
-        pasts = [self._stacked(m.session.cache) for m in members]
-        return batched_forward(self.model, self.parts.geometry, pasts, inputs)
+            return _hf.forward_on(self.model, torch.tensor(inputs), caches[0]), None
+        return batched_forward(self.model, self.parts.geometry, caches, inputs)
 
-    def _stacked(self, cache: DynamicCache) -> torch.Tensor:
-        """A session's KV as one stacked tensor [1, 2 * layers, heads, L, head_dim] (a copy)."""
-        if _hf.cache_length(cache) == 0:
-            return self.parts.geometry.empty()
-        return _hf.stack_kv(_hf.cache_to_kv(cache))
-
-    def _keep(self, session: Session, stacked: torch.Tensor | None, kept: int, fed: int) -> None:
+    def _keep(self, session: Session, new: _hf.KV | None, kept: int, fed: int) -> None:
         """Keep the KV of the first `kept` of the `fed` positions a forward computed."""
-        if stacked is None:
+        if new is None:
             _hf.drop_last(session.cache, fed - kept)
         else:
-            _hf.append_stacked(session.cache, stacked[:, :, :, :kept])
+            _hf.append_kv(session.cache, [(k[:, :, :kept], v[:, :, :kept]) for k, v in new])
         self.sessions.resized(session)
 
     def _fail_member(self, member: VerifyJob | Stream, error: BaseException, touched: bool) -> None:
@@ -337,12 +334,10 @@ class Worker:
             member.session.busy = False
             reject(member.future, error)
 
-    def _step_stream(
-        self, stream: Stream, logits: torch.Tensor, stacked: torch.Tensor | None
-    ) -> None:
+    def _step_stream(self, stream: Stream, logits: torch.Tensor, new: _hf.KV | None) -> None:
         """A stream's share of a batched step: keep its one new position, emit its next token."""
         token = self._choose(stream.session, logits)
-        self._keep(stream.session, stacked, 1, 1)
+        self._keep(stream.session, new, 1, 1)
         self._emit(stream, token)
 
     def _commit(
@@ -350,7 +345,7 @@ class Worker:
         job: VerifyJob,
         logits: torch.Tensor,
         choices: list[int],
-        stacked: torch.Tensor | None,
+        new: _hf.KV | None,
         start: int,
     ) -> None:
         """Decide one verify's verdict, keep the KV of its accepted tokens, reply.
@@ -366,7 +361,7 @@ class Worker:
             verdict = sampling_verdict(
                 draft.ids, draft.probs, draft.dists, probs, session.generator
             )
-        self._keep(session, stacked, verdict.accepted + 1, k + 1)  # pending plus accepted drafts
+        self._keep(session, new, verdict.accepted + 1, k + 1)  # pending plus accepted drafts
         session.pending = verdict.next_token
         session.last_used = self.parts.clock()
         self.observer.on_verify(k, verdict.accepted)
