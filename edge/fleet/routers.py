@@ -41,6 +41,9 @@ ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere woul
 K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
 SPEED_SAMPLES = 15  # a replica's seconds per token on a kind of call: median of its last calls
 SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones pay the warm-up)
+CALL_TOKENS = (
+    32  # a call's fixed cost in token positions (pass + relay on an overhead-bound target)
+)
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
 
 
@@ -75,8 +78,13 @@ def relative_slowness(
 
 
 def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
-    """A call's expected time on a replica, in fastest-replica token times: its queue and itself."""
-    return slowness * (pending_tokens + tokens)
+    """A call's expected time on a replica, in fastest-replica token times: its queue and itself.
+
+    Every call also pays `CALL_TOKENS` of fixed cost (a pass, the relay), which pending
+    calls share with it in a batch: so an idle slow replica is not preferred to a fast one
+    that holds a few short verifies, whose passes the new call joins.
+    """
+    return slowness * (CALL_TOKENS + pending_tokens + tokens)
 
 
 def should_spill(

@@ -110,7 +110,7 @@ def test_token_aware_weighs_pending_tokens_by_each_replicas_measured_speed() -> 
     for i in range(3):  # 30 tokens pending on the fast one clear sooner than none on the slow one
         router.on_request_routed(request(f"f{i}", tokens=10), fast.replica_id, None)  # type: ignore[arg-type]
     assert choose(router, [fast, slow], request("new", tokens=10))[0] == "fast"
-    for i in range(20):
+    for i in range(40):  # 430 pending: 1 x (32 + 430 + 10) > 10 x (32 + 10)
         router.on_request_routed(request(f"g{i}", tokens=10), fast.replica_id, None)  # type: ignore[arg-type]
     assert choose(router, [fast, slow], request("new", tokens=10))[0] == "slow"
 
@@ -168,10 +168,10 @@ def test_token_aware_learns_the_slow_replica_from_mixed_calls_and_places_new_ses
         fast.replica_id: 1.0,
         slow.replica_id: pytest.approx(4.0),
     }
-    for i in range(2):  # 12 tokens pending on the fast one: 1 x (12 + 6) < 4 x 6
+    for i in range(4):  # 24 tokens pending on the fast one: 1 x (32 + 24 + 6) < 4 x (32 + 6)
         router.on_request_routed(request(f"p{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
     assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
-    for i in range(2, 4):  # 24 pending: 1 x 30 > 4 x 6, the slow one is now the sooner
+    for i in range(4, 20):  # 120 pending: 1 x 158 > 4 x 38, the slow one is now the sooner
         router.on_request_routed(request(f"p{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
     assert choose(router, [fast, slow], request("new", tokens=6))[0] == "slow"
 
@@ -192,8 +192,8 @@ def test_affinity_spills_a_session_off_a_swamped_slow_replica_and_not_otherwise(
     kind = call_kind("Verify", 6)
     router.speed.update({(fast.replica_id, kind): 0.001, (slow.replica_id, kind): 0.004})
     call = request("v", tokens=6, home="slow", move=20)
-    assert choose(router, [fast, slow], call) == ["slow"]  # idle home: 24 vs 3 x (6 + 20): stay
-    for i in range(10):  # 60 tokens queued on the slow home: 4 x 66 = 264 > 3 x 26
+    assert choose(router, [fast, slow], call) == ["slow"]  # idle home: 4 x 38 < 3 x (38 + 20)
+    for i in range(10):  # 60 tokens queued on the slow home: 4 x 98 > 3 x 58
         router.on_request_routed(request(f"q{i}", tokens=6), slow.replica_id, None)  # type: ignore[arg-type]
     assert choose(router, [fast, slow], call) == ["fast"]
     # round robin keeps affinity absolute however swamped home is (the baseline)
