@@ -40,8 +40,30 @@ def test_manifest_records_geometry_hashes_and_validation(exported: Path) -> None
         assert entry["positions"] == 6 * 8
     assert manifest["variants"]["fp32"]["max_abs_logit_diff"] < 1e-3
     assert manifest["variants"]["int8"]["bytes"] < manifest["variants"]["fp32"]["bytes"]
-    assert manifest["variants"]["int4"]["bytes"] < manifest["variants"]["int8"]["bytes"]
+    assert manifest["variants"]["int4"]["bytes"] < manifest["variants"]["fp32"]["bytes"]
     assert load_export_tokenizer(exported).encode("import os") != []
+
+
+def test_int4_quantizes_the_layers_to_4_bits_and_the_head_and_lookup_to_8(exported: Path) -> None:
+    """The head's 4-bit errors land on the logits (they flipped trained drafts' greedy choices);
+    the lookup multiplies nothing, so 4 bits would cost agreement for no speed."""
+    import onnx
+
+    graph = onnx.load(str(exported / "draft.int4.onnx")).graph
+    bits = {
+        node.name: next(a.i for a in node.attribute if a.name == "bits")
+        for node in graph.node
+        if node.op_type == "MatMulNBits"
+    }
+    producer = {out: node for node in graph.node for out in node.output}
+    head = producer[graph.output[0].name]
+    while head.op_type != "MatMulNBits":
+        head = producer[head.input[0]]
+    assert bits.pop(head.name) == 8
+    assert bits and set(bits.values()) == {4}  # q, k, v, o, gate, up, down
+    lookups = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    assert [next(a.i for a in n.attribute if a.name == "bits") for n in lookups] == [8]
+    assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0].startswith("model.")]
 
 
 def test_dispatch_prefers_the_faster_valid_variant_then_torch(
