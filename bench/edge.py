@@ -47,6 +47,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from simulations.verifier_process import VerifierProcess  # noqa: E402
+
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "edge.json"
 PROMPT_TOKENS = 32
 ROUTES = ("edge-only", "speculative", "cloud-only")
@@ -71,39 +73,6 @@ def pick_zoo(preset: str) -> Any:
         if not zoo_problems(ZooPaths(zoo_dir(name))):
             return name, ZooPaths(zoo_dir(name))
     return "micro", ensure_zoo("micro")
-
-
-class VerifierProcess:
-    """`fedge verifier serve` in a child process on 127.0.0.1:0."""
-
-    def __init__(self, model_dir: Path, max_batch: int = 32) -> None:
-        command = [
-            *(sys.executable, "-m", "fedge.cli", "verifier", "serve", "--model", str(model_dir)),
-            *("--port", "0", "--max-batch", str(max_batch), "--batch-window-ms", "2"),
-            *("--torch-threads", "1", "--grace-s", "1", "--max-draft", "16"),
-        ]
-        self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        match = re.search(r":(\d+)$", line.strip())
-        if not match:
-            self.stop()
-            raise RuntimeError(f"verifier did not start: {line!r}")
-        self.port = int(match.group(1))
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, no drain."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        """SIGTERM, then wait for the drain."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
 
 
 class ProxyProcess:

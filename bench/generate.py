@@ -1,9 +1,12 @@
 """Cloud-only Generate for a lone stream vs plain Hugging Face greedy decoding of the same model.
 
 The ratio (Generate tokens/s over `model.generate` tokens/s, same prompts, same
-greedy tokens) is the verifier's per-stream overhead: gRPC on loopback, the
-engine's worker thread, KV bookkeeping. Goal: >= 0.9. Prints one JSON object on
-the last line and writes bench/results/generate.json.
+greedy tokens, same torch threads) is the verifier's per-stream overhead: gRPC on
+loopback, the engine's worker thread, KV bookkeeping. Goal: >= 0.9. The verifier runs
+as deployed, in its own process (`fedge verifier serve`); also reported, as a second
+figure, a verifier in the bench's own process, where the client's thread competes with
+the server's for one interpreter lock. Prints one JSON object on the last line and writes
+bench/results/generate.json.
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ def main() -> None:
     parser.add_argument("--preset", default="micro", help="zoo preset (micro, demo, default)")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of plain decoding and the verifier"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     from edge.client import ClientConfig, VerifierClient
     from edge.prompts import heldout_prompts
     from edge.verifier.server import BackgroundServer, ServerConfig
     from fedge.models import load_causal_lm, load_tokenizer
     from fedge.zoo import ensure_zoo
+    from simulations.verifier_process import VerifierProcess
 
     zoo = ensure_zoo(args.preset)
     model = load_causal_lm(zoo.target_dir)
@@ -54,15 +62,21 @@ def main() -> None:
     expected = [hf(p) for p in prompts]
     hf_s = time.perf_counter() - started
 
+    def timed(port: int) -> tuple[float, list[list[int]]]:
+        with VerifierClient(ClientConfig(f"127.0.0.1:{port}")) as client:
+            list(client.generate(prompts[0], args.tokens))  # warm up
+            started = time.perf_counter()
+            produced = [list(client.generate(p, args.tokens)) for p in prompts]
+            return time.perf_counter() - started, produced
+
+    server = VerifierProcess(zoo.target_dir, torch_threads=args.threads)
+    try:
+        generate_s, produced = timed(server.port)
+    finally:
+        server.stop()
     config = ServerConfig(zoo.target_dir, drain_notice_s=0.0)
-    with (
-        BackgroundServer(config, model) as server,
-        VerifierClient(ClientConfig(f"127.0.0.1:{server.port}")) as client,
-    ):
-        list(client.generate(prompts[0], args.tokens))  # warm up
-        started = time.perf_counter()
-        produced = [list(client.generate(p, args.tokens)) for p in prompts]
-        generate_s = time.perf_counter() - started
+    with BackgroundServer(config, model) as background:
+        in_process_s, produced_in_process = timed(background.port)
     n = args.tokens * len(prompts)
     result = {
         "preset": args.preset,
@@ -71,7 +85,10 @@ def main() -> None:
         "generate_tok_s": n / generate_s,
         "ratio": hf_s / generate_s,
         "goal": 0.9,
-        "identical": produced == expected,
+        "identical": produced == expected and produced_in_process == expected,
+        "torch_threads": args.threads,
+        "in_process_generate_tok_s": n / in_process_s,
+        "in_process_ratio": hf_s / in_process_s,
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
     }
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
