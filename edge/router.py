@@ -108,7 +108,9 @@ class RouterConfig:
     pass_cost: float = 1.0  # one target pass in the cloud: the unit of cost
     byte_cost: float = 1e-5  # 100 kB moved cost as much as one pass
     joule_cost: float = 10.0  # per device joule at full battery (3 mJ/token -> 0.03 passes)
-    smoothing: float = 0.3  # weight of the newest outcome in each running estimate
+    # weight of the newest outcome at the same RTT (more at another RTT: see Router.observe); low,
+    # because one request's speed depends on its prompt (1-10 tokens per verify here)
+    smoothing: float = 0.1
     margin: float = 1.1  # a prediction must beat the objective by 10% to count as meeting it
     remeasure_after: int = 16  # requests before a cheaper, too-slow route is tried again
     queue_capacity: int = 8  # verifier queue depth at which the cloud counts as twice as slow
@@ -117,6 +119,7 @@ class RouterConfig:
     rtt_floor_s: float = 0.01  # RTTs are compared as (rtt + floor) ratios: 0 and 5 ms are alike
     rtt_moved: float = 2.0  # estimates made at an RTT this many times off are re-measured ...
     near_objective: float = 0.8  # ... when predicted within this share of the objective
+    near_remeasure_after: int = 4  # requests before a cheaper route predicted near is tried again
     max_draft: int = 16  # the longest draft the speculative model may assume (DecodeConfig's)
 
     def __post_init__(self) -> None:
@@ -130,11 +133,10 @@ class RouterConfig:
                 "RouterConfig.margin and overload_factor must be >= 1, got "
                 f"{self.margin}, {self.overload_factor}"
             )
-        if self.remeasure_after < 1 or self.queue_capacity < 1 or self.max_draft < 1:
-            raise ValueError(
-                "RouterConfig.remeasure_after, queue_capacity and max_draft must be >= 1, got "
-                f"{self.remeasure_after}, {self.queue_capacity}, {self.max_draft}"
-            )
+        counts = ("remeasure_after", "near_remeasure_after", "queue_capacity", "max_draft")
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.rtt_floor_s <= 0 or self.rtt_moved <= 1 or not 0 < self.near_objective <= 1:
             raise ValueError(
                 "RouterConfig needs rtt_floor_s > 0, rtt_moved > 1, 0 < near_objective <= 1, got "
@@ -215,6 +217,7 @@ class RouterState:
     queue_depth: int = 0
     overloaded_at: float = -math.inf
     requests: int = 0
+    in_use: Route | None = None  # the route of the last request that taught the router
     clock: Callable[[], float] = time.monotonic
     speculation: SpeculationEstimator = field(default_factory=SpeculationEstimator)
 
@@ -298,10 +301,18 @@ class Context:
     predicted: dict[Route, Prediction]
 
     def meeting(self) -> list[Route]:
-        """Feasible routes predicted to meet the objective, cheapest first."""
-        margin = self.state.config.margin
+        """Feasible routes predicted to meet the objective, cheapest first: by `margin`, except
+        the route in use, which keeps its place while it is predicted to meet it at all
+        (hysteresis: one slow prompt does not abandon a route that is meeting the objective)."""
+        state = self.state
         ok = [r for r in self.routes if r in self.predicted]
-        ok = [r for r in ok if self.predicted[r].meets(self.objective, margin)]
+        ok = [
+            r
+            for r in ok
+            if self.predicted[r].meets(
+                self.objective, 1.0 if r == state.in_use else state.config.margin
+            )
+        ]
         return sorted(ok, key=lambda r: self.predicted[r].cost)
 
 
@@ -324,8 +335,9 @@ def policy_untried(ctx: Context) -> tuple[Route, str] | None:
 
 
 def policy_remeasure(ctx: Context) -> tuple[Route, str] | None:
-    """Try again a route cheaper than the best meeting one that looked too slow: a while ago, or
-    at a quite different RTT while it is now predicted near the objective."""
+    """Try again a route cheaper than the best meeting one that looked too slow: a while ago
+    (sooner when predicted near the objective: one slow prompt may have put it there), or at
+    once when measured at a quite different RTT and now predicted near the objective."""
     meeting = ctx.meeting()
     ceiling = ctx.predicted[meeting[0]].cost if meeting else math.inf
     state, cfg = ctx.state, ctx.state.config
@@ -333,9 +345,10 @@ def policy_remeasure(ctx: Context) -> tuple[Route, str] | None:
         if route in meeting or ctx.predicted[route].cost >= ceiling:
             continue
         s = state.stats[route]
-        if state.requests - s.last_request >= cfg.remeasure_after * s.backoff:
-            return route, f"re-measuring {route.value} (not tried for a while)"
         near = ctx.predicted[route].attainment(ctx.objective) >= cfg.near_objective
+        period = cfg.near_remeasure_after if near else cfg.remeasure_after
+        if state.requests - s.last_request >= period * s.backoff:
+            return route, f"re-measuring {route.value} (not tried for a while)"
         if near and state.rtt_similarity(s.rtt_s) * cfg.rtt_moved <= 1.0:
             return route, f"re-measuring {route.value} (measured at another RTT, predicted near)"
     return None
@@ -421,9 +434,12 @@ class Router:
         s.rtt_s = (1 - a) * s.rtt_s + a * outcome.rtt_s
         s.n += 1
         s.last_request = state.requests
+        state.in_use = outcome.route
+        # the estimate, not this one request, says whether the route is far from the objective:
+        # only then does its re-measurement back off
         goal = objective or Objective()
-        met = n / outcome.seconds >= goal.tokens_per_s and outcome.ttft_s <= goal.ttft_s
-        s.backoff = 1 if met else min(64, s.backoff * 2)
+        attained = min(1.0 / s.seconds / goal.tokens_per_s, goal.ttft_s / max(s.ttft_s, 1e-9))
+        s.backoff = 1 if attained >= state.config.near_objective else min(64, s.backoff * 2)
 
     def observe_rtt(self, seconds: float) -> None:
         """A measured round trip (health check): the verifier is reachable."""

@@ -247,13 +247,20 @@ class NetworkEmulator:
         self._flowing.set()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Connect to the target (after any blackhole) and pump both directions."""
+        """Serve one accepted connection; a shutdown ends it quietly."""
         self.accepted += 1
-        assert self._flowing is not None
         handler = asyncio.current_task()
         if handler is not None:
             self._handlers.add(handler)
             handler.add_done_callback(self._handlers.discard)
+        try:
+            await self._proxy(reader, writer)
+        except asyncio.CancelledError:  # stopping: Python 3.11's server callback would log it
+            writer.transport.abort()
+
+    async def _proxy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Connect to the target (after any blackhole) and pump both directions."""
+        assert self._flowing is not None
         if self._blackholed:  # SYN dropped: the client's connect hangs, then gets reset
             await self._flowing.wait()
             writer.transport.abort()

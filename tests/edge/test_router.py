@@ -167,21 +167,30 @@ def test_draft_suffices_and_is_cheapest() -> None:
     assert router.choose().route == Route.SPECULATIVE
 
 
-def test_stale_cheaper_route_is_remeasured_with_doubling_backoff() -> None:
-    """Speculative at 200 ms met 15/s (16/s) but not the 16.5/s margin: after 16 requests it is
-    tried again; 14/s then misses, so the next try comes 32 requests later."""
+@pytest.mark.parametrize(
+    ("first_s", "again_s", "first_period", "second_period"),
+    [
+        # 16/s meets 15/s but not the 16.5/s margin a route not in use needs: near (>= 80%), so
+        # 4 requests; 14/s then misses but is still near (93%): no backoff, 4 requests again
+        (3.0, 48 / 14, 4, 4),
+        # 10/s is far from 15/s (67%): backoff 2, 16 x 2 = 32; still far: 64
+        (4.8, 4.8, 32, 64),
+    ],
+)
+def test_stale_cheaper_route_is_remeasured_with_doubling_backoff(
+    first_s: float, again_s: float, first_period: int, second_period: int
+) -> None:
     router = Router(RouterConfig(smoothing=1.0), clock=Clock())
-    router.observe(Outcome(Route.SPECULATIVE, 48, 3.0, 0.25, 12, 4800, 12, 48, 2.5, 0.2))
+    router.observe(Outcome(Route.SPECULATIVE, 48, first_s, 0.25, 12, 4800, 12, 48, 2.5, 0.2))
     router.observe(Outcome(Route.CLOUD_ONLY, 48, 0.48, 0.21, 48, 480, 1, 0, 0.48, 0.2))
     router.observe_rtt(0.2)
-    slow_spec = SLOW_SPEC_200
-    for _ in range(15):  # requests 3..17: with request 2, 16 requests since speculative's
+    for _ in range(first_period - 1):  # with request 2, `first_period` since speculative's
         assert router.choose().route == Route.CLOUD_ONLY
         router.observe(CLOUD)
     decision = router.choose()
     assert decision.route == Route.SPECULATIVE and decision.reason.startswith("re-measuring")
-    router.observe(slow_spec)  # request 18, still too slow: next re-measure 32 requests later
-    for _ in range(32):
+    router.observe(Outcome(Route.SPECULATIVE, 48, again_s, 0.25, 12, 4800, 12, 48, 2.5, 0.2))
+    for _ in range(second_period):
         assert router.choose().route == Route.CLOUD_ONLY
         router.observe(CLOUD)
     assert router.choose().route == Route.SPECULATIVE
@@ -238,7 +247,22 @@ def spike_then_rtt_change(config: RouterConfig) -> list[Route]:
 
 def test_a_route_measured_in_a_spike_at_another_rtt_is_measured_again() -> None:
     """The router looks again at once (measured at 20 ms, predicted near the objective), sees
-    19.3/s and stays on the cheaper route; without that rule (rtt_moved huge) it would stay on
-    cloud-only for 16 requests, at 4x the cost per token, as it did in the last benchmark."""
+    19.3/s and stays on the cheaper route; under the old rules (no RTT rule, 16 requests before
+    any re-measure, smoothing 0.3) it stays on cloud-only, at 4x the cost per token, as it did
+    in the last benchmark."""
     assert spike_then_rtt_change(RouterConfig()) == [Route.SPECULATIVE] * 8
-    assert spike_then_rtt_change(RouterConfig(rtt_moved=1e9)) == [Route.CLOUD_ONLY] * 8
+    old_rules = RouterConfig(smoothing=0.3, rtt_moved=1e9, near_remeasure_after=16)
+    assert spike_then_rtt_change(old_rules) == [Route.CLOUD_ONLY] * 8
+
+
+def test_the_route_in_use_keeps_its_place_without_the_margin() -> None:
+    """Speculative at 15.5/s meets 15/s but not the 16.5/s margin: while it is the route in use
+    it stays (one slow prompt does not abandon it); once cloud-only served a request, speculative
+    must clear the margin again and cloud-only is chosen."""
+    router = Router(RouterConfig(smoothing=1.0), clock=Clock())
+    router.observe(CLOUD)
+    router.observe(Outcome(Route.SPECULATIVE, 48, 48 / 15.5, 0.05, 12, 4800, 12, 48, 1.5, 0.02))
+    router.observe_rtt(0.02)
+    assert router.choose().route == Route.SPECULATIVE
+    router.observe(CLOUD)
+    assert router.choose().route == Route.CLOUD_ONLY
