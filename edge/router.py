@@ -120,6 +120,10 @@ class RouterConfig:
     rtt_moved: float = 2.0  # estimates made at an RTT this many times off are re-measured ...
     near_objective: float = 0.8  # ... when predicted within this share of the objective
     near_remeasure_after: int = 4  # requests before a cheaper route predicted near is tried again
+    # at the same RTT one request counts as at most this many times slower than the estimate: a
+    # prompt the draft cannot guess (1 token per verify) is not a slower route; one that really
+    # slowed still moves the estimate request after request
+    outlier: float = 2.0
     max_draft: int = 16  # the longest draft the speculative model may assume (DecodeConfig's)
 
     def __post_init__(self) -> None:
@@ -128,10 +132,10 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"RouterConfig.smoothing must lie in (0, 1], got {self.smoothing}")
-        if self.margin < 1.0 or self.overload_factor < 1.0:
+        if self.margin < 1.0 or self.overload_factor < 1.0 or self.outlier < 1.0:
             raise ValueError(
-                "RouterConfig.margin and overload_factor must be >= 1, got "
-                f"{self.margin}, {self.overload_factor}"
+                "RouterConfig.margin, overload_factor and outlier must be >= 1, got "
+                f"{self.margin}, {self.overload_factor}, {self.outlier}"
             )
         counts = ("remeasure_after", "near_remeasure_after", "queue_capacity", "max_draft")
         for name in counts:
@@ -425,6 +429,8 @@ class Router:
         # an outcome at another RTT replaces more of the old estimates than one at the same RTT
         similar = state.rtt_similarity(s.rtt_s, outcome.rtt_s)
         a = 1.0 if s.n == 0 else 1.0 - (1.0 - state.config.smoothing) * similar
+        if s.n and similar >= 0.5:  # same network: a very slow request is news about its prompt
+            per_token["seconds"] = min(per_token["seconds"], state.config.outlier * s.seconds)
         for name, value in per_token.items():
             setattr(s, name, (1 - a) * getattr(s, name) + a * value)
         s.ttft_s = (1 - a) * s.ttft_s + a * outcome.ttft_s

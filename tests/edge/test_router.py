@@ -266,3 +266,25 @@ def test_the_route_in_use_keeps_its_place_without_the_margin() -> None:
     assert router.choose().route == Route.SPECULATIVE
     router.observe(CLOUD)
     assert router.choose().route == Route.CLOUD_ONLY
+
+
+def test_one_very_slow_prompt_counts_as_at_most_twice_as_slow() -> None:
+    """At 200 ms speculative runs at 50 ms/token (20/s); one prompt the draft cannot guess takes
+    250 ms/token. With smoothing 0.1 it would move the estimate to 70 ms (14.3/s, under 15/s);
+    counted as 100 ms it moves it to 55 ms (18.2/s), and the route in use stays. Three slow
+    requests in a row (55, 60.5, 66.6 ms: 15.0/s) still take the estimate down to the line."""
+    router = Router(RouterConfig(smoothing=0.1))
+
+    def spec(ms_per_token: float) -> Outcome:
+        seconds = 48 * ms_per_token / 1e3
+        return Outcome(Route.SPECULATIVE, 48, seconds, 0.25, 13, 4800, 13, 48, 0.8 * seconds, 0.2)
+
+    router.observe(Outcome(Route.CLOUD_ONLY, 48, 0.55, 0.22, 48, 480, 1, 0, 0.55, 0.2))
+    router.observe(spec(50))
+    router.observe_rtt(0.2)
+    router.observe(spec(250))
+    assert router.state.stats[Route.SPECULATIVE].seconds == pytest.approx(0.055)
+    assert router.choose().route == Route.SPECULATIVE
+    router.observe(spec(250))
+    router.observe(spec(250))
+    assert router.state.stats[Route.SPECULATIVE].seconds == pytest.approx(0.0666, abs=1e-4)
