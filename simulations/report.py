@@ -68,7 +68,7 @@ def _federation_section(federation: dict[str, Any], plot: str, run_dir: Path) ->
     for run in (federation["plain"], federation["private"]):
         eps = f"{run['epsilon']:.2f}" if run["epsilon"] is not None else "-"
         lines.append(
-            f"| {run['label']} | {len(run['partitions'])} | "
+            f"| {run['label']} | {run.get('clients', len(run['partitions']))} | "
             f"{_change(*run['participating_perplexity'])} | {_change(*run['corpus_perplexity'])} "
             f"| {eps} |"
         )
@@ -99,11 +99,12 @@ def _realignment_section(clients: list[dict[str, Any]], plot: str) -> list[str]:
         "realigned draft / federated target |",
         "|---|---|---|---|",
     ]
+    keys = ("base_vs_base", "base_vs_federated", "realigned_vs_federated")
     for c in clients:
-        lines.append(
-            f"| {c['partition']} | {c['base_vs_base']:.1%} | {c['base_vs_federated']:.1%} | "
-            f"{c['realigned_vs_federated']:.1%} |"
-        )
+        lines.append(f"| {c['partition']} | " + " | ".join(f"{c[k]:.1%}" for k in keys) + " |")
+    if clients:
+        means = [sum(c[k] for c in clients) / len(clients) for k in keys]
+        lines.append("| mean | " + " | ".join(f"{m:.1%}" for m in means) + " |")
     return [*lines, "", f"![acceptance per client]({plot})", ""]
 
 

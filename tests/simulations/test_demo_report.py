@@ -10,7 +10,9 @@ from simulations.report import write_report
 from simulations.tensorboard import RoundScalars
 
 
-def _federation(run_dir: Path, label: str, ppl: list[float], eps: float | None) -> dict[str, Any]:
+def _federation(
+    run_dir: Path, label: str, ppl: list[float], eps: float | None, seen: list[int]
+) -> dict[str, Any]:
     log = MetricsLog(run_dir)
     for i, p in enumerate(ppl):
         log.append({"round": i, "status": "ok", "perplexity": p, "participants_perplexity": p - 5})
@@ -18,7 +20,8 @@ def _federation(run_dir: Path, label: str, ppl: list[float], eps: float | None) 
         "label": label,
         "run_dir": str(run_dir),
         "adapter_dir": str(run_dir / "final" / "adapter"),
-        "partitions": [0, 1, 2],
+        "partitions": seen,
+        "clients": 3,
         "participating_perplexity": [ppl[0] - 5, ppl[-1] - 5],
         "corpus_perplexity": [ppl[0], ppl[-1]],
         "epsilon": eps,
@@ -40,8 +43,9 @@ def test_report_carries_every_stage_and_its_plots(tmp_path: Path) -> None:
         "stages": {
             "zoo": {"card": card},
             "federation": {
-                "plain": _federation(tmp_path / "plain", "plain", [70.0, 60.0], None),
-                "private": _federation(tmp_path / "private", "secagg+dp", [70.0, 69.0], 3.25),
+                "plain": _federation(tmp_path / "plain", "plain", [70.0, 60.0], None, [0, 1, 2]),
+                # SecAgg+ masks per-client metrics: the server sees how many, not which
+                "private": _federation(tmp_path / "private", "secagg+dp", [70.0, 69.0], 3.25, []),
             },
             "realignment": {
                 "clients": [
@@ -50,7 +54,13 @@ def test_report_carries_every_stage_and_its_plots(tmp_path: Path) -> None:
                         "base_vs_base": 0.6,
                         "base_vs_federated": 0.5,
                         "realigned_vs_federated": 0.65,
-                    }
+                    },
+                    {
+                        "partition": 1,
+                        "base_vs_base": 0.5,
+                        "base_vs_federated": 0.4,
+                        "realigned_vs_federated": 0.55,
+                    },
                 ]
             },
             "edge": {
@@ -68,6 +78,7 @@ def test_report_carries_every_stage_and_its_plots(tmp_path: Path) -> None:
     assert "| plain | 3 | 65.00 -> 55.00 (-15.4%) | 70.00 -> 60.00 (-14.3%) | - |" in report
     assert "| secagg+dp | 3 | 65.00 -> 64.00 (-1.5%) | 70.00 -> 69.00 (-1.4%) | 3.25 |" in report
     assert "| 0 | 60.0% | 50.0% | 65.0% |" in report
+    assert "| mean | 55.0% | 45.0% | 60.0% |" in report
     assert "int4 0.200 ms (2.00x fp32)" in report and "| yes |" in report
     for plot in ("perplexity_rounds.png", "acceptance.png"):
         assert (tmp_path / plot).stat().st_size > 1000 and f"]({plot})" in report
