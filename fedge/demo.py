@@ -61,6 +61,7 @@ def quiet_libraries() -> None:
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
     os.environ["TQDM_DISABLE"] = "1"  # flwr-datasets' partitioners draw tqdm bars
+    _disable_imported_tqdm()
     os.environ["RAY_DEDUP_LOGS"] = "1"
     warnings.filterwarnings("ignore")
     for name in ("flwr", "ray", "transformers", "torch", "onnxruntime", "root", "datasets"):
@@ -78,6 +79,15 @@ def quiet_libraries() -> None:
         datasets.disable_progress_bars()
     except ImportError:  # datasets is optional for the demo
         pass
+
+
+def _disable_imported_tqdm() -> None:
+    """tqdm reads TQDM_DISABLE when it is imported; in this process it already was."""
+    import functools
+
+    import tqdm
+
+    tqdm.tqdm.__init__ = functools.partialmethod(tqdm.tqdm.__init__, disable=True)  # type: ignore[method-assign]
 
 
 def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") -> dict[str, Any]:
