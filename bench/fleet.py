@@ -11,7 +11,9 @@ Runs: round robin vs least-outstanding vs token-aware, all with session affinity
 (a speculative session's KV cache lives on one replica); then token-aware with a
 replica killed a third of the way in (failed requests counted; a lost session is
 reopened from its committed tokens, as the edge's recovery does); then 1 vs 2
-replicas without slowdown. Usage: python bench/fleet.py [--quick]
+replicas without slowdown. A rolling restart (every replica replaced, Serve's rolling
+update) a third of the way into a token-aware run counts failed requests too.
+Usage: python bench/fleet.py [--quick]
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def run_load(
     args: argparse.Namespace,
     kill: Any = None,
 ) -> tuple[list[Record], float]:
-    """Drive `args.sessions` devices for `args.duration` s (`kill()` runs a third of the way in)."""
+    """Drive `args.sessions` devices for `args.duration` s (`kill()` runs a third of the way in;
+    when it takes long, as a restart does, the load runs on at least a third after it)."""
     stop = threading.Event()
     records: list[Record] = []
     threads = [
@@ -155,8 +158,10 @@ def run_load(
         thread.start()
     if kill is not None:
         time.sleep(args.duration / 3)
+        hooked = time.perf_counter()
         kill()
-        time.sleep(args.duration * 2 / 3)
+        spent = time.perf_counter() - hooked
+        time.sleep(max(args.duration * 2 / 3 - spent, args.duration / 3))
     else:
         time.sleep(args.duration)
     stop.set()
@@ -204,9 +209,13 @@ def measure(
     draft: Any,
     prompts: dict[str, list[list[int]]],
     args: argparse.Namespace,
-    kill_one: bool = False,
+    event: str = "",
 ) -> dict[str, Any]:
-    """Deploy a fleet, warm it up, run the load (optionally killing a replica), tear it down."""
+    """Deploy a fleet, warm it up, run the load, tear it down.
+
+    `event` "kill" kills a replica a third of the way in, "restart" restarts every replica
+    then (Serve's rolling update, `Fleet.restart`).
+    """
     import ray
 
     fleet = start_fleet(config)
@@ -214,19 +223,27 @@ def measure(
         warm = argparse.Namespace(**{**vars(args), "duration": 3.0})
         run_load(fleet.port, draft, prompts, warm)
         fleet.ingress.reset_stats.remote().result()
+        restarted: dict[str, Any] = {}
 
         def kill() -> None:
             name = sorted(fleet.replica_actors().values())[0]
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
+        def restart() -> None:
+            restarted.update(fleet.restart())
+
+        hooks = {"kill": kill, "restart": restart}
         load_before = loadavg()
-        records, wall = run_load(fleet.port, draft, prompts, args, kill if kill_one else None)
+        records, wall = run_load(fleet.port, draft, prompts, args, hooks.get(event))
         summary = summarize(records, wall)
         summary["loadavg_before"], summary["loadavg_after"] = load_before, loadavg()
         stats = fleet.ingress.fleet_stats.remote().result()
         summary["per_replica"] = stats["replicas"]
-        if kill_one:
+        if event:
             summary["resumed_streams"] = stats["resumed_streams"]
+            summary["moved_sessions"] = stats["moved_sessions"]
+        if restarted:
+            summary["restart"] = restarted
         return summary
     finally:
         fleet.stop()
@@ -270,9 +287,12 @@ def main() -> None:
     if args.policies_only:
         previous = json.loads(RESULTS.read_text())
         killed, scaling = previous["replica_kill"], previous["replicas"]
+        restarted = previous.get("rolling_restart", {})
     else:
-        killed = measure(replace(fleet, slowdown=1.0), draft, prompts, args, kill_one=True)
+        killed = measure(replace(fleet, slowdown=1.0), draft, prompts, args, event="kill")
         print("kill", json.dumps(killed), flush=True)
+        restarted = measure(replace(fleet, slowdown=1.0), draft, prompts, args, event="restart")
+        print("restart", json.dumps(restarted), flush=True)
         scaling = {
             str(n): measure(replace(fleet, replicas=n, slowdown=1.0), draft, prompts, args)
             for n in (1, 2)
@@ -296,6 +316,7 @@ def main() -> None:
         / max(policies["least-outstanding"]["itl"]["p99_ms"], 1e-9),
         "goal_itl_p99_ratio": 1.5,
         "replica_kill": killed,
+        "rolling_restart": restarted,
         "replicas": scaling,
         "throughput_ratio_2_over_1": scaling["2"]["tokens_per_s"]
         / max(scaling["1"]["tokens_per_s"], 1e-9),

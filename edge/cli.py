@@ -12,7 +12,9 @@ import typer
 from rich.console import Console
 
 from edge.cli_options import (
+    GENERATE_BURST,
     TOKEN_ENV,
+    VERIFY_BURST,
     AdapterOption,
     GenerateBurstOption,
     GenerateRateOption,
@@ -201,9 +203,9 @@ def serve_command(
         int, typer.Option(help="torch intra-op threads; 0 = torch's default.")
     ] = 0,
     verify_rate: VerifyRateOption = None,
-    verify_burst: VerifyBurstOption = 256,
+    verify_burst: VerifyBurstOption = VERIFY_BURST,
     generate_rate: GenerateRateOption = None,
-    generate_burst: GenerateBurstOption = 512,
+    generate_burst: GenerateBurstOption = GENERATE_BURST,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:

@@ -6,12 +6,11 @@ Kept free of heavy imports (no torch, grpc or opentelemetry) so `--help` stays f
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-if TYPE_CHECKING:
-    from edge.verifier.limits import RateLimitConfig
+from edge.verifier.rate_config import RateLimitConfig
 
 TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
 TRACING_ENV = "FEDGE_TRACING"  # = edge.tracing.TRACING_ENV
@@ -31,6 +30,8 @@ VerifyRateOption = Annotated[
     typer.Option(help="Per-device verify tokens (draft + 1 per Verify) per second; off if unset."),
 ]
 VerifyBurstOption = Annotated[int, typer.Option(help="Per-device verify token bucket size.")]
+VERIFY_BURST = RateLimitConfig.verify_burst  # the bursts' defaults: RateLimitConfig's, one source
+GENERATE_BURST = RateLimitConfig.generate_burst
 GenerateRateOption = Annotated[
     float | None,
     typer.Option(help="Per-device Generate tokens (max_new_tokens) per second; off if unset."),
@@ -58,8 +59,6 @@ def rate_limits(
     verify_rate: float | None, verify_burst: int, generate_rate: float | None, generate_burst: int
 ) -> RateLimitConfig:
     """The per-device limits the four rate options describe."""
-    from edge.verifier.limits import RateLimitConfig
-
     return RateLimitConfig(
         verify_rate=verify_rate,
         verify_burst=verify_burst,

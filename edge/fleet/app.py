@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ from typing import Any
 from edge.fleet.ingress import INGRESS_SERVICE, REPLICA_DEPLOYMENT, FleetIngress, IngressSpec
 from edge.fleet.replica import REPLICA_SERVICE, ReplicaSpec, VerifierReplica
 from edge.fleet.routers import policy_class, policy_path
+from edge.fleet.wire import ROUTE_PIN
 from edge.tracing import TracingConfig
 from edge.verifier.engine import EngineConfig
 from edge.verifier.limits import RateLimitConfig
@@ -48,6 +50,11 @@ class FleetConfig:
     min_replicas: int = 1  # autoscaling lower bound (used when max_replicas is set)
     max_replicas: int | None = None  # None = no autoscaling
     target_queue: float = 8.0  # autoscaling target: ongoing calls per replica
+    upscale_delay_s: float = 2.0  # queue depth above target this long adds replicas
+    downscale_delay_s: float = 30.0  # below target this long removes them (not at every lull)
+    scaling_window_s: float = 30.0  # Serve averages the queue depth over this window
+    scaling_metrics_s: float = 10.0  # how often the ingress's handle reports its queue to Serve
+    # (Serve 2.55's `metrics_interval_s`, deprecated there in favour of an environment variable)
     max_ongoing_requests: int = 64  # per replica; above it Serve queues in the ingress
     health_period_s: float = 2.0  # Serve probes each replica's verifier health this often
     health_timeout_s: float = 10.0
@@ -67,9 +74,23 @@ class FleetConfig:
                 "FleetConfig needs 1 <= min_replicas <= replicas <= max_replicas, got "
                 f"{self.min_replicas}, {self.replicas}, {self.max_replicas}"
             )
-        for name in ("target_queue", "health_period_s", "health_timeout_s"):
+        for name in (
+            "target_queue",
+            "health_period_s",
+            "health_timeout_s",
+            "scaling_window_s",
+            "scaling_metrics_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"FleetConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.scaling_window_s <= self.scaling_metrics_s:
+            raise ValueError(
+                "FleetConfig.scaling_window_s must exceed scaling_metrics_s (Serve averages "
+                f"reports over the window), got {self.scaling_window_s} <= {self.scaling_metrics_s}"
+            )
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"FleetConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.replica_cpus < 0:
             raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
 
@@ -104,8 +125,10 @@ class FleetConfig:
             "initial_replicas": self.replicas,
             "max_replicas": self.max_replicas,
             "target_ongoing_requests": self.target_queue,
-            "upscale_delay_s": 2.0,
-            "downscale_delay_s": 30.0,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.scaling_window_s,
+            "metrics_interval_s": self.scaling_metrics_s,
         }
 
 
@@ -175,6 +198,19 @@ class Fleet:
         """Replica id -> Ray actor name of every live replica of `app` (default: the stable one)."""
         return replica_actors(app or self.describe()["stable"])
 
+    def call_replica(self, replica_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` of one replica of the stable version (pinned; NOT_SERVING or not)."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=self.describe()["stable"])
+        return getattr(handle, method).remote(*args, **{ROUTE_PIN: replica_id, **kwargs}).result()
+
+    def restart(self, adapter_dir: Path | None = None) -> dict[str, Any]:
+        """Replace every replica of the stable version in place, one at a time (`restart_version`)."""
+        report = restart_version(self.ingress, adapter_dir)
+        self.config = pickle.loads(self.ingress.fleet_config.remote().result())
+        return report
+
     def stop(self) -> None:
         """Delete the fleet's applications; shut Ray down if this fleet started it."""
         import ray
@@ -198,6 +234,54 @@ def replica_actors(app: str) -> dict[str, str]:
         actor["name"][len(prefix) :]: actor["name"]
         for actor in ray.util.list_named_actors(all_namespaces=True)
         if actor["name"].startswith(prefix)
+    }
+
+
+def restart_version(
+    ingress: Any, adapter_dir: Path | None = None, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Replace every replica of the ingress's stable version, one at a time, failing no call.
+
+    This is Ray Serve's rolling update: `serve.run` gives the deployment a new code
+    version, so Serve stops old replicas 20% of the target count at a time (at least
+    one: one at a time below 10 replicas) and stops the next only once a new replica
+    runs in its place. A stopping replica leaves its routers at once and finishes the
+    calls it holds (`graceful_shutdown_timeout_s`); a call that still reaches it is
+    handled as the replica's loss (`ReplicaStopping`), and its sessions reopen on
+    another replica from the edge's committed tokens (NOT_FOUND, the proto's recovery).
+    With `adapter_dir` the new replicas serve that adapter: an upgrade, checked before
+    any replica stops (a misfit is refused naming the file). Returns the replica ids
+    before and after. Refused while a canary rollout runs.
+    """
+    from ray import serve
+
+    from edge.fleet.adapters import check_adapter
+
+    current = ingress.describe.remote().result()
+    if current["canary"] is not None:
+        raise RuntimeError(
+            f"canary {current['canary']} is being rolled out; restart after its decision"
+        )
+    stable = current["stable"]
+    config: FleetConfig = pickle.loads(ingress.fleet_config.remote().result())
+    if adapter_dir is not None:
+        check_adapter(config.model_dir, adapter_dir)
+        config = with_adapter(config, adapter_dir)
+    before = set(replica_actors(stable))
+    started = time.monotonic()
+    serve.run(replica_application(config), name=stable, route_prefix=None)
+    ingress.promote.remote(stable, pickle.dumps(config)).result()
+    while before & set(replica_actors(stable)):  # serve.run returns before the last old one exits
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"old replicas of {stable} still alive after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    after = set(replica_actors(stable))
+    LOG.info("restarted %s in %.1f s: %s -> %s", stable, time.monotonic() - started, before, after)
+    return {
+        "app": stable,
+        "before": sorted(before),
+        "after": sorted(after),
+        "seconds": time.monotonic() - started,
     }
 
 

@@ -8,12 +8,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from edge.cli_options import (
+    GENERATE_BURST,
+    VERIFY_BURST,
     AdapterOption,
     GenerateBurstOption,
     GenerateRateOption,
@@ -31,6 +33,10 @@ from edge.cli_options import (
 
 FLEET_FILE = "fleet.json"
 _console = Console(stderr=True)
+
+FleetDirOption = Annotated[
+    Path, typer.Option(help="The fleet's run dir (its fleet.json names the Ray cluster).")
+]
 
 
 def fleet_command(
@@ -59,9 +65,9 @@ def fleet_command(
     max_batch: MaxBatchOption = 32,
     session_ttl_s: SessionTtlOption = 300.0,
     verify_rate: VerifyRateOption = None,
-    verify_burst: VerifyBurstOption = 256,
+    verify_burst: VerifyBurstOption = VERIFY_BURST,
     generate_rate: GenerateRateOption = None,
-    generate_burst: GenerateBurstOption = 512,
+    generate_burst: GenerateBurstOption = GENERATE_BURST,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
     run_dir: Annotated[
@@ -115,18 +121,15 @@ def rollout_command(
     min_verifies: Annotated[
         int, typer.Option(help="Verifies per arm before deciding (the window extends).")
     ] = 50,
+    min_sessions: Annotated[
+        int, typer.Option(help="Sessions per arm before deciding (acceptance is per session).")
+    ] = 10,
     run_dir: Annotated[
         Path, typer.Option(help="Directory for rollout.json (decision and figures).")
     ] = Path("runs/rollout"),
-    fleet: Annotated[
-        Path, typer.Option(help="The fleet's run dir (its fleet.json names the Ray cluster).")
-    ] = Path("runs/fleet"),
+    fleet: FleetDirOption = Path("runs/fleet"),
 ) -> None:
     """Canary ADAPTER on the running fleet, then promote or roll back automatically."""
-    import ray
-    from ray import serve
-
-    from edge.fleet.app import INGRESS_APP, NAMESPACE
     from edge.fleet.rollout import RolloutConfig, run_rollout
 
     config = RolloutConfig(
@@ -135,20 +138,49 @@ def rollout_command(
         canary=canary,
         window_s=window,
         min_verifies=min_verifies,
+        min_sessions=min_sessions,
         max_window_s=max(600.0, window),
     )
+    record = run_rollout(_connect(fleet), config)
+    _console.print_json(json.dumps(record))
+    if record["decision"] != "promote":
+        raise typer.Exit(1)
+
+
+def _connect(fleet: Path) -> Any:
+    """Join the Ray cluster of the fleet started with run dir `fleet`; its ingress's handle."""
+    import ray
+    from ray import serve
+
+    from edge.fleet.app import INGRESS_APP, NAMESPACE
+
     state_file = fleet / FLEET_FILE
     if not state_file.is_file():
         raise typer.BadParameter(f"{state_file} is missing; start `fedge verifier fleet` first")
     address = json.loads(state_file.read_text())["ray_address"]
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-    record = run_rollout(serve.get_app_handle(INGRESS_APP), config)
-    _console.print_json(json.dumps(record))
-    if record["decision"] != "promote":
-        raise typer.Exit(1)
+    return serve.get_app_handle(INGRESS_APP)
+
+
+def restart_command(
+    adapter: Annotated[
+        Path | None, typer.Option(help="Upgrade: the new replicas serve this adapter dir.")
+    ] = None,
+    fleet: FleetDirOption = Path("runs/fleet"),
+) -> None:
+    """Replace the running fleet's replicas one at a time (Serve's rolling update), failing no call.
+
+    Sessions of a replica being replaced reopen on another from the edge's committed
+    tokens. With --adapter it is an upgrade (checked first); without a canary's figures.
+    """
+    from edge.fleet.app import restart_version
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _console.print_json(json.dumps(restart_version(_connect(fleet), adapter)))
 
 
 def register(app: typer.Typer) -> None:
     """Attach the fleet commands to the `fedge verifier` group."""
     app.command("fleet")(fleet_command)
     app.command("rollout")(rollout_command)
+    app.command("restart")(restart_command)

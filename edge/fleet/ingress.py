@@ -13,7 +13,10 @@ session and hints that replica to the router (session affinity). A session whose
 replica died or was retired lands on another replica, which answers NOT_FOUND,
 and the edge reopens it from its committed tokens (the proto's recovery path).
 A Generate stream cut by a replica's death resumes on another replica from the
-prompt plus the tokens already streamed, so the caller sees no error.
+prompt plus the tokens already streamed, so the caller sees no error. A session
+that moves (a spill, or a drained home) is closed on its old replica when that
+one is alive, fire-and-forget, so its KV cache is freed at once rather than at
+its time-to-live.
 
 Canary: new sessions go to a canary application with a set probability; the
 ingress records per-application figures (acceptance, errors, latency) that the
@@ -22,6 +25,7 @@ rollout controller (edge.fleet.rollout) compares.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -37,7 +41,7 @@ from opentelemetry import propagate
 
 from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_TOKENS
 from edge.fleet.stats import ArmStats, ReplicaFigures
-from edge.fleet.wire import CallResult, Metadata, clean_metadata
+from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata, clean_metadata
 from edge.proto import verifier_pb2 as pb
 from edge.tracing import TracingConfig, server_interceptors, shutdown, tracer_provider
 from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
@@ -48,6 +52,8 @@ REPLICA_DEPLOYMENT = "verifier"
 SESSION_FIELD = "session_id"
 RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id per message out
 RESUME_ATTEMPTS = 3
+CLOSE_TIMEOUT_S = 10.0  # a moved session's CloseSession on its old replica
+CLOSE_WAIT_S = 1.0  # how long a NOT_FOUND waits for that close (a reopen may land there)
 SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire on replicas anyway)
 INT_TYPES = (descriptor.FieldDescriptor.TYPE_INT32, descriptor.FieldDescriptor.TYPE_INT64)
 INGRESS_SERVICE = "fedge-fleet-ingress"  # service.name of the ingress's spans
@@ -144,6 +150,8 @@ class FleetIngress:
         self.arms: dict[str, ArmStats] = {}
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
+        self.moved_sessions = 0  # sessions closed on the replica they moved away from
+        self._closing: set[asyncio.Task[Any]] = set()
         self._handles: dict[str, Any] = {}
         self.health = health.aio.HealthServicer()
         self.limits = SwitchableLimits(spec.rate_limits)
@@ -205,6 +213,7 @@ class FleetIngress:
             "sessions": per_replica,
             "replicas": {replica: figures.summary() for replica, figures in self.replicas.items()},
             "resumed_streams": self.resumed_streams,
+            "moved_sessions": self.moved_sessions,
         }
 
     def reset_stats(self) -> None:
@@ -290,6 +299,10 @@ class FleetIngress:
             app, home = self._target(session_id)
             result = await self._relay_unary(name, request, context, app, home)
             self._count(name, request, result.replica, started, 0)
+            if home and result.replica and result.replica != home:  # the session moved
+                closing = self._close_moved(app, home, session_id, context)
+                if result.code == "NOT_FOUND":  # the edge reopens next: close before, or the
+                    await asyncio.wait({closing}, timeout=CLOSE_WAIT_S)  # reopen may be closed
             if result.code == "OK":
                 reply = reply_cls.FromString(result.payload)
                 self._remember(name, session_id or _session_of(reply), app, result)
@@ -345,6 +358,34 @@ class FleetIngress:
                         "from the committed tokens",
                     )
         return CallResult("UNAVAILABLE", "no verifier replica could take the call; retry shortly")
+
+    def _close_moved(
+        self, app: str, replica: str, session_id: str, context: grpc.aio.ServicerContext
+    ) -> asyncio.Task[None]:
+        """Close `session_id` on the replica it left, fire-and-forget (NOT_FOUND there if gone).
+
+        The call is pinned to that replica (`ROUTE_PIN`), draining or not; when it is
+        gone, whichever replica gets the call refuses it, so the session's new copy is
+        never touched. It carries the caller's metadata: sessions are scoped by token.
+        """
+        payload = pb.CloseSessionRequest(session_id=session_id).SerializeToString()
+        metadata = relay_metadata(context.invocation_metadata() or ())
+        pinned = {ROUTE_PIN: replica, ROUTE_TOKENS: 1, ROUTE_REPLICA: ""}
+
+        async def close() -> None:
+            try:
+                result = await self._handle(app).unary.remote(
+                    "CloseSession", payload, metadata, CLOSE_TIMEOUT_S, **pinned
+                )
+            except Exception as error:  # the old replica died meanwhile: nothing to free
+                LOG.debug("closing moved session %s on %s: %s", session_id, replica, error)
+                return
+            self.moved_sessions += result.code == "OK"
+
+        task = asyncio.ensure_future(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
 
     def _stream_handler(self, name: str, reply_cls: type[Message]) -> Any:
         """The relay of one server-streaming method."""
@@ -431,7 +472,8 @@ class FleetIngress:
             return
         drafted = len(getattr(request, "draft_ids", ()))
         accepted = int(getattr(reply, "accepted", 0)) if reply is not None else 0
-        stats.record(method, code, time.perf_counter() - started, drafted, accepted)
+        elapsed = time.perf_counter() - started
+        stats.record(method, code, elapsed, drafted, accepted, _session_of(request))
 
 
 def _resume_generate(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest | None:

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edge.fleet.wire import SERVING, CallResult, Metadata, clean_metadata
+from edge.fleet.wire import ROUTE_PIN, SERVING, CallResult, Metadata, clean_metadata
 from edge.tracing import TracingConfig, tracer_provider
 from edge.verifier.engine import EngineConfig
 from edge.verifier.server import (
@@ -67,6 +67,10 @@ def _slow_down(model: Any, factor: float) -> None:
     model.register_forward_hook(after)
 
 
+class ReplicaStopping(RuntimeError):
+    """A call reached a replica that Serve is stopping; the ingress handles it as the replica's loss."""
+
+
 class VerifierReplica:
     """Ray Serve deployment class: loads the model once, serves it through a private verifier."""
 
@@ -91,6 +95,8 @@ class VerifierReplica:
         )
         self.port = self._server.start()  # type: ignore[union-attr]
         self._channel: grpc.aio.Channel | None = None
+        self._stopping = False  # Serve is stopping this replica: its verifier refuses new calls
+        self._held = False  # drained on purpose and kept: the health check still passes
         self._health_stub = health_pb2_grpc.HealthStub(
             grpc.insecure_channel(f"127.0.0.1:{self.port}")
         )
@@ -103,9 +109,31 @@ class VerifierReplica:
         return self._channel
 
     def _fail(self, error: grpc.aio.AioRpcError) -> CallResult:
-        """A relayed gRPC error as a value."""
+        """A relayed gRPC error as a value; raises when this replica is stopping.
+
+        A call that reached the replica after Serve began stopping it finds its verifier
+        closed (UNAVAILABLE). Raised, the ingress treats it as the replica's loss: a call
+        that opens its session is retried elsewhere, a session's call ends NOT_FOUND and
+        the edge reopens the session, a Generate resumes elsewhere.
+        """
+        if self._stopping:
+            raise ReplicaStopping(f"replica {self.replica_id} is stopping")
         trailing = clean_metadata(tuple(error.trailing_metadata() or ()))
         return CallResult(error.code().name, error.details() or "", b"", self.replica_id, trailing)
+
+    def _pinned_elsewhere(self, hints: dict[str, object]) -> str:
+        """The replica a call is pinned to when that is not this one (it is gone), else ""."""
+        pin = str(hints.get(ROUTE_PIN) or "")
+        return pin if pin and pin != self.replica_id else ""
+
+    def _refuses(self, hints: dict[str, object]) -> CallResult | None:
+        """NOT_FOUND for a call pinned to another replica (its pinned replica is gone)."""
+        pin = self._pinned_elsewhere(hints)
+        if pin:
+            return CallResult("NOT_FOUND", f"replica {pin} is gone", b"", self.replica_id)
+        if self._stopping:
+            raise ReplicaStopping(f"replica {self.replica_id} is stopping")
+        return None
 
     async def unary(
         self,
@@ -116,6 +144,9 @@ class VerifierReplica:
         **hints: object,
     ) -> CallResult:
         """Relay one unary Verifier call (`method` is its short name, e.g. "Verify")."""
+        refused = self._refuses(hints)
+        if refused is not None:
+            return refused
         call = self._open_channel().unary_unary(SERVICE_PATH + method)
         try:
             reply = await call(payload, metadata=metadata, timeout=timeout_s)
@@ -132,6 +163,10 @@ class VerifierReplica:
         **hints: object,
     ) -> AsyncIterator[CallResult]:
         """Relay one server-streaming call; a failure is the last item, with its code."""
+        refused = self._refuses(hints)
+        if refused is not None:
+            yield refused
+            return
         call = self._open_channel().unary_stream(SERVICE_PATH + method)
         try:
             async for reply in call(payload, metadata=metadata, timeout=timeout_s):
@@ -149,8 +184,8 @@ class VerifierReplica:
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def check_health(self) -> None:
-        """Ray Serve's health probe: failing it, the replica is replaced."""
-        if not self._serving():
+        """Ray Serve's health probe: failing it, the replica is replaced (unless held)."""
+        if not self._held and not self._serving():
             raise RuntimeError(f"verifier of replica {self.replica_id} is not SERVING")
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -161,8 +196,18 @@ class VerifierReplica:
         """
         return {SERVING: self._serving()}
 
-    def set_serving(self, serving: bool) -> str:
-        """Report SERVING or NOT_SERVING (drain for maintenance); returns this replica's id."""
+    def set_serving(self, serving: bool, retire: bool = True, **hints: object) -> str:
+        """Report SERVING or NOT_SERVING (drain); returns this replica's id.
+
+        NOT_SERVING stops the routers sending calls here; with `retire` Serve's health
+        check then fails and Serve replaces the replica, without it the replica is held
+        (drained, kept) until `set_serving(True)`. Pin the call to a replica with the
+        `ROUTE_PIN` keyword (`Fleet.call_replica`).
+        """
+        pin = self._pinned_elsewhere(hints)
+        if pin:
+            raise LookupError(f"replica {pin} is gone; nothing was drained")
+        self._held = not serving and not retire
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -174,8 +219,18 @@ class VerifierReplica:
                 self._server.submit(server.health.set(name, status)).result()  # type: ignore[union-attr]
         return self.replica_id
 
+    def open_sessions(self, **hints: object) -> int:
+        """Sessions this replica's verifier holds (KV caches in memory)."""
+        pin = self._pinned_elsewhere(hints)
+        if pin:
+            raise LookupError(f"replica {pin} is gone")
+        server = self._server.server if self._server is not None else None
+        engine = server.engine if server is not None else None
+        return len(engine.sessions) if engine is not None else 0
+
     def __del__(self) -> None:
-        """Drain the private verifier when Serve stops the replica."""
+        """Stop the private verifier when Serve stops the replica (after Serve's own drain)."""
+        self._stopping = True
         server = getattr(self, "_server", None)
         if server is not None:
             server.stop(grace_s=1.0)

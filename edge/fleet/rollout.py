@@ -25,7 +25,7 @@ from edge.fleet.adapters import check_adapter
 
 LOG = logging.getLogger("fedge.fleet")
 DECISION_FILE = "rollout.json"
-NOISE_Z = 2.0  # a drop within 2 standard errors of the tolerance is not held against the canary
+NOISE_Z = 2.0  # a drop within 2 standard errors (over sessions) of the tolerance is forgiven
 LATENCY_FLOOR_MS = 5.0  # p99 differences below this are noise on a shared CPU
 
 
@@ -38,6 +38,7 @@ class RolloutConfig:
     canary: float = 0.1  # fraction of new sessions served by the new adapter
     window_s: float = 60.0  # observe at least this long
     min_verifies: int = 50  # per application; the window extends up to max_window_s to get them
+    min_sessions: int = 10  # per application, likewise: acceptance is compared over sessions
     max_window_s: float = 600.0
     max_acceptance_drop: float = (
         0.05  # canary acceptance may trail stable's by this much (absolute)
@@ -55,7 +56,13 @@ class RolloutConfig:
                 f"RolloutConfig needs 0 < window_s <= max_window_s, got {self.window_s}, "
                 f"{self.max_window_s}"
             )
-        for name in ("min_verifies", "canary_replicas", "max_latency_ratio", "poll_s"):
+        for name in (
+            "min_verifies",
+            "min_sessions",
+            "canary_replicas",
+            "max_latency_ratio",
+            "poll_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
 
@@ -63,18 +70,26 @@ class RolloutConfig:
 def decide(
     stable: dict[str, float], canary: dict[str, float], config: RolloutConfig
 ) -> tuple[str, list[str]]:
-    """ "promote" or "rollback", with the reasons (every failed criterion, or why it passed)."""
+    """ "promote" or "rollback", with the reasons (every failed criterion, or why it passed).
+
+    Acceptance is compared per session (`ArmStats`: each session's accepted / drafted is
+    one observation, its noise the standard error over sessions), not per drafted token:
+    tokens of one session share its prompt and luck, and a few long lucky sessions would
+    otherwise carry a canary's pooled acceptance and pass it off as precise.
+    """
     reasons = []
-    if canary["verifies"] < config.min_verifies or stable["verifies"] < config.min_verifies:
-        reasons.append(
-            f"too little traffic: {canary['verifies']:.0f} canary and {stable['verifies']:.0f} "
-            f"stable verifies, need {config.min_verifies} each"
-        )
-    drop = stable["acceptance"] - canary["acceptance"]
-    noise = NOISE_Z * _acceptance_error(stable, canary)
+    for key, need in (("verifies", config.min_verifies), ("sessions", config.min_sessions)):
+        if canary[key] < need or stable[key] < need:
+            reasons.append(
+                f"too little traffic: {canary[key]:.0f} canary and {stable[key]:.0f} "
+                f"stable {key}, need {need} each"
+            )
+    ours, theirs = canary["session_acceptance"], stable["session_acceptance"]
+    drop = theirs - ours
+    noise = NOISE_Z * math.hypot(stable["session_acceptance_se"], canary["session_acceptance_se"])
     if drop > config.max_acceptance_drop + noise:
         reasons.append(
-            f"acceptance {canary['acceptance']:.3f} vs stable {stable['acceptance']:.3f} "
+            f"acceptance {ours:.3f} vs stable {theirs:.3f} per session "
             f"(drop {drop:.3f} > {config.max_acceptance_drop} + noise {noise:.3f})"
         )
     rise = canary["error_rate"] - stable["error_rate"]
@@ -90,20 +105,10 @@ def decide(
     if reasons:
         return "rollback", reasons
     return "promote", [
-        f"acceptance {canary['acceptance']:.3f} vs {stable['acceptance']:.3f}, error rate "
+        f"acceptance {ours:.3f} vs {theirs:.3f} per session, error rate "
         f"{canary['error_rate']:.3f} vs {stable['error_rate']:.3f}, p99 "
         f"{canary['latency_p99_ms']:.1f} vs {stable['latency_p99_ms']:.1f} ms"
     ]
-
-
-def _acceptance_error(stable: dict[str, float], canary: dict[str, float]) -> float:
-    """Standard error of the acceptance difference, counting drafted tokens as trials."""
-    variance = sum(
-        side["acceptance"] * (1 - side["acceptance"]) / side["drafted"]
-        for side in (stable, canary)
-        if side["drafted"] > 0
-    )
-    return math.sqrt(variance)
 
 
 def _next_version(stable: str) -> str:
@@ -114,13 +119,17 @@ def _next_version(stable: str) -> str:
 
 
 def _observe(ingress: Any, stable: str, canary: str, config: RolloutConfig) -> dict[str, Any]:
-    """Wait out the window (longer, up to max_window_s, until both arms have enough verifies)."""
+    """Wait out the window (longer, up to max_window_s, until both arms have enough traffic)."""
     started = time.monotonic()
     while True:
         time.sleep(config.poll_s)
         figures = ingress.arm_stats.remote().result()
         elapsed = time.monotonic() - started
-        enough = all(figures[a]["verifies"] >= config.min_verifies for a in (stable, canary))
+        enough = all(
+            figures[a]["verifies"] >= config.min_verifies
+            and figures[a]["sessions"] >= config.min_sessions
+            for a in (stable, canary)
+        )
         if (elapsed >= config.window_s and enough) or elapsed >= config.max_window_s:
             return {"window_s": elapsed, **figures}
 

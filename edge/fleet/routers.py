@@ -8,6 +8,10 @@ holds the call's session, when there is one). Routers return ranks of replicas;
 Ray Serve then sends to the replica with the shortest reported queue within the
 first rank that has room, and backs off when none has.
 
+A call pinned to a replica (`ROUTE_PIN`: an admin call such as a drain, or the
+ingress closing a session that moved) goes to that replica whatever its state,
+or, when it is gone, to any replica, which refuses it (NOT_FOUND).
+
 Session affinity (`affinity=True` in `request_router_kwargs`) wraps any policy:
 a call whose session lives on a running replica goes there, since its KV cache
 is there; a new session, or one whose replica is gone, follows the policy (and
@@ -33,7 +37,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from edge.fleet.wire import SERVING
+from edge.fleet.wire import ROUTE_PIN, SERVING
 
 ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
 ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
@@ -206,7 +210,12 @@ class FleetRouter(RequestRouter):
             self._remove_pending_request_from_indices(chosen)
 
     def _suits(self, request: PendingRequest, replica: RunningReplica) -> bool:
-        """Whether `replica` may serve `request`: any may, unless its session stays elsewhere."""
+        """Whether `replica` may serve `request`: any may, unless it is pinned or its session
+        stays elsewhere."""
+        pin = _kwarg(request, ROUTE_PIN, "")
+        if pin:
+            ids = {r.replica_id.unique_id for r in self.curr_replicas.values()}
+            return pin == replica.replica_id.unique_id or pin not in ids
         home = _kwarg(request, ROUTE_REPLICA, "")
         if not self.affinity or not home or home == replica.replica_id.unique_id:
             return True
@@ -219,7 +228,7 @@ class FleetRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        """Ranks for the oldest waiting call: its session's replica, else the policy's ranking.
+        """Ranks for the oldest waiting call: its pinned replica, its session's, else the policy's.
 
         Ranking for the oldest call (not the routing task's own) keeps it in step with
         `_fulfill_next_pending_request`. It yields to the event loop once: a rank
@@ -227,11 +236,15 @@ class FleetRouter(RequestRouter):
         spinning on it would starve the loop the router shares with the caller.
         """
         await asyncio.sleep(0)
-        candidate_replicas = serving(candidate_replicas)
         pending_request = next(
             (pr for pr in self._pending_requests_to_fulfill if not pr.future.done()),
             pending_request,
         )
+        pin = _kwarg(pending_request, ROUTE_PIN, "")
+        pinned = [r for r in candidate_replicas if pin and r.replica_id.unique_id == pin]
+        if pinned:  # serving or not: a drained replica still takes its admin calls
+            return [pinned]
+        candidate_replicas = serving(candidate_replicas)
         if self.affinity:
             home = _kwarg(pending_request, ROUTE_REPLICA, "")
             for replica in candidate_replicas:

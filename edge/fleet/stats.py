@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,11 +14,19 @@ import numpy as np
 ERROR_CODES = frozenset({"UNKNOWN", "INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "DATA_LOSS"})
 LATENCY_METHODS = frozenset({"OpenSession", "Verify"})  # one target pass each; streams are not
 LATENCY_WINDOW = 20_000  # most recent calls kept for the percentiles
+SESSION_WINDOW = 20_000  # most recent sessions kept for the per-session acceptance
 
 
 @dataclass
 class ArmStats:
-    """Running figures of one application (the stable adapter or the canary)."""
+    """Running figures of one application (the stable adapter or the canary).
+
+    Acceptance is kept per session too: a session's drafts share its prompt and its
+    draft's luck, so its tokens are not independent trials. The session is the unit
+    (`session_acceptance`: the mean of the sessions' accepted / drafted, with its
+    standard error over sessions), and a few long sessions cannot outweigh many short
+    ones as they do in the pooled `acceptance` (accepted / drafted over all tokens).
+    """
 
     calls: int = 0
     errors: int = 0
@@ -25,8 +34,17 @@ class ArmStats:
     drafted: int = 0
     accepted: int = 0
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    sessions: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)  # drafted, accepted
 
-    def record(self, method: str, code: str, seconds: float, drafted: int, accepted: int) -> None:
+    def record(
+        self,
+        method: str,
+        code: str,
+        seconds: float,
+        drafted: int,
+        accepted: int,
+        session_id: str = "",
+    ) -> None:
         """Count one finished call."""
         self.calls += 1
         self.errors += code in ERROR_CODES
@@ -34,12 +52,21 @@ class ArmStats:
             self.verifies += 1
             self.drafted += drafted
             self.accepted += accepted
+            if session_id and drafted > 0:
+                counts = self.sessions.setdefault(session_id, [0, 0])
+                counts[0] += drafted
+                counts[1] += accepted
+                self.sessions.move_to_end(session_id)
+                if len(self.sessions) > SESSION_WINDOW:
+                    self.sessions.popitem(last=False)
         if method in LATENCY_METHODS:
             self.latencies.append(seconds)
 
     def summary(self) -> dict[str, float]:
-        """Counts, acceptance rate (accepted / drafted), error rate and latency p50/p99 in ms."""
+        """Counts, acceptance (pooled and per session, with its standard error), error rate
+        and latency p50/p99 in ms."""
         latency = np.asarray(self.latencies, dtype=float) * 1e3
+        rates = np.asarray([a / d for d, a in self.sessions.values()], dtype=float)
         return {
             "calls": self.calls,
             "errors": self.errors,
@@ -48,9 +75,23 @@ class ArmStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+            "sessions": int(rates.size),
+            "session_acceptance": float(rates.mean()) if rates.size else 0.0,
+            "session_acceptance_se": session_standard_error(rates),
             "latency_p50_ms": float(np.percentile(latency, 50)) if latency.size else 0.0,
             "latency_p99_ms": float(np.percentile(latency, 99)) if latency.size else 0.0,
         }
+
+
+def session_standard_error(rates: np.ndarray) -> float:
+    """Standard error of the mean of per-session acceptances: sample sd / sqrt(sessions).
+
+    Below two sessions the spread is unknown; a rate in [0, 1] has sd <= 0.5, so the
+    bound 0.5 / sqrt(n) stands in (the widest the noise can be).
+    """
+    if rates.size < 2:
+        return 0.5 / math.sqrt(max(1, rates.size))
+    return float(rates.std(ddof=1) / math.sqrt(rates.size))
 
 
 def _percentiles_ms(seconds: deque[float]) -> dict[str, float]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 Metadata = tuple[tuple[str, str], ...]
 SERVING = "serving"  # routing stat a replica reports: its verifier says SERVING
+ROUTE_PIN = "route_pin"  # kwarg: the call must run on this replica (unique id), or nowhere
 
 
 @dataclass(frozen=True)

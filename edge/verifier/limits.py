@@ -23,40 +23,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from edge.verifier.rate_config import RateLimitConfig
 
 DEVICE_KEY = "fedge-device"  # request metadata: the device's id (asserted by the client)
 RETRY_AFTER_KEY = "fedge-retry-after-ms"  # trailing metadata on a rate-limited call
 VERIFY, GENERATE = "verify", "generate"
 BEARER = "bearer "
-
-
-@dataclass(frozen=True)
-class RateLimitConfig:
-    """Per-device budgets; a rate of None leaves that kind unlimited."""
-
-    verify_rate: float | None = None  # verify tokens (draft + 1 per Verify) per second per device
-    verify_burst: int = 256  # bucket size: the most verify tokens one device spends at once
-    generate_rate: float | None = None  # Generate tokens (max_new_tokens) per second per device
-    generate_burst: int = 512  # bucket size; also the largest max_new_tokens one call may ask
-    max_devices: int = 100_000  # buckets kept; the least recently used is dropped beyond it
-
-    def __post_init__(self) -> None:
-        for name in ("verify_rate", "generate_rate"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"RateLimitConfig.{name} must be > 0 or None, got {value}")
-        for name in ("verify_burst", "generate_burst", "max_devices"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RateLimitConfig.{name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any kind is limited."""
-        return self.verify_rate is not None or self.generate_rate is not None
 
 
 class DeviceBuckets:

@@ -1,16 +1,20 @@
 """The verifier fleet on Ray Serve, end to end: unchanged edge client, canary rollout, replica death.
 
-One fleet (two micro-target replicas) serves every test, in order: the edge
-client against it, then rollouts (misfit refused, bad rolled back, good
-promoted), then a replica killed under load.
+One fleet (two micro-target replicas) serves every test, in order: a session moved
+off its replica freed there, the edge client against it, then rollouts (misfit
+refused, bad rolled back, good promoted), per-device limits, a drained replica,
+a replica killed under load, a rolling restart under load, and last autoscaling
+(which redeploys the stable version as 1..2 replicas).
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +132,53 @@ def prompts(micro_zoo: ZooPaths) -> list[list[int]]:
     return [p[: 4 + 5 * i] for i, p in enumerate(base)]
 
 
+def test_a_session_moved_off_its_replica_is_closed_there(
+    fleet: Any, prompts: list[list[int]]
+) -> None:
+    def open_sessions() -> dict[str, int]:
+        return {r: fleet.call_replica(r, "open_sessions") for r in fleet.replica_actors()}
+
+    wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas")
+    baseline = open_sessions()
+    session, prompt = uuid.uuid4().hex, prompts[2][:8]
+    with grpc.insecure_channel(f"127.0.0.1:{fleet.port}") as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        opened = stub.Verify(
+            pb.VerifyRequest(
+                session_id=session, draft_ids=[1], committed_ids=prompt, expected_length=len(prompt)
+            )
+        )
+        length = opened.session_length
+        held = open_sessions()
+        (home,) = [r for r, n in held.items() if n == baseline[r] + 1]
+        (other,) = [r for r in held if r != home]
+        # drain its replica and keep it (Serve's health check passes): the next call lands
+        # on the other replica, which answers NOT_FOUND; the old copy must go at once
+        fleet.call_replica(home, "set_serving", False, retire=False)
+        try:
+
+            def moved() -> bool:
+                nonlocal length
+                try:
+                    reply = stub.Verify(
+                        pb.VerifyRequest(session_id=session, draft_ids=[1], expected_length=length)
+                    )
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+                    return True
+                length = reply.session_length  # still home: its routers have not seen the drain
+                return False
+
+            wait_for(moved, 30, "the session's call to leave its drained replica")
+            wait_for(
+                lambda: open_sessions()[home] == held[home] - 1, 30, "its old replica to free it"
+            )
+            assert open_sessions()[other] == held[other]  # the close went to the old one only
+            assert fleet.ingress.fleet_stats.remote().result()["moved_sessions"] >= 1
+        finally:
+            fleet.call_replica(home, "set_serving", True)
+
+
 def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
     fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
 ) -> None:
@@ -203,6 +254,7 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
             canary=0.5,
             window_s=2.0,
             min_verifies=40,
+            min_sessions=5,
             max_window_s=60.0,
             poll_s=0.2,
             # Acceptance decides here; a canary replica that just started on two shared cores
@@ -337,3 +389,76 @@ def test_replica_killed_under_load_fails_no_request(
     assert load.failures == []
     assert mismatched == []
     assert victim_id not in fleet.ingress.fleet_stats.remote().result()["sessions"]
+
+
+def test_rolling_restart_under_load_fails_no_request_and_replaces_every_replica(
+    fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
+) -> None:
+    target, draft = models
+    expected = [greedy(target, p, NEW_TOKENS) for p in prompts[:4]]
+    wrong: list[str] = []
+
+    def work(client: VerifierClient, i: int) -> None:  # the unchanged edge client, both routes
+        route = "speculative" if i % 2 == 0 else "cloud-only"
+        edge = EdgeClient(
+            TorchDraftRuntime(draft), None, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
+        )
+        tokens = [t for chunk in edge.stream_ids(prompts[i], route) for t in chunk]
+        report = edge.last
+        if tokens != expected[i] or report is None or report.route != route:
+            wrong.append(f"device {i} ({route}): {tokens} != {expected[i]}, {report}")
+
+    wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas before the restart")
+    before = fleet.replica_actors()
+    with Load(fleet.port, work, threads=4) as load:
+        wait_for(lambda: load.done >= 4, 60, "load to start")
+        report = fleet.restart()
+        done = load.done
+        wait_for(lambda: load.done >= done + 4, 60, "requests after the restart")
+    after = fleet.replica_actors()
+    assert load.failures == []
+    assert wrong == []
+    assert len(after) == 2 and not set(after) & set(before)  # every replica is a new one
+    assert (report["before"], report["after"]) == (sorted(before), sorted(after))
+
+
+def test_autoscaling_adds_a_replica_under_queue_depth_and_removes_it_when_idle(
+    fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
+) -> None:
+    from ray import serve
+
+    from edge.fleet.app import replica_application
+
+    _, draft = models
+    stable = fleet.describe()["stable"]
+    current = pickle.loads(fleet.ingress.fleet_config.remote().result())
+    scaling = replace(
+        current,
+        replicas=1,
+        min_replicas=1,
+        max_replicas=2,
+        target_queue=1.0,  # the load's 4 devices keep about 2-4 calls in flight
+        upscale_delay_s=0.5,
+        downscale_delay_s=2.0,
+        scaling_window_s=2.0,
+        scaling_metrics_s=0.5,
+    )
+    serve.run(replica_application(scaling), name=stable, route_prefix=None)
+    seen: list[tuple[int, int]] = []  # (running, running + starting) at every look
+
+    def replicas() -> int:
+        states = serve.status().applications[stable].deployments["verifier"].replica_states
+        running = states.get("RUNNING", 0)
+        seen.append((running, running + states.get("STARTING", 0)))
+        return running
+
+    def work(client: VerifierClient, i: int) -> None:
+        decode_with_reopen(client, draft, prompts[i % len(prompts)], NEW_TOKENS)
+
+    wait_for(lambda: replicas() == 1 and seen[-1][1] == 1, 60, "the autoscaled start (1)")
+    start = len(seen)
+    with Load(fleet.port, work, threads=4) as load:
+        wait_for(lambda: replicas() == 2, 60, "queue depth to add a replica")
+    wait_for(lambda: replicas() == 1, 60, "idleness to take it back")
+    assert load.failures == []
+    assert all(running >= 1 and alive <= 2 for running, alive in seen[start:])

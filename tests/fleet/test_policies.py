@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,8 @@ from edge.fleet.routers import (
     relative_slowness,
     should_spill,
 )
-from edge.fleet.wire import SERVING
+from edge.fleet.stats import ArmStats
+from edge.fleet.wire import ROUTE_PIN, SERVING
 from fedge.manifest import write_manifest
 
 DEPLOYMENT = DeploymentID(name="verifier", app_name="fedge-v1")
@@ -223,6 +226,23 @@ def test_a_replica_reporting_not_serving_gets_no_call_not_even_its_sessions(
     assert set(choose(router, [up, down], request("x"))) <= {"up", "down"}
 
 
+@pytest.mark.parametrize("cls", [RoundRobinRouter, TokenAwareRouter])
+def test_a_pinned_call_goes_to_its_replica_even_drained_or_else_anywhere(
+    cls: type[FleetRouter],
+) -> None:
+    router = make_router(cls, affinity=True)
+    up, down = replicas("up", "down")
+    down.routing_stats[SERVING] = False  # drained: no call of the policy's goes there ...
+    pinned = request("close", home="up")
+    pinned.kwargs[ROUTE_PIN] = "down"
+    assert [choose(router, [up, down], pinned) for _ in range(4)] == [["down"]] * 4  # ... but this
+    router._replicas = {r.replica_id: r for r in (up, down)}  # what Serve's replica set holds
+    assert router._suits(pinned, down) and not router._suits(pinned, up)  # type: ignore[arg-type]
+    pinned.kwargs[ROUTE_PIN] = "gone"  # its replica left: any may take it (and refuses it)
+    assert choose(router, [up, down], pinned) == ["up"]
+    assert router._suits(pinned, up)  # type: ignore[arg-type]
+
+
 def test_power_of_two_offers_two_replicas_in_one_rank() -> None:
     router = make_router(PowerOfTwoRouter)
     ranks = asyncio.run(router.choose_replicas(replicas("a", "b", "c"), request("1")))  # type: ignore[arg-type]
@@ -236,8 +256,11 @@ def test_unknown_policy_names_the_choices() -> None:
 
 FIGURES = {
     "verifies": 100,
+    "sessions": 40,
     "drafted": 4000,
     "acceptance": 0.60,
+    "session_acceptance": 0.60,
+    "session_acceptance_se": 0.01,
     "error_rate": 0.0,
     "latency_p50_ms": 10.0,
     "latency_p99_ms": 40.0,
@@ -246,15 +269,58 @@ FIGURES = {
 
 def test_decide_promotes_an_equal_canary_and_rolls_back_a_worse_one(tmp_path: Path) -> None:
     config = RolloutConfig(adapter_dir=tmp_path, run_dir=tmp_path, min_verifies=50)
-    assert decide(FIGURES, dict(FIGURES, acceptance=0.58), config)[0] == "promote"
-    assert decide(FIGURES, dict(FIGURES, acceptance=0.52), config)[0] == "rollback"
-    few = dict(FIGURES, drafted=100)  # the same drop on 100 drafted tokens each is noise
-    assert decide(few, dict(few, acceptance=0.52), config)[0] == "promote"
-    decision, reasons = decide(FIGURES, dict(FIGURES, acceptance=0.10), config)
+    worse = dict(FIGURES, session_acceptance=0.52)  # drop 0.08 > 0.05 + 2 x hypot(0.01, 0.01)
+    assert decide(FIGURES, dict(FIGURES, session_acceptance=0.58), config)[0] == "promote"
+    assert decide(FIGURES, worse, config)[0] == "rollback"
+    few = dict(FIGURES, session_acceptance_se=0.05)  # the same drop over few, spread sessions
+    assert decide(few, dict(few, session_acceptance=0.52), config)[0] == "promote"  # is noise
+    decision, reasons = decide(FIGURES, dict(FIGURES, session_acceptance=0.10), config)
     assert decision == "rollback" and "acceptance 0.100" in reasons[0]
     assert decide(FIGURES, dict(FIGURES, error_rate=0.2), config)[0] == "rollback"
     assert decide(FIGURES, dict(FIGURES, latency_p99_ms=200.0), config)[0] == "rollback"
     assert decide(FIGURES, dict(FIGURES, verifies=3), config)[0] == "rollback"
+    decision, reasons = decide(FIGURES, dict(FIGURES, sessions=3), config)
+    assert decision == "rollback" and "3 canary and 40 stable sessions" in reasons[0]
+
+
+def test_a_few_long_lucky_sessions_cannot_promote_a_canary(tmp_path: Path) -> None:
+    """Stable: 20 sessions, each 60 of 100 drafted tokens accepted. Canary: 2 long lucky
+    sessions (700 of 1000) and 18 short poor ones (4 of 20).
+
+    Per drafted token (pooled, tokens as independent trials) the canary looks better:
+    (1400 + 72) / (2000 + 360) = 0.624 >= 0.600, so that rule promotes whatever its noise.
+    Per session: canary mean (2 x 0.7 + 18 x 0.2) / 20 = 0.25; squared deviations
+    2 x 0.45^2 + 18 x 0.05^2 = 0.45, sd = sqrt(0.45 / 19) = 0.1539, se = 0.1539 / sqrt(20)
+    = 0.0344; stable se = 0. Drop 0.35 > 0.05 + 2 x 0.0344 = 0.119: roll back.
+    """
+    stable, canary = ArmStats(), ArmStats()
+    for i in range(20):
+        stable.record("Verify", "OK", 0.01, drafted=100, accepted=60, session_id=f"s{i}")
+    for i in range(2):
+        canary.record("Verify", "OK", 0.01, drafted=1000, accepted=700, session_id=f"lucky{i}")
+    for i in range(18):
+        canary.record("Verify", "OK", 0.01, drafted=20, accepted=4, session_id=f"c{i}")
+    ours, theirs = canary.summary(), stable.summary()
+    assert ours["acceptance"] == pytest.approx(1472 / 2360) and ours["acceptance"] > 0.6
+    assert ours["session_acceptance"] == pytest.approx(0.25)
+    assert ours["session_acceptance_se"] == pytest.approx(math.sqrt(0.45 / 19) / math.sqrt(20))
+    assert theirs["session_acceptance_se"] == pytest.approx(0.0, abs=1e-12)
+    config = RolloutConfig(adapter_dir=tmp_path, run_dir=tmp_path, min_verifies=20)
+    decision, reasons = decide(theirs, ours, config)
+    assert decision == "rollback"
+    assert reasons == [
+        "acceptance 0.250 vs stable 0.600 per session (drop 0.350 > 0.05 + noise 0.069)"
+    ]
+
+
+def test_one_session_counts_as_the_widest_noise_and_a_long_one_as_one_observation() -> None:
+    arm = ArmStats()
+    for _ in range(5):  # five verifies of one session: one observation, not five
+        arm.record("Verify", "OK", 0.01, drafted=4, accepted=2, session_id="only")
+    arm.record("Verify", "NOT_FOUND", 0.01, drafted=4, accepted=0, session_id="lost")
+    figures = arm.summary()
+    assert (figures["sessions"], figures["verifies"], figures["drafted"]) == (1, 5, 20)
+    assert figures["session_acceptance_se"] == 0.5  # a rate in [0, 1] has sd <= 0.5
 
 
 def test_good_adapter_fits(micro_zoo: Any, good_adapter: Path) -> None:
@@ -307,7 +373,14 @@ def test_autoscaling_on_queue_depth_within_bounds(micro_zoo: Any) -> None:
     fixed = FleetConfig(micro_zoo.target_dir, replicas=2)
     assert fixed.autoscaling() is None
     scaling = FleetConfig(
-        micro_zoo.target_dir, replicas=2, min_replicas=1, max_replicas=4, target_queue=6
+        micro_zoo.target_dir,
+        replicas=2,
+        min_replicas=1,
+        max_replicas=4,
+        target_queue=6,
+        downscale_delay_s=5.0,
+        scaling_window_s=3.0,
+        scaling_metrics_s=1.0,
     ).autoscaling()
     assert scaling is not None
     assert (scaling["min_replicas"], scaling["initial_replicas"], scaling["max_replicas"]) == (
@@ -316,10 +389,29 @@ def test_autoscaling_on_queue_depth_within_bounds(micro_zoo: Any) -> None:
         4,
     )
     assert scaling["target_ongoing_requests"] == 6
+    assert (scaling["downscale_delay_s"], scaling["look_back_period_s"]) == (5.0, 3.0)
+    assert scaling["metrics_interval_s"] == 1.0
     with pytest.raises(ValueError, match="min_replicas <= replicas <= max_replicas"):
         FleetConfig(micro_zoo.target_dir, replicas=5, max_replicas=4)
     with pytest.raises(ValueError, match="unknown load-balancing policy 'random'"):
         FleetConfig(micro_zoo.target_dir, policy="random")
+    with pytest.raises(ValueError, match=r"FleetConfig\.upscale_delay_s must be >= 0"):
+        FleetConfig(micro_zoo.target_dir, upscale_delay_s=-1.0)
+    with pytest.raises(ValueError, match="scaling_window_s must exceed scaling_metrics_s"):
+        FleetConfig(micro_zoo.target_dir, scaling_window_s=3.0)  # Serve reports every 10 s
+
+
+def test_both_clis_take_their_rate_limit_defaults_from_rate_limit_config() -> None:
+    from edge.cli import serve_command
+    from edge.cli_options import rate_limits
+    from edge.fleet.cli import fleet_command
+    from edge.verifier.limits import RateLimitConfig
+
+    for command in (serve_command, fleet_command):
+        params = inspect.signature(command).parameters
+        names = ("verify_rate", "verify_burst", "generate_rate", "generate_burst")
+        defaults = {name: params[name].default for name in names}
+        assert rate_limits(**defaults) == RateLimitConfig(), command.__name__
 
 
 def test_ingress_relays_its_own_span_as_the_replicas_parent() -> None:
