@@ -29,6 +29,7 @@ from fedge.zoo.tokenizer import save_tokenizer, train_tokenizer
 from fedge.zoo.training import (
     LossFn,
     TrainResult,
+    compile_module,
     distillation_loss,
     next_token_loss,
     share_embeddings,
@@ -197,7 +198,8 @@ class _Builder:
         if teacher is None:
             loss_fn = next_token_loss
         else:
-            loss_fn = distillation_loss(teacher, self.preset.distill_temperature)
+            forward = compile_module(teacher) if self.preset.compiled else teacher
+            loss_fn = distillation_loss(forward, self.preset.distill_temperature)
         with self._progress(f"{role} ({'distil' if teacher else 'pretrain'})", budget.steps) as bar:
             result = train(
                 model,
@@ -209,6 +211,7 @@ class _Builder:
                 self.work / f"{role}.pt",
                 self.preset.checkpoint_every,
                 bar,
+                compiled=self.preset.compiled,
             )
         run = _run_record(
             model, result, shared=teacher is not None and self.preset.share_embeddings

@@ -6,10 +6,12 @@ KL to the frozen target's distribution for the draft.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,41 @@ def autocast_context() -> torch.autocast | nullcontext[None]:
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return nullcontext()
+
+
+def compile_module(module: nn.Module) -> nn.Module:
+    """`module` through torch.compile: fused kernels, 1.2-1.3x faster zoo steps on 2 cores.
+
+    Shapes are static (fixed batch and window), so it compiles once per stage (about 40 s).
+    """
+    compiled: nn.Module = torch.compile(module, dynamic=False)  # type: ignore[assignment]
+    return compiled
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
+_GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
+
+
+@contextmanager
+def retained_freed_memory() -> Iterator[None]:
+    """Keep freed memory in the heap while training, then restore glibc's defaults.
+
+    Each step frees and re-allocates the same large buffers; by default glibc maps and unmaps
+    them, which cost 10M page faults in 60 compiled steps and about 1.2x in step time here.
+    Does nothing where the C library is not glibc.
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        yield
+        return
+    libc.mallopt(_M_MMAP_MAX, 0)
+    libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31)
+    try:
+        yield
+    finally:
+        for parameter, value in _GLIBC_DEFAULTS.items():
+            libc.mallopt(parameter, value)
 
 
 def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -158,9 +195,15 @@ def train(
     checkpoint: Path,
     checkpoint_every: int,
     progress: ProgressFn | None = None,
+    compiled: bool = False,
 ) -> TrainResult:
-    """Train `model` in place for `budget.steps`, resuming from `checkpoint` when it exists."""
+    """Train `model` in place for `budget.steps`, resuming from `checkpoint` when it exists.
+
+    `compiled` runs the forward and backward passes through `torch.compile` (the weights and
+    checkpoints stay those of `model`) and keeps freed memory in the heap meanwhile.
+    """
     optimizer = _make_optimizer(model, budget)
+    forward = compile_module(model) if compiled else model
     start, seconds, cpu_seconds = 0, 0.0, 0.0
     if checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
@@ -172,22 +215,23 @@ def train(
     loss_value = float("nan")
     began = time.perf_counter() - seconds
     cpu_began = time.process_time() - cpu_seconds
-    for step in range(start, budget.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, budget)
-        batch = sample_batch(tokens, step, budget.batch_size, context, seed)
-        with autocast_context():
-            loss = loss_fn(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), budget.grad_clip)
-        optimizer.step()
-        loss_value = loss.item()
-        if progress is not None:
-            progress(step + 1, budget.steps, loss_value)
-        if (step + 1) % checkpoint_every == 0 and step + 1 < budget.steps:
-            elapsed = (time.perf_counter() - began, time.process_time() - cpu_began)
-            _save_checkpoint(checkpoint, model, optimizer, step + 1, elapsed)
+    with retained_freed_memory() if compiled else nullcontext():
+        for step in range(start, budget.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, budget)
+            batch = sample_batch(tokens, step, budget.batch_size, context, seed)
+            with autocast_context():
+                loss = loss_fn(forward, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), budget.grad_clip)
+            optimizer.step()
+            loss_value = loss.item()
+            if progress is not None:
+                progress(step + 1, budget.steps, loss_value)
+            if (step + 1) % checkpoint_every == 0 and step + 1 < budget.steps:
+                elapsed = (time.perf_counter() - began, time.process_time() - cpu_began)
+                _save_checkpoint(checkpoint, model, optimizer, step + 1, elapsed)
     model.eval()
     return TrainResult(
         steps=budget.steps,

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fedge.zoo import ZooPaths, get_preset
 from fedge.zoo.build import stale_settings
 from fedge.zoo.presets import ModelShape, TrainBudget
-from fedge.zoo.training import distillation_loss, share_embeddings, train
+from fedge.zoo.training import distillation_loss, next_token_loss, share_embeddings, train
 
 
 def _llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
@@ -88,3 +88,27 @@ def test_zoo_built_with_other_settings_is_stale(micro_zoo: ZooPaths, tmp_path: P
         f"target_train: built {card['preset_config']['target_train']!r}, "
         f"now {json.loads(json.dumps(asdict(preset.target_train)))!r}"
     ]
+
+
+def test_compiled_training_updates_the_models_own_weights(tmp_path: Path) -> None:
+    tokens = np.random.default_rng(0).integers(0, 300, size=2000).astype(np.uint16)
+    budget = TrainBudget(steps=3, batch_size=2, lr=1e-2, warmup_steps=1)
+    eager, compiled = _llama(32, 1, seed=0), _llama(32, 1, seed=0)
+    train(eager, tokens, budget, 16, 0, next_token_loss, tmp_path / "a.pt", checkpoint_every=10)
+    train(
+        compiled,
+        tokens,
+        budget,
+        16,
+        0,
+        next_token_loss,
+        tmp_path / "b.pt",
+        checkpoint_every=10,
+        compiled=True,
+    )
+
+    untrained = _llama(32, 1, seed=0).state_dict()
+    for name, weight in compiled.state_dict().items():
+        moved = (weight - untrained[name]).norm()
+        apart = (weight - eager.state_dict()[name]).norm()
+        assert apart <= 0.1 * moved, f"{name}: compiled {apart:.4f} from eager, moved {moved:.4f}"
