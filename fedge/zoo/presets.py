@@ -113,9 +113,9 @@ PRESETS: dict[str, ZooPreset] = {
         name="default",
         vocab_size=4096,
         context=256,
-        # Compiled, a 6x256 target step takes about 0.9 s on 2 quiet cores (bf16 autocast) and a
-        # draft distillation step 0.7 s, so 1,250 + 700 steps keep the whole build under 30 minutes
-        # (1,000 target steps left held-out perplexity at 42; 1,000 draft steps gave 83% agreement).
+        # Compiled, a 6x256 target step takes 0.88 s on 2 quiet cores (bf16 autocast) and a draft
+        # distillation step 0.55 s, so 1,250 + 700 steps build in 26 minutes (1,000 target steps
+        # left held-out perplexity at 42; 700 draft steps reach 80% agreement).
         target=ModelShape(layers=6, hidden=256, heads=4, intermediate=688),
         # As wide as the target, so it shares the target's embedding (its own parameters are
         # under a fifth of the target's) and 4-bit weights pay on the edge (1.7x measured at
