@@ -7,13 +7,17 @@
    round, both are timed per fit round (send, receive, aggregate).
 2. DP-SGD (Opacus) local round (PrivacyEngine + make_private + steps, as a client runs it)
    against the same non-private AdamW round on the zoo model's LoRA.
-3. Privacy-utility: central-DP federations at several noise multipliers; epsilon spent vs
-   final held-out perplexity, on a zoo and a schedule where plain training improves it.
+3. Privacy-utility (``bench/privacy_sweep.py``): the demo's federation plain, under SecAgg+,
+   central DP and SecAgg+ with distributed DP at several noise multipliers; epsilon against
+   the participants' held-out perplexity, a table in the JSON and a plot in
+   ``bench/results/privacy_utility.png``. The sweep splits into parts (``--sweep-baselines``,
+   ``--sweep-noise``, ``--sweep-ddp-noise``): each run's row replaces the row of that label.
 
 Usage: ``python bench/privacy.py [--clients 10,50] [--size 100000] [--rounds 3]
-[--sweep-model zoo:demo] [--sweep-noise 0,0.3,1,3] [--skip secagg,dpsgd,sweep]``. The last
-line of output is one JSON object, also written to ``bench/results/privacy.json`` (parts
-skipped keep their last figures); every part records the load average next to its figures.
+[--sweep-noise 0.05,0.5] [--sweep-ddp-noise 0.5] [--sweep-baselines plain,secagg]
+[--skip secagg,dpsgd,sweep]``. The last line of output is one JSON object, also written to
+``bench/results/privacy.json`` (parts skipped keep their last figures); every part records
+the load average next to its figures.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ for _k, _v in {
     os.environ.setdefault(_k, _v)
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "privacy.json"
+PLOT_FILE = RESULTS_FILE.with_name("privacy_utility.png")
 BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": os.cpu_count() or 2}}
 
 
@@ -54,7 +58,12 @@ def simulate(server_app: Any, client_app: Any, num_clients: int) -> None:
     )
 
 
-def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]:
+def ours_round_times(
+    num_clients: int,
+    size: int,
+    rounds: int,
+    variants: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
     """Seconds of each round: plain vs SecAgg+ (legacy's graph: n/2 shares; and our default).
 
     The loop is ``bench.secagg_rounds.time_rounds``, the one the Deployment Engine bench runs.
@@ -69,7 +78,8 @@ def ours_round_times(num_clients: int, size: int, rounds: int) -> dict[str, Any]
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        out.update(secagg_rounds.time_rounds(grid, num_clients, size, rounds))
+        chosen = secagg_rounds.VARIANTS if variants is None else variants
+        out.update(secagg_rounds.time_rounds(grid, num_clients, size, rounds, chosen))
 
     simulate(server_app, secagg_rounds.client_app, num_clients)
     return out
@@ -176,8 +186,12 @@ def dpsgd_overhead(
 
     Both train the same LoRA tensors of the same peft model in fp32 on the same records;
     a DP-SGD round is exactly what a client runs (``train_dpsgd``: PrivacyEngine and
-    make_private every round, Poisson batches, secure noise, accountant). Rounds
-    alternate so load from other processes hits both alike; the first of each is warm-up.
+    make_private every round, Poisson batches, secure noise, accountant). A DP-SGD round
+    of 0 steps times the per-round fixed cost (make_private, unhook, accountant) alone.
+    Poisson batches vary in size (mean ``batch_size``), so a round must have enough steps
+    that their total is close to ``steps * batch_size`` (100 steps: within about 3.5%,
+    one standard deviation). Kinds alternate so other load hits all alike; the first of
+    each is warm-up; medians are reported.
     """
     import torch
 
@@ -199,23 +213,13 @@ def dpsgd_overhead(
     for label, ffa in (("", False), ("ffa_", True)):
         apply_ffa(lm.model, ffa)
         dp = DPSGDConfig(noise_multiplier=1.0, max_grad_norm=1.0, ffa_lora=ffa)
-        times: dict[str, list[float]] = {"plain": [], "dp": []}
+        times: dict[str, list[float]] = {"plain": [], "dp": [], "fixed": []}
         rng = np.random.default_rng(1)
-        for r in range(2 * rounds + 2):
+        kinds = ("plain", "dp", "fixed")  # fixed: a DP-SGD round of 0 steps (make_private, unhook)
+        for r in range(len(kinds) * (rounds + 1)):
+            kind = kinds[r % len(kinds)]
             t0 = time.perf_counter()
-            if r % 2:
-                train_dpsgd(
-                    lm.model,
-                    tokens,
-                    steps=steps,
-                    batch_size=batch_size,
-                    seq_len=seq_len,
-                    lr=1e-3,
-                    dp=dp,
-                    state={},
-                )
-                kind = "dp"
-            else:
+            if kind == "plain":
                 params = [p for p in lm.model.parameters() if p.requires_grad]
                 opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
                 lm.model.train()
@@ -224,107 +228,57 @@ def dpsgd_overhead(
                     opt.zero_grad(set_to_none=True)
                     lm_loss(lm.model, batch).backward()
                     opt.step()
-                kind = "plain"
-            if r >= 2:
+            else:
+                train_dpsgd(
+                    lm.model,
+                    tokens,
+                    steps=steps if kind == "dp" else 0,
+                    batch_size=batch_size,
+                    seq_len=seq_len,
+                    lr=1e-3,
+                    dp=dp,
+                    state={},
+                )
+            if r >= len(kinds):  # the first of each kind is the warm-up
                 times[kind].append(time.perf_counter() - t0)
         plain_s, dp_s = float(np.median(times["plain"])), float(np.median(times["dp"]))
+        fixed_s = float(np.median(times["fixed"]))
         out[f"{label}plain_round_s"] = round(plain_s, 4)
         out[f"{label}dpsgd_round_s"] = round(dp_s, 4)
         out[f"{label}ratio"] = round(dp_s / plain_s, 3)
+        out[f"{label}make_private_s"] = round(fixed_s, 4)  # per round, included in dpsgd_round_s
+        out[f"{label}step_ratio"] = round((dp_s - fixed_s) / plain_s, 3)
     apply_ffa(lm.model, False)
     return out
 
 
-# ---------------------------------------------------------------- 3. privacy-utility sweep
-def privacy_utility(
-    model: str, noise_levels: list[float], rounds: int, clients: int, steps: int, lr: float
-) -> list[dict[str, Any]]:
-    """Federations on `model`: plain, SecAgg+, central DP per noise level, SecAgg+ with DDP."""
-    from flwr.app import Context
-    from flwr.serverapp import Grid, ServerApp
+def privacy_utility(previous: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Run the sweep's chosen runs; merge them into the earlier rows by label; plot them all."""
+    from bench import privacy_sweep
 
-    from server.config import RunConfig
-    from server.loop import run_federation
-    from server.rundir import MetricsLog
-    from simulations.apps import clientapp as client_app
+    def floats(text: str) -> list[float]:
+        return [float(z) for z in text.split(",") if z]
 
-    root = Path(tempfile.mkdtemp(prefix="fedge-privacy-sweep-"))
-    base = {
-        "model": model,
-        "num-server-rounds": rounds,
-        "min-available-nodes": clients,
-        "min-train-nodes": clients,
-        "local-steps": steps,
-        "batch-size": 8,
-        "seq-len": 64,
-        "lr": lr,
-        "client-eval": False,
-        "save-merged": False,
-        "server-eval-batches": 16,
-        "weighting": "uniform",
-        "dp-clip-norm": 0.1,
-        # iid shards of the whole corpus: what clients learn carries to the union held-out set
-        # (natural per-package shards overfit it: plain training made it worse)
-        "partition-scheme": "iid",
-        "num-partitions": clients,
-        "max-chars-per-client": 400_000,
-        "lora-target-modules": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-    }
-    factories = "server.privacy.factories:"
-    budget = {"privacy-budget": factories + "rdp_budget"}
-    runs: dict[str, tuple[float, dict[str, Any]]] = {
-        "warm-up": (0.0, {"num-server-rounds": 1}),  # loads the model in every actor; not reported
-        "plain": (0.0, {}),
-        "secagg": (0.0, {"aggregator": factories + "secagg"}),
-    }
-    for z in noise_levels:
-        if z > 0:
-            runs[f"central-dp z={z}"] = (
-                z,
-                {**budget, "aggregator": factories + "central_dp", "dp-noise-multiplier": z},
-            )
-    mid = sorted(z for z in noise_levels if z > 0)[len([z for z in noise_levels if z > 0]) // 2]
-    runs[f"secagg-ddp z={mid}"] = (
-        mid,
-        {
-            **budget,
-            "aggregator": factories + "secagg_distributed_dp",
-            "dp-noise-multiplier": mid,
-            "dp-min-survival": 1.0,
-        },
+    runs = privacy_sweep.run_specs(
+        [b for b in args.sweep_baselines.split(",") if b],
+        floats(args.sweep_noise),
+        floats(args.sweep_ddp_noise),
     )
-    configs = {
-        label: RunConfig.from_mapping({**base, **extra, "run-dir": str(root / f"run{i}")})
-        for i, (label, (_, extra)) in enumerate(runs.items())
+    fresh = privacy_sweep.sweep(runs)
+    by_run = {p["run"]: p for p in previous.get("points", []) if "participants_perplexity" in p}
+    by_run.update({p["run"]: p for p in fresh})
+    points = sorted(by_run.values(), key=lambda p: (p["epsilon"] is not None, -(p["epsilon"] or 0)))
+    out: dict[str, Any] = {
+        "setting": "demo scenario: zoo:demo, 6 clients (natural partitions), 4 rounds x 20 "
+        "steps, LoRA r16 all linear layers, lr 0.01, uniform weighting, clip 0.1, in-process",
+        "points": points,
+        "plot": str(privacy_sweep.plot(points, PLOT_FILE).relative_to(RESULTS_FILE.parents[1])),
     }
-    rows: list[dict[str, Any]] = []
-    server_app = ServerApp()
-
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        for label, cfg in configs.items():
-            outcome = run_federation(grid, cfg)
-            if label == "warm-up":
-                continue
-            history = MetricsLog(outcome.run_dir).rows()
-            rounds_s = [float(r["round_seconds"]) for r in history if r["round"] > 0]
-            z = runs[label][0]
-            rows.append(
-                {
-                    "run": label,
-                    "noise_multiplier": z,
-                    "epsilon": round(float(history[-1]["epsilon"]), 3) if z > 0 else None,
-                    "initial_perplexity": round(float(history[0]["perplexity"]), 3),
-                    "final_perplexity": round(float(history[-1]["perplexity"]), 3),
-                    "round_seconds": round(float(np.mean(rounds_s)), 3),
-                    "status": outcome.status,
-                }
-            )
-            print(f"sweep {label}: {rows[-1]}", flush=True)
-
-    os.environ["FEDGE_CONCURRENCY"] = "2"
-    simulate(server_app, client_app, clients)
-    return rows
+    if "plain" in by_run and "secagg" in by_run:  # a real LoRA round, training and eval included
+        out["federation_secagg_round_ratio"] = round(
+            by_run["secagg"]["round_seconds"] / by_run["plain"]["round_seconds"], 3
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -334,14 +288,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size", type=int, default=100_000, help="floats per client vector")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dpsgd-model", default="zoo:micro")
-    p.add_argument("--dpsgd-rounds", type=int, default=4, help="timed local rounds per kind")
-    p.add_argument("--dpsgd-steps", type=int, default=30, help="steps per local round")
-    p.add_argument("--sweep-model", default="zoo:demo")
-    p.add_argument("--sweep-noise", default="0,0.3,1,3")
-    p.add_argument("--sweep-rounds", type=int, default=6)
-    p.add_argument("--sweep-clients", type=int, default=4)
-    p.add_argument("--sweep-steps", type=int, default=24, help="local steps per round")
-    p.add_argument("--sweep-lr", type=float, default=0.01)
+    p.add_argument("--dpsgd-rounds", type=int, default=3, help="timed local rounds per kind")
+    p.add_argument("--dpsgd-steps", type=int, default=100, help="steps per local round")
+    p.add_argument("--sweep-baselines", default="plain,secagg", help="of plain,secagg")
+    p.add_argument("--sweep-noise", default="0.05,0.15,0.5,1.5", help="central-DP z values")
+    p.add_argument("--sweep-ddp-noise", default="0.15,0.5", help="distributed-DP z values")
     p.add_argument("--skip", default="", help="comma list of parts to skip: secagg,dpsgd,sweep")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -359,29 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["dpsgd"]["loadavg"] = _loadavg()
         print(f"dpsgd: {result['dpsgd']}", flush=True)
     if "sweep" not in skip:
-        noise = [float(z) for z in args.sweep_noise.split(",")]
-        points = privacy_utility(
-            args.sweep_model,
-            noise,
-            args.sweep_rounds,
-            args.sweep_clients,
-            args.sweep_steps,
-            args.sweep_lr,
-        )
-        by_run = {p["run"]: p for p in points}
-        result["privacy_utility"] = {
-            "model": args.sweep_model,
-            "clients": args.sweep_clients,
-            "rounds": args.sweep_rounds,
-            "local_steps": args.sweep_steps,
-            "lr": args.sweep_lr,
-            "loadavg": _loadavg(),
-            "points": points,
-            # a real (micro) federation round: SecAgg+ over plain, training and evaluation included
-            "federation_secagg_round_ratio": round(
-                by_run["secagg"]["round_seconds"] / by_run["plain"]["round_seconds"], 3
-            ),
-        }
+        result["privacy_utility"] = privacy_utility(result.get("privacy_utility", {}), args)
     RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result)
     RESULTS_FILE.write_text(text + "\n")

@@ -12,6 +12,7 @@ Engine, configured by the run config (``x-clients``, ``x-size``, ``x-rounds``,
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid, ServerApp
 
 from clients.mods import dispatch_mods
 from fedge import keys
+from fedge.secagg import wire
 
 if TYPE_CHECKING:
     from server.aggregation import Aggregator
@@ -32,6 +35,8 @@ SIZE_KEY = "x-size"  # train-config key: floats per client vector
 HALF, THRESHOLD = 0.5, 2 / 3  # legacy SecAggPlusWorkflow's graph: n/2 shares, threshold 2/3
 STAGE_TIMEOUT_S = 600.0  # a loaded machine starts workers slowly; a round never waits this long
 VARIANTS = ("plain", "secagg_half_shares", "secagg_default_graph")
+# A folder: each ClientApp process appends "stage wall_s cpu_s" per message to <pid>.tsv there.
+CLIENT_TIMES_ENV = "FEDGE_BENCH_CLIENT_TIMES"
 
 
 def vector(pid: int, size: int) -> np.ndarray:
@@ -39,7 +44,23 @@ def vector(pid: int, size: int) -> np.ndarray:
     return np.random.default_rng(pid).normal(0, 0.01, size).astype(np.float32)
 
 
-client_app = ClientApp(mods=[dispatch_mods])
+def timing_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """When ``CLIENT_TIMES_ENV`` names a folder, log the wall and CPU seconds of each message
+    of the timed rounds (the warm-up round's group id is "0")."""
+    folder = os.environ.get(CLIENT_TIMES_ENV)
+    if not folder or msg.metadata.group_id == "0":
+        return call_next(msg, context)
+    wall, cpu = time.perf_counter(), time.process_time()
+    reply = call_next(msg, context)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    rec = msg.content.config_records.get(wire.SECAGG_RECORD)
+    stage = str(rec.get(wire.KEY_STAGE)) if rec is not None else "plain"
+    with open(Path(folder) / f"{os.getpid()}.tsv", "a") as log:
+        log.write(f"{stage}\t{wall:.6f}\t{cpu:.6f}\n")
+    return reply
+
+
+client_app = ClientApp(mods=[timing_mod, dispatch_mods])
 
 
 @client_app.train()
