@@ -14,7 +14,8 @@ worker process, updated in place, and users as rows rather than objects.
 Devices are rows of :class:`DeviceTable` (a node id and an online flag per device,
 plus optional numeric columns that go into the node config); a node's ``Context``
 is built per message from its row, and a non-empty ``Context.state`` is kept on
-disk, so memory does not grow with the population. Membership changes between
+disk (the last 1,024 used also as objects, so a busy node's state is not re-read every
+message), so memory does not grow with the population. Membership changes between
 messages: :meth:`InProcessGrid.disconnect` and :meth:`InProcessGrid.connect` (a
 reconnecting device gets a new node id, as a restarted SuperNode does).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -126,11 +128,19 @@ class DeviceTable:
 
 
 class NodeStates:
-    """``Context.state`` of the nodes that keep any, one file per device row; empty states cost nothing."""
+    """``Context.state`` of the nodes that keep any, one file per device row; empty states cost nothing.
 
-    def __init__(self, root: Path, size: int) -> None:
+    Every save is written through to disk; the states of the ``cache_rows`` rows used last are
+    also kept as objects, so the next message to such a node skips reading and parsing its file
+    (memory stays bounded whatever the population). :meth:`forget_cached` drops a row's object
+    when its ClientApp failed mid-message, so the file (the last completed state) is read again.
+    """
+
+    def __init__(self, root: Path, size: int, cache_rows: int = 1024) -> None:
         self.root = root
         self._present = np.zeros(size, dtype=bool)
+        self._cache: OrderedDict[int, RecordDict] = OrderedDict()
+        self._cache_rows = cache_rows
         root.mkdir(parents=True, exist_ok=True)
         for path in root.glob("*.pb"):
             if path.stem.isdigit() and int(path.stem) < size:
@@ -140,6 +150,9 @@ class NodeStates:
         """The row's state (a fresh, empty RecordDict when it has none)."""
         if not self._present[row]:
             return RecordDict()
+        if row in self._cache:
+            self._cache.move_to_end(row)
+            return self._cache[row]
         return recorddict_from_proto(ProtoRecordDict.FromString((self._path(row)).read_bytes()))
 
     def save(self, row: int, state: RecordDict) -> None:
@@ -151,9 +164,18 @@ class NodeStates:
         tmp.write_bytes(recorddict_to_proto(state).SerializeToString())
         tmp.replace(self._path(row))
         self._present[row] = True
+        self._cache[row] = state
+        self._cache.move_to_end(row)
+        if len(self._cache) > self._cache_rows:
+            self._cache.popitem(last=False)
+
+    def forget_cached(self, row: int) -> None:
+        """Drop the row's object (its file stays): the next load reads the last saved state."""
+        self._cache.pop(row, None)
 
     def drop(self, row: int) -> None:
         """Forget the row's state (a node that reconnects starts with an empty Context)."""
+        self._cache.pop(row, None)
         if self._present[row]:
             self._path(row).unlink(missing_ok=True)
             self._present[row] = False
@@ -276,6 +298,7 @@ class InProcessGrid(Grid):
         try:
             reply = self._app(msg, context)
         except Exception as exc:  # an error reply, as Flower's engines give
+            self._states.forget_cached(row)  # the app may have half-edited the state object
             log.warning(
                 "node %d: ClientApp raised %s: %s",
                 msg.metadata.dst_node_id,

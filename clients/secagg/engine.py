@@ -291,6 +291,8 @@ class SecAggClientEngine:
                     f"the public keys of node {u} changed within key session "
                     f"{self.state.get(_S_SESSION)!r}; refusing (a server may be impersonating it)"
                 )
+        if not fresh:  # steady state: every neighbour pinned, nothing to compute or store
+            return
         s1, s2 = self._secrets(pinned)
         sk1, sk2 = wire.get_bytes(self.state, _S_SK1), wire.get_bytes(self.state, _S_SK2)
         s1.update(zip(fresh, shared_secrets(sk1, [p1[u] for u in fresh]), strict=True))

@@ -193,6 +193,30 @@ def test_a_clientapp_exception_becomes_an_error_reply(tmp_path: Path) -> None:
     assert "out of memory on this phone" in reply.error.reason
 
 
+def test_a_raising_clientapp_leaves_the_last_completed_state(tmp_path: Path) -> None:
+    """States are cached as objects between messages; a call that raised must not leak its edits."""
+    app = _partition_app()
+
+    @app.train()
+    def half_done(msg: Message, context: Context) -> Message:
+        context.state["calls"] = ConfigRecord({"n": 100})  # edited, then the app fails
+        raise RuntimeError("battery died")
+
+    grid = _grid(tmp_path, 1, app=app)
+    node = next(iter(grid.get_node_ids()))
+
+    def call(kind: str) -> Message:
+        (reply,) = grid.send_and_receive(
+            [Message(RecordDict(), dst_node_id=node, message_type=kind)]
+        )
+        return reply
+
+    call(MessageType.QUERY)  # calls = 1, saved (and cached)
+    assert call(MessageType.TRAIN).has_error()
+    after = call(MessageType.QUERY)
+    assert after.content.metric_records[keys.REC_METRICS]["calls"] == 2
+
+
 def test_ten_thousand_devices_cost_a_few_hundred_bytes_each(tmp_path: Path) -> None:
     """Build, list and sample 10,000 devices and run the sampled 100: memory per device stays small."""
 
