@@ -167,15 +167,24 @@ def secagg_overhead(clients: list[int], size: int, rounds: int) -> dict[str, Any
             "legacy_secaggplus_s": round(legacy_secure, 3),
             "legacy_ratio": round(legacy_secure / legacy_plain, 3),
             "ours_secagg_stage_s": ours.get("secagg_half_shares_stages", {}),
-            "loadavg": _loadavg(),
+            "loadavg": loadavg(),
         }
         print(f"secagg n={n}: {out[str(n)]}", flush=True)
     return out
 
 
-def _loadavg() -> str:
+def loadavg() -> str:
     """The 1/5/15-minute load average, recorded next to every figure."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def write_result(path: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Write the bench's JSON result to ``path`` and print it as the last line of output."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result)
+    path.write_text(text + "\n")
+    print(text)
+    return result
 
 
 # ---------------------------------------------------------------- 2. DP-SGD overhead
@@ -307,15 +316,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["dpsgd"] = dpsgd_overhead(
             args.dpsgd_model, args.dpsgd_rounds, args.dpsgd_steps, 8, 64
         )
-        result["dpsgd"]["loadavg"] = _loadavg()
+        result["dpsgd"]["loadavg"] = loadavg()
         print(f"dpsgd: {result['dpsgd']}", flush=True)
     if "sweep" not in skip:
         result["privacy_utility"] = privacy_utility(result.get("privacy_utility", {}), args)
-    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result)
-    RESULTS_FILE.write_text(text + "\n")
-    print(text)
-    return result
+    return write_result(RESULTS_FILE, result)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ def sweep(runs: Mapping[str, tuple[float, dict[str, Any]]]) -> list[dict[str, An
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
+    from bench.privacy import loadavg
     from server.loop import run_federation
     from server.rundir import MetricsLog
     from simulations.apps import clientapp
@@ -112,7 +113,7 @@ def sweep(runs: Mapping[str, tuple[float, dict[str, Any]]]) -> list[dict[str, An
                     ],
                     "round_seconds": round(float(np.mean(rounds_s)), 3),
                     "status": outcome.status,
-                    "loadavg": _loadavg(),
+                    "loadavg": loadavg(),
                 }
             )
             print(f"sweep {label}: {rows[-1]}", flush=True)
@@ -162,7 +163,3 @@ def plot(points: Sequence[Mapping[str, Any]], out: Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
-
-
-def _loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])

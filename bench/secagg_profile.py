@@ -14,7 +14,7 @@ timing loop, same warm-up):
   wall time, the clients' summed in-app wall and CPU time, and the rest (Flower's
   pick-up every 0.1 s, Ray tasks, serialisation, our pulls).
 
-Usage: ``python bench/secagg_profile.py [--clients 10,50] [--size 100000] [--rounds 5]``.
+Usage: ``PYTHONPATH=. python bench/secagg_profile.py [--clients 10,50] [--size 100000] [--rounds 5]``.
 Prints one JSON object and writes it to ``bench/results/secagg_profile.json``.
 """
 
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench import secagg_rounds
+from bench.privacy import loadavg, write_result
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "secagg_profile.json"
 PROFILED_VARIANT = "secagg_half_shares"
@@ -95,7 +96,7 @@ def inprocess_ratios(clients: Sequence[int], size: int, rounds: int) -> dict[str
             row[f"{name}_s"] = round(mean, 4)
             row[f"{name}_ratio"] = round(mean / plain, 3)
             row[f"{name}_stage_s"] = times.get(f"{name}_stages", {})
-        row["loadavg"] = _loadavg()
+        row["loadavg"] = loadavg()
         out[str(n)] = row
         print(f"inprocess n={n}: {row}", flush=True)
     return out
@@ -121,7 +122,7 @@ def profile(num_clients: int, size: int, rounds: int) -> dict[str, Any]:
         "round_ms_under_profiler": round(1000 * total, 1),
         "steps_ms_per_round": steps,
         "top_own_time_ms_per_round": _top_own(full, warm, rounds),
-        "loadavg": _loadavg(),
+        "loadavg": loadavg(),
     }
 
 
@@ -202,13 +203,9 @@ def ray_breakdown(num_clients: int, size: int, rounds: int) -> dict[str, Any]:
             "clients_in_app_wall_s": round(c_wall, 4),
             "clients_in_app_cpu_s": round(c_cpu, 4),
         }
-    out["loadavg"] = _loadavg()
+    out["loadavg"] = loadavg()
     print(f"ray n={num_clients}: {out}", flush=True)
     return out
-
-
-def _loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -231,11 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "profile" in parts:
         result["profile"] = {str(n): profile(n, args.size, args.rounds) for n in clients}
         print(f"profile: {result['profile']}", flush=True)
-    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result)
-    RESULTS_FILE.write_text(text + "\n")
-    print(text)
-    return result
+    return write_result(RESULTS_FILE, result)
 
 
 if __name__ == "__main__":
