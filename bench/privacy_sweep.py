@@ -131,6 +131,8 @@ def plot(points: Sequence[Mapping[str, Any]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from server.privacy.plots import save_figure
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for prefix, label, marker in (
         ("central-dp", "central DP", "o"),
@@ -158,8 +160,4 @@ def plot(points: Sequence[Mapping[str, Any]], out: Path) -> Path:
     ax.set_title("Privacy-utility, demo federation (6 clients, natural partitions)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

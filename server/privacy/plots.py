@@ -59,6 +59,13 @@ def plot_privacy(rows: Sequence[Mapping[str, Any]], out: Path) -> Path:
     ppl_ax.set_ylabel("held-out perplexity")
     ppl_ax.set_title("Utility")
     ppl_ax.grid(alpha=0.3)
+    return save_figure(fig, out)
+
+
+def save_figure(fig: Any, out: Path) -> Path:
+    """Lay out ``fig``, write it to ``out`` as a PNG (creating the folder) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
