@@ -43,12 +43,10 @@ typecheck: $(STAMP)
 
 # The micro zoo is built once before the workers start (they share $(CURDIR)/.fedge-cache);
 # tests run in 3 processes, one file per worker at a time: most of their time is start-up and
-# waiting on servers, so they overlap well on two cores. Files go out in collection order, where
-# tests/conftest.py puts the minutes-long ones first (xdist's default order, most tests first,
-# started the fleet file last, which then ran alone for six minutes).
+# waiting on servers, so they overlap well on two cores.
 unit: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
-	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=15
+	$(BIN)/pytest -n 3 --dist loadfile --durations=15
 
 test: lint typecheck unit
 

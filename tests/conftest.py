@@ -34,15 +34,3 @@ def micro_corpus(micro_zoo):  # type: ignore[no-untyped-def]
     return build_federated_corpus(
         micro_zoo.target_dir, scheme="natural", max_chars_per_client=MICRO_CHARS_PER_CLIENT
     )
-
-
-# Files that keep one xdist worker busy for minutes (`make test` runs `--dist loadfile`): they
-# start first, so the rest of the suite runs beside them rather than after them (scheduled by
-# test count, the fleet file started late and ran alone for the suite's last six minutes).
-LONG_FILES = ("tests/fleet/test_fleet.py",)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Move the tests of LONG_FILES to the front, keeping every file's own order."""
-    long_first = [str(REPO / name) for name in LONG_FILES]
-    items.sort(key=lambda item: str(item.path) not in long_first)
