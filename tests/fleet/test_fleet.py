@@ -86,7 +86,10 @@ class Load:
         ]
 
     def _loop(self, port: int, work: Callable[[VerifierClient, int], None], index: int) -> None:
-        with VerifierClient(ClientConfig(f"127.0.0.1:{port}", timeout_s=60)) as client:
+        # UNAVAILABLE retried for 30 s, not the edge's 3 s: on a machine shared with the rest of
+        # the suite (load 40 seen) a replica swap can take longer, and the device would answer
+        config = ClientConfig(f"127.0.0.1:{port}", timeout_s=60, unreachable_after_s=30.0)
+        with VerifierClient(config) as client:
             while not self.stop.is_set():
                 try:
                     work(client, index)
