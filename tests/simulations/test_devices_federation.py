@@ -83,7 +83,7 @@ def run(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: i
         [
             sys.executable,
             "-m",
-            "fedge.cli",
+            "cli",
             "simulate",
             str(root / "scenario.toml"),
             "--out",
