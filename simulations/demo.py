@@ -23,9 +23,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from fedge.tables import wrapping_table
 from fedge.zoo import ZooPaths
 from server.rundir import MetricsLog
 from simulations.realign import (
+    PROMPT_TOKENS,
     REALIGN_OVERRIDES,
     ClientAcceptance,
     acceptance_by_client,
@@ -146,9 +148,10 @@ def federated_stage(
 
 def perplexity_table(results: list[FederationResult]) -> Table:
     """Before/after perplexity per federation, on the clients' data and on the whole corpus."""
-    table = Table(title="held-out perplexity: base model -> federated adapter")
-    for column in ("federation", "participating clients' code", "whole corpus", "epsilon"):
-        table.add_column(column)
+    table = wrapping_table(
+        "held-out perplexity: base model -> federated adapter",
+        ("federation", "participating clients' code", "whole corpus", "epsilon"),
+    )
     for r in results:
         table.add_row(
             r.label,
@@ -193,18 +196,33 @@ def realignment_stage(
 
 def acceptance_table(rows: list[ClientAcceptance]) -> Table:
     """Greedy agreement of the draft with the target per client, before and after realignment."""
-    table = Table(title="draft acceptance (greedy agreement) on each client's held-out prompts")
-    for column in (
-        "client",
-        "base draft / base target",
-        "base draft / fed. target",
-        "realigned / fed. target",
-    ):
-        table.add_column(column)
+    table = wrapping_table(
+        "draft acceptance (greedy agreement) on each client's held-out prompts",
+        (
+            "client",
+            "base draft / base target",
+            "base draft / fed. target",
+            "realigned / fed. target",
+        ),
+    )
     for r in rows:
-        table.add_row(str(r.partition), f"{r.base:.1%}", f"{r.drifted:.1%}", f"{r.realigned:.1%}")
-    mean = [float(np.mean([getattr(r, k) for r in rows])) for k in ("base", "drifted", "realigned")]
+        if r.measured:
+            rates = (f"{r.base:.1%}", f"{r.drifted:.1%}", f"{r.realigned:.1%}")
+            label = str(r.partition) if r.prompt_tokens == PROMPT_TOKENS else f"{r.partition} *"
+        else:
+            rates, label = ("n/a", "n/a", "n/a"), str(r.partition)
+        table.add_row(label, *rates)
+    measured = [r for r in rows if r.measured] or rows
+    mean = [
+        float(np.mean([getattr(r, k) for r in measured])) for k in ("base", "drifted", "realigned")
+    ]
     table.add_row("mean", *(f"{m:.1%}" for m in mean))
+    notes = []
+    if any(r.measured and r.prompt_tokens != PROMPT_TOKENS for r in rows):
+        notes.append(f"* prompts shorter than {PROMPT_TOKENS} tokens (short held-out code)")
+    if not all(r.measured for r in rows):
+        notes.append("n/a: held-out code too short to measure")
+    table.caption = "; ".join(notes) or None
     return table
 
 

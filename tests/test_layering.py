@@ -44,10 +44,7 @@ def imported_packages(path: Path) -> set[str]:
 def sources() -> list[Path]:
     """Every Python source of the layered packages, generated stubs excluded."""
     return [
-        p
-        for pkg in PACKAGES
-        for p in sorted((REPO / pkg).rglob("*.py"))
-        if "_pb2" not in p.name
+        p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py")) if "_pb2" not in p.name
     ]
 
 
@@ -71,4 +68,3 @@ def test_the_core_holds_no_entry_point() -> None:
     assert not (REPO / "fedge" / "cli.py").exists()
     assert not (REPO / "fedge" / "demo.py").exists()
     assert imported_packages(REPO / "cli" / "main.py") >= {"edge", "server", "simulations"}
-

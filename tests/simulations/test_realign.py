@@ -59,7 +59,7 @@ def test_acceptance_is_measured_per_participating_client(
     }
     config = load_scenario("quick").config
     rows = acceptance_by_client(config, clients, models, prompts=2, new_tokens=4, prompt_tokens=4)
-    assert rows and {r.partition for r in rows} <= set(clients)
+    assert [r.partition for r in rows] == clients  # one row per client the federation ran
     for row in rows:
         assert all(0.0 <= x <= 1.0 for x in (row.base, row.drifted, row.realigned))
 
