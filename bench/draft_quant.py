@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-# `python bench/draft_quant.py` puts bench/ first on sys.path, where bench/edge.py would shadow `edge`
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -42,12 +42,12 @@ from typing import Any
 
 import numpy as np
 
-# `python bench/edge.py` puts bench/ first on sys.path, where this file would shadow the `edge` package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from simulations.verifier_process import VerifierProcess  # noqa: E402
+from simulations.verifier_process import VerifierProcess
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "edge.json"
 PROMPT_TOKENS = 32

@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "fl_throughput.json"
 APPS = {"ours": "simulations.apps:clientapp", "reference": "clients.reference:app"}

@@ -22,28 +22,27 @@ import argparse
 import json
 import os
 import random
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-# `python bench/x.py` puts bench/ first on sys.path, where edge.py would shadow the `edge` package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import grpc
+import numpy as np
+import torch
 
-from edge.client import ClientConfig, VerifierClient  # noqa: E402
-from edge.decoder import DecodeConfig, SpeculativeDecoder  # noqa: E402
-from edge.fleet.app import FleetConfig, ensure_serve, start_fleet  # noqa: E402
-from edge.prompts import heldout_prompts  # noqa: E402
-from edge.runtime import TorchDraftRuntime  # noqa: E402
-from edge.verifier.engine import EngineConfig  # noqa: E402
-from fedge.models import load_causal_lm, load_tokenizer  # noqa: E402
-from fedge.zoo import ensure_zoo  # noqa: E402
+from edge.client import ClientConfig, VerifierClient
+from edge.decoder import DecodeConfig, SpeculativeDecoder
+from edge.fleet.app import FleetConfig, ensure_serve, start_fleet
+from edge.prompts import heldout_prompts
+from edge.runtime import TorchDraftRuntime
+from edge.verifier.engine import EngineConfig
+from fedge.models import load_causal_lm, load_tokenizer
+from fedge.zoo import ensure_zoo
 
 RESULTS = Path(__file__).parent / "results" / "fleet.json"
 SHORT, LONG = 8, 96

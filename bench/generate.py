@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-# `python bench/x.py` puts bench/ first on sys.path, where edge.py would shadow the `edge` package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
 
-import torch  # noqa: E402
+import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 

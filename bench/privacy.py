@@ -31,6 +31,11 @@ from typing import Any
 
 import numpy as np
 
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
+
+from bench._common import loadavg, write_result
+
 for _k, _v in {
     "HF_HUB_OFFLINE": "1",
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -171,20 +176,6 @@ def secagg_overhead(clients: list[int], size: int, rounds: int) -> dict[str, Any
         }
         print(f"secagg n={n}: {out[str(n)]}", flush=True)
     return out
-
-
-def loadavg() -> str:
-    """The 1/5/15-minute load average, recorded next to every figure."""
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def write_result(path: Path, result: dict[str, Any]) -> dict[str, Any]:
-    """Write the bench's JSON result to ``path`` and print it as the last line of output."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result)
-    path.write_text(text + "\n")
-    print(text)
-    return result
 
 
 # ---------------------------------------------------------------- 2. DP-SGD overhead

@@ -23,6 +23,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
+
 from simulations.localnet import (
     free_ports,
     stop_marked,

@@ -65,7 +65,7 @@ def sweep(runs: Mapping[str, tuple[float, dict[str, Any]]]) -> list[dict[str, An
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
-    from bench.privacy import loadavg
+    from bench._common import loadavg
     from server.loop import run_federation
     from server.rundir import MetricsLog
     from simulations.apps import clientapp

@@ -14,7 +14,7 @@ timing loop, same warm-up):
   wall time, the clients' summed in-app wall and CPU time, and the rest (Flower's
   pick-up every 0.1 s, Ray tasks, serialisation, our pulls).
 
-Usage: ``PYTHONPATH=. python bench/secagg_profile.py [--clients 10,50] [--size 100000] [--rounds 5]``.
+Usage: ``python bench/secagg_profile.py [--clients 10,50] [--size 100000] [--rounds 5]``.
 Prints one JSON object and writes it to ``bench/results/secagg_profile.json``.
 """
 
@@ -32,8 +32,11 @@ from typing import Any
 
 import numpy as np
 
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
+
 from bench import secagg_rounds
-from bench.privacy import loadavg, write_result
+from bench._common import loadavg, write_result
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "secagg_profile.json"
 PROFILED_VARIANT = "secagg_half_shares"

@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "sim_scale.json"
 WORKLOAD = {

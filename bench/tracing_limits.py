@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import timeit
 from pathlib import Path
@@ -29,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-# `python bench/x.py` puts bench/ first on sys.path, where edge.py would shadow the `edge` package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -71,13 +71,22 @@ def test_dirichlet_alpha_controls_label_skew() -> None:
 
 
 def test_client_tokens_are_memory_mapped_and_cached(
-    micro_zoo: ZooPaths, micro_corpus: FederatedCorpus
+    micro_zoo: ZooPaths, micro_corpus: FederatedCorpus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokens = micro_corpus.client("json")
     assert isinstance(tokens.train, np.memmap) and isinstance(tokens.heldout, np.memmap)
     assert len(tokens.train) > 0 and len(tokens.heldout) > 0
+    index = micro_corpus.directory / "clients.json"
+    written = (index.stat().st_ino, index.stat().st_mtime_ns)
+
+    def no_rebuild(*args: object) -> None:
+        raise AssertionError("the cached corpus was partitioned and tokenized again")
+
+    monkeypatch.setattr("fedge.data.federated.partition_documents", no_rebuild)
     again = build_federated_corpus(micro_zoo.target_dir, max_chars_per_client=CHARS)
     assert again.directory == micro_corpus.directory
+    after = index.stat()
+    assert (after.st_ino, after.st_mtime_ns) == written  # the same files, not written again
     assert len(micro_corpus.heldout_union()) == sum(
         len(micro_corpus.client(i).heldout) for i in range(len(micro_corpus))
     )

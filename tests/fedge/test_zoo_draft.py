@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,9 +12,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedge.zoo import ZooPaths, get_preset
-from fedge.zoo.build import stale_settings
+from fedge.zoo.build import _Builder, stale_settings
 from fedge.zoo.presets import ModelShape, TrainBudget
-from fedge.zoo.training import distillation_loss, next_token_loss, share_embeddings, train
+from fedge.zoo.training import (
+    distillation_loss,
+    next_token_loss,
+    share_embeddings,
+    shared_parameters,
+    train,
+)
 
 
 def _llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
@@ -60,16 +67,29 @@ def test_sharing_needs_equal_widths() -> None:
 
 
 def test_default_draft_owns_under_a_fifth_of_the_target() -> None:
-    """Own parameters (layers + final norm is shared, so layers only) by the preset's shapes."""
+    """Built as the zoo builds them (on the meta device: shapes, no weights), the default draft's
+    own parameters (all but the embedding and final norm it shares) are under a fifth of the
+    target's."""
     p = get_preset("default")
 
-    def layers(shape: ModelShape) -> int:
-        h, f = shape.hidden, shape.intermediate
-        return shape.layers * (4 * h * h + 3 * h * f + 2 * h)
+    class Vocabulary:  # what the builder reads of the tokenizer: its size and special ids
+        bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
 
-    target = p.vocab_size * p.target.hidden + layers(p.target) + p.target.hidden
+        def __len__(self) -> int:
+            return p.vocab_size
+
+    builder = SimpleNamespace(preset=p)
+    with torch.device("meta"):
+        target = LlamaForCausalLM(_Builder._config(builder, p.target, Vocabulary()))  # type: ignore[arg-type]
+        draft = LlamaForCausalLM(_Builder._config(builder, p.draft, Vocabulary()))  # type: ignore[arg-type]
     assert p.share_embeddings
-    assert layers(p.draft) <= target / 5
+    share_embeddings(draft, target)
+    target_total = sum(t.numel() for t in target.parameters())
+    own = sum(t.numel() for t in draft.parameters() if t.requires_grad)
+    assert own == sum(t.numel() for t in draft.parameters()) - sum(
+        t.numel() for t in shared_parameters(draft)
+    )
+    assert own <= target_total / 5, (own, target_total)
 
 
 def test_zoo_built_with_other_settings_is_stale(micro_zoo: ZooPaths, tmp_path: Path) -> None:

@@ -1,27 +1,30 @@
 """Every strategy under every privacy mode completes a two-round micro federation.
 
 3 strategies x {plain, SecAgg+, central DP, SecAgg+ with distributed DP, DP-SGD}, plus a
-central-DP run that must stop on its epsilon budget. All 16 federations run through the
-real fedge ServerApp loop and ClientApp on Flower's simulation engine, in ONE Ray run
-(one ServerApp that runs the federations one after another) to pay Ray's start-up once.
+central-DP run that must stop on its epsilon budget. All 17 federations run through the
+real fedge ServerApp loop and ClientApp, one after another in ONE ServerApp on the
+in-process engine (`simulations.inprocess`: Flower's Message API, no Ray start-up; the
+Ray engine has its own tests in tests/simulations and tests/server).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import tomllib
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.simulation import run_simulation
+from flwr.supercore.task_identity import TaskIdentity
 
+from server.checkpoint import latest_round, load_checkpoint
 from server.config import RunConfig
-from server.loop import run_federation
+from server.loop import ServerModel, run_federation
 from server.rundir import MetricsLog
+from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
 STRATEGIES = ("fedavg", "fedprox", "scaffold")
 F = "server.privacy.factories:"
@@ -39,7 +42,6 @@ MODES: dict[str, dict[str, Any]] = {
     "dp-sgd": {"dp-sgd-noise-multiplier": 1.0, "dp-sgd-max-grad-norm": 1.0},
 }
 QUICK = Path(__file__).resolve().parents[2] / "simulations" / "scenarios" / "quick.toml"
-OUTCOMES: dict[str, Any] = {}
 
 
 def base_config(run_dir: Path) -> dict[str, Any]:
@@ -71,29 +73,36 @@ def federations(root: Path) -> dict[str, RunConfig]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """Run all federations once (one Ray start) and return their outcomes by name."""
-    configs = federations(tmp_path_factory.mktemp("matrix"))
+def configs(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
+    """Every federation's run config, by name, run directories under one temporary root."""
+    return federations(tmp_path_factory.mktemp("matrix"))
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    configs: dict[str, RunConfig], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Run all federations once, one after another on one in-process grid; outcomes by name."""
+    outcomes: dict[str, Any] = {}
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         for name, cfg in configs.items():
             try:
-                OUTCOMES[name] = run_federation(grid, cfg)
+                outcomes[name] = run_federation(grid, cfg)
             except Exception as exc:  # recorded and asserted per case below
-                OUTCOMES[name] = exc
+                outcomes[name] = exc
 
     from simulations.apps import clientapp as client_app
 
-    os.environ["FEDGE_CONCURRENCY"] = "2"
-    run_simulation(
-        server_app=app,
-        client_app=client_app,
-        num_supernodes=3,
-        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
-    )
-    return OUTCOMES
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FEDGE_CONCURRENCY", "1")  # clients run one at a time, in this thread
+        for name in ("_task_id", "_run_id", "_node_id"):  # run_inprocess sets the identity
+            patch.setattr(TaskIdentity, name, getattr(TaskIdentity, name))
+        nodes = tmp_path_factory.mktemp("nodes")
+        run_inprocess(app, InProcessGrid(client_app, DeviceTable(3), nodes))
+    return outcomes
 
 
 def rows_of(outcome: Any) -> list[dict[str, Any]]:
@@ -134,6 +143,14 @@ def test_budget_stops_the_run_cleanly_with_a_checkpoint(outcomes: dict[str, Any]
     assert rows[0]["epsilon"] <= 8.0
     assert rows[0]["epsilon_accountant"] == "rdp"
     assert outcome.state is not None and outcome.state.server_round == 1
+    # the checkpoint on disk is round 1's released state, the newest one, and resumable
+    assert latest_round(outcome.run_dir) == 1
+    saved = load_checkpoint(outcome.run_dir)
+    assert saved.state.server_round == 1 and saved.strategy == "fedavg"
+    assert saved.state.adapter.keys() == outcome.state.adapter.keys()
+    for name, array in outcome.state.adapter.items():
+        np.testing.assert_array_equal(saved.state.adapter[name], array)
+    assert saved.budget_state, "the accountant's spend is saved with the adapter"
 
 
 def test_max_epsilon_stops_dp_sgd_clients_without_a_server_budget(outcomes: dict[str, Any]) -> None:
@@ -142,3 +159,16 @@ def test_max_epsilon_stops_dp_sgd_clients_without_a_server_budget(outcomes: dict
     assert outcome.status == "budget", outcome.message
     assert "privacy budget exhausted" in outcome.message
     assert rows_of(outcome) == []  # nothing was released
+
+
+def test_the_loop_scores_the_participants_on_their_own_heldout_text(
+    outcomes: dict[str, Any], configs: dict[str, RunConfig]
+) -> None:
+    """The row's participants' loss is the final adapter's on the 3 nodes' partitions only."""
+    outcome, cfg = outcomes["fedavg-plain"], configs["fedavg-plain"]
+    last = rows_of(outcome)[-1]
+    model = ServerModel(cfg)
+    participants = model.evaluate(outcome.state.adapter, [0, 1, 2])
+    assert last["participants_eval_loss"] == pytest.approx(participants, rel=1e-6)
+    assert last["eval_loss"] == pytest.approx(model.evaluate(outcome.state.adapter), rel=1e-6)
+    assert participants != pytest.approx(last["eval_loss"], rel=1e-3)  # the two differ

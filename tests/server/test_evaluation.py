@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from fedge.lm import holder
+from fedge.lm.evaluate import evaluate_tokens
 from server.config import RunConfig
 from server.loop import ServerModel
 
@@ -19,3 +22,24 @@ def test_participants_without_heldout_text_score_nan_not_crash(micro_zoo) -> Non
     assert math.isnan(model.evaluate(adapter, []))
     assert math.isfinite(model.evaluate(adapter, with_text[:2]))
     assert math.isfinite(model.evaluate(adapter))  # the whole corpus
+
+
+def test_participants_are_scored_on_their_own_heldout_text_only(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """The participants' loss is the loss on exactly their held-out streams, not the corpus'."""
+    cfg = RunConfig.from_mapping({"model": str(micro_zoo.target_dir), "server-eval-batches": 2})
+    model = ServerModel(cfg)
+    corpus = holder.get_corpus(model.client_config)
+    a, b = [i for i in range(len(corpus)) if len(corpus.client(i).heldout) > 200][1:3]
+    adapter = model.initial_adapter()
+    eval_cfg = type(cfg.train).from_config({**cfg.train.to_config(), "eval-batches": 2})
+
+    def loss_on(*clients: int) -> float:
+        tokens = np.concatenate([np.asarray(corpus.client(c).heldout) for c in clients])
+        return evaluate_tokens(model.lm.model, tokens, eval_cfg, model.lm.device)[0]
+
+    whole = model.evaluate(adapter)
+    assert whole == loss_on(*range(len(corpus)))
+    for participants in ([a], [a, b]):
+        expected = loss_on(*participants)
+        assert expected != whole  # the check can tell a participant score from the corpus'
+        assert model.evaluate(adapter, participants) == expected

@@ -1,0 +1,21 @@
+"""Helpers the privacy benches share (one home, so no bench imports another bench's script)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def loadavg() -> str:
+    """The 1/5/15-minute load average, recorded next to every figure."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def write_result(path: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Write the bench's JSON result to ``path`` and print it as the last line of output."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result)
+    path.write_text(text + "\n")
+    print(text)
+    return result
