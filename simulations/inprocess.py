@@ -313,14 +313,26 @@ class InProcessGrid(Grid):
         return reply
 
 
-def run_inprocess(server_app: ServerApp, grid: InProcessGrid, run_id: int = 1) -> None:
-    """Run ``server_app`` to the end on ``grid`` in this thread (the ServerApp's own Context is empty)."""
-    grid.set_run(Run.create_empty(run_id))
+def run_inprocess(
+    server_app: ServerApp,
+    grid: InProcessGrid,
+    run_id: int = 1,
+    run_config: Mapping[str, bool | int | float | str] | None = None,
+) -> None:
+    """Run ``server_app`` to the end on ``grid`` in this thread; both apps' Contexts carry
+    ``run_config`` (as ``flwr run --run-config`` would give them), empty by default."""
+    run = Run.create_empty(run_id)
+    run.override_config = dict(run_config or {})
+    grid.set_run(run)
     # What flwr.simulation sets for its ServerApp thread: new Messages take run and source from it.
     TaskIdentity.task_id = 1
     TaskIdentity.run_id = run_id
     TaskIdentity.node_id = SUPERLINK_NODE_ID
     context = Context(
-        run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config={}
+        run_id=run_id,
+        node_id=SUPERLINK_NODE_ID,
+        node_config={},
+        state=RecordDict(),
+        run_config=dict(run.override_config),
     )
     server_app(grid, context)
