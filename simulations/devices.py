@@ -137,7 +137,7 @@ def device_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     return call_next(msg, context)
 
 
-def tighter_budget(given: ConfigValue | None, own: int) -> int:
+def tighter_budget(given: object, own: int) -> int:
     """The smaller of a ``step-budget`` already set (by the virtual clock's deadline) and this
     device's own: a mod must never hand back steps the deadline took away (0 = none set)."""
     earlier = int(given) if isinstance(given, int | float) and given > 0 else 0
