@@ -10,7 +10,8 @@ fresh or resume from the newest checkpoint), then per round:
   3. :func:`train_exchange`: hand the train message to the aggregator, which returns the
      SUM of valid contributions (malformed replies are rejected and logged by node id);
   4. :func:`aggregate_and_account`: ``strategy.finalize`` turns the sum into the next
-     global adapter and state; the budget records the release;
+     global adapter and state (only when at least ``min-train-nodes`` updates are in it:
+     dropped work counts toward no minimum); the budget records the release;
   5. :func:`evaluate_round`: server-side perplexity on the union of held-out splits and on
      the participants' own, and the sampled clients' held-out loss;
   6. :func:`checkpoint_and_report`: write the metrics row and the checkpoint.
@@ -64,7 +65,7 @@ from server.privacy.factories import default_budget
 from server.privacy.plots import plot_privacy
 from server.rows import round_row, write_status
 from server.rundir import MetricsLog, plot_perplexity, write_config
-from strategies.base import GlobalState, Strategy, replace_state
+from strategies.base import Arrays, GlobalState, Strategy, replace_state
 from strategies.registry import build_strategy
 
 log = logging.getLogger(__name__)
@@ -426,18 +427,33 @@ def aggregate_and_account(
     fed: Federation, cohort: Cohort, result: AggregateResult, server_round: int
 ) -> str:
     """Finalize the sum into the next state, record the release, mark the clients' committed
-    round; return the row status (``empty``: every client's work was dropped, adapter kept)."""
+    round; return the row status (``empty``: too few updates, the adapter is kept)."""
     assert result.summed is not None  # shortfall() refused the round otherwise
-    if float(result.summed[keys.KEY_WEIGHT][0]) > 0:
-        fed.state = fed.strategy.finalize(fed.state, result.summed, cohort.population)
-        row_status = "ok"
-    else:
+    fed.state, row_status = next_state(
+        fed.strategy, fed.state, result.summed, cohort.population, fed.cfg.min_train_nodes
+    )
+    if row_status == "empty":
         fed.state = replace_state(fed.state, server_round=server_round)
-        row_status = "empty"
     fed.budget.record(server_round, len(cohort.sampled), cohort.population)
     partitions = fed.roster.partitions
     fed.committed.update({partitions[n]: server_round for n in result.accepted if n in partitions})
     return row_status
+
+
+def next_state(
+    strategy: Strategy, state: GlobalState, summed: Arrays, population: int, min_updates: int
+) -> tuple[GlobalState, str]:
+    """The strategy's next state and ``ok``; or the state unchanged and ``empty`` when fewer
+    than ``min_updates`` clients' work is in the sum: a dropped straggler's reply (zeros with
+    ``meta/count`` 0) is a valid reply but no update, and counts toward no minimum."""
+    if updates_in(summed) < min_updates or float(summed[keys.KEY_WEIGHT][0]) <= 0:
+        return state, "empty"
+    return strategy.finalize(state, summed, population), "ok"
+
+
+def updates_in(summed: Arrays) -> int:
+    """How many clients' work a sum holds (``meta/count``: 1 per kept update, 0 per dropped)."""
+    return round(float(summed[keys.KEY_COUNT][0]))
 
 
 def evaluate_round(fed: Federation, cohort: Cohort, server_round: int) -> Losses:
