@@ -21,7 +21,9 @@ reconnecting device gets a new node id, as a restarted SuperNode does).
 
 Differences from Flower's engines, by design: messages run one after another (the
 round timeout bounds their sum: a message not started by the deadline gets no
-reply, a reply finished after it is dropped); a message to a disconnected node is
+reply, a reply finished after it is dropped; under simulated devices the wall-clock
+timeout is off, ``wall_clock_timeout=False``, since the virtual clock has already decided
+who reports, and which clients dropped must not depend on this machine's speed); a message to a disconnected node is
 answered at once with Flower's ``NODE_UNAVAILABLE`` error; the records of one
 message content are shared, not copied, between the messages of a round, so a
 ClientApp must replace a received record rather than edit it in place (fedge's
@@ -193,11 +195,13 @@ class InProcessGrid(Grid):
         devices: DeviceTable,
         state_dir: Path,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock_timeout: bool = True,
     ) -> None:
         self._app = client_app
         self.devices = devices
         self._states = NodeStates(state_dir, devices.size)
         self._clock = clock
+        self._timeout_applies = wall_clock_timeout
         self._run = Run.create_empty(0)
         self._replies: dict[str, Message] = {}
         self.messages_run = 0
@@ -254,7 +258,10 @@ class InProcessGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Run the messages one after another; those not done by ``timeout`` seconds get no reply."""
+        """Run the messages one after another; those not done by ``timeout`` seconds get no reply
+        (unless the wall-clock timeout is off: a virtual clock already decided who reports)."""
+        if not self._timeout_applies:
+            timeout = None
         deadline = None if timeout is None else self._clock() + timeout
         replies = []
         for msg in messages:

@@ -17,6 +17,7 @@ source of truth.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,11 +301,30 @@ def _run_inprocess(
     """One ClientApp call at a time in this process, so torch gets every core."""
     import shutil
 
-    from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+    from simulations.inprocess import run_inprocess
 
     os.environ["FEDGE_CONCURRENCY"] = "1"
     state_dir = run_dir / NODE_STATE_DIR
     if not resume:  # a fresh run never sees the node states of an earlier run here
         shutil.rmtree(state_dir, ignore_errors=True)
-    grid = InProcessGrid(client_app, DeviceTable(scenario.num_supernodes, seed=seed), state_dir)
-    run_inprocess(server_app, grid)
+    run_inprocess(server_app, inprocess_grid(scenario, client_app, state_dir, seed))
+
+
+def inprocess_grid(
+    scenario: Scenario,
+    client_app: Any,
+    state_dir: Path,
+    seed: int,
+    clock: Callable[[], float] = time.monotonic,
+) -> Any:
+    """The in-process engine's Grid for a scenario: with simulated devices the virtual clock
+    decides who reports, so the wall-clock round timeout (machine speed) drops nobody."""
+    from simulations.inprocess import DeviceTable, InProcessGrid
+
+    return InProcessGrid(
+        client_app,
+        DeviceTable(scenario.num_supernodes, seed=seed),
+        state_dir,
+        clock=clock,
+        wall_clock_timeout=scenario.devices is None,
+    )
