@@ -10,6 +10,7 @@ instead of starting again at 0. Directory: node config ``privacy-state-dir``, el
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,11 +67,22 @@ class Ledger:
         os.replace(tmp, self.path)
 
     def releases(self) -> list[float]:
-        """Noise multipliers of the user-level releases recorded so far."""
-        return [float(z) for z in self.load().get(RELEASES, [])]
+        """Noise multipliers of the user-level releases recorded so far (each finite, > 0)."""
+        out = [float(z) for z in self.load().get(RELEASES, [])]
+        if not all(math.isfinite(z) and z > 0 for z in out):
+            raise ValueError(
+                f"privacy ledger {self.path} holds a release whose noise multiplier is not a "
+                "finite positive number; its epsilon is unknown, so this node refuses to train"
+            )
+        return out
 
     def record_release(self, noise_multiplier: float) -> None:
-        """Append one user-level release."""
+        """Append one user-level release; a non-finite or non-positive one is refused."""
+        if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+            raise ValueError(
+                "a release's noise multiplier must be finite and > 0 (rule: the ledger records "
+                "only releases whose epsilon is known); nothing is released"
+            )
         data = self.load()
         data[RELEASES] = [*data.get(RELEASES, []), float(noise_multiplier)]
         self.save(data)
