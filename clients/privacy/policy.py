@@ -15,6 +15,7 @@ refuses, with an error reply naming the rule, any train message that breaks it::
     secagg-min-neighbours = 4   # SecAgg+ neighbourhoods smaller than this are refused
     secagg-min-threshold = 3    # SecAgg+ thresholds lower than this are refused
     trusted-keys = "trust.txt"  # neighbours only under these Ed25519 keys (beside this file)
+    once-per-model = true       # train at most once on each global model (ledger-backed)
 
 Under require-secagg, require-dp or max-epsilon, evaluate messages are refused (their
 replies carry the node's loss in clear). Every DP number in a message must be finite and
@@ -24,6 +25,7 @@ a policy (``clients.secagg.engine``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Mapping
@@ -52,7 +54,6 @@ from fedge.secagg.wire import (
     KEY_THRESHOLD,
     SECAGG_RECORD,
     STAGE_COLLECT,
-    STAGE_UNMASK,
     get_bytes,
     get_number,
     unpack_ids,
@@ -80,6 +81,7 @@ class PrivacyPolicy:
     secagg_min_neighbours: int = 1  # SecAgg+ neighbourhoods smaller than this are refused
     secagg_min_threshold: int = 1  # SecAgg+ thresholds lower than this are refused
     trusted_keys: str = ""  # trust list file of neighbours' Ed25519 keys ("": any signed key)
+    once_per_model: bool = False  # train at most once on each global model (no differencing)
 
     def __post_init__(self) -> None:
         """Reject a policy that cannot be enforced, naming the field."""
@@ -158,9 +160,11 @@ def requested_dp(
     if z_sgd > 0:
         _number(config, KEY_DPSGD_DELTA, 1e-5, low=0.0, high=1.0)
         return DPRequest("DP-SGD", z_sgd, _number(config, KEY_DPSGD_CLIP, 1.0, low=0.0))
-    if KEY_DP_NOISE_STD in config or KEY_DP_CLIP in config:
-        clip = _number(config, KEY_DP_CLIP, math.nan, low=0.0)
-        std = _number(config, KEY_DP_NOISE_STD, math.nan, low=0.0, closed=True)
+    clip = _number(config, KEY_DP_CLIP, 1.0, low=0.0)  # central DP sends C alone
+    if KEY_DP_NOISE_STD in config:
+        std = _number(config, KEY_DP_NOISE_STD, 0.0, low=0.0, closed=True)
+        if KEY_DP_CLIP not in config:
+            raise PolicyRefusal(f"config has '{KEY_DP_NOISE_STD}' without '{KEY_DP_CLIP}'")
         _number(config, KEY_DP_MIN_CLIENTS, 1.0, low=1.0, closed=True)  # checked, not trusted
         m = verified_contributors(secagg)
         return DPRequest("distributed DP", std * math.sqrt(m) / clip, clip)
@@ -222,6 +226,8 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
             "stage; run the server with a SecAgg+ aggregator"
         )
     dp = requested_dp(config, secagg)
+    if secagg is not None and secagg.get(KEY_STAGE) != STAGE_COLLECT:
+        return  # key advertisement or unmasking: nothing is trained or released here
     if policy.require_dp or policy.max_epsilon > 0:
         if dp is None:
             raise PolicyRefusal(
@@ -243,13 +249,9 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
             raise PolicyRefusal(
                 f"{dp.mechanism} clip norm {dp.clip:.4g} is above this node's max-clip {policy.max_clip}"
             )
-    unmask = secagg is not None and secagg.get(KEY_STAGE) == STAGE_UNMASK
-    if (
-        policy.max_epsilon > 0
-        and dp is not None
-        and dp.mechanism == "distributed DP"
-        and not unmask
-    ):
+    if policy.once_per_model:
+        node_ledger(context).claim_model(model_digest(content))
+    if policy.max_epsilon > 0 and dp is not None and dp.mechanism == "distributed DP":
         ledger = node_ledger(context)
         projected = gaussian_epsilon([*ledger.releases(), dp.noise_multiplier], policy.delta, "rdp")
         if projected > policy.max_epsilon:
@@ -257,6 +259,17 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
                 f"{REFUSAL_BUDGET}: one more distributed-DP round would bring this node's "
                 f"epsilon to {projected:.3f}, above its max-epsilon {policy.max_epsilon}"
             )
+
+
+def model_digest(content: RecordDict) -> str:
+    """SHA-256 of the message's array records (the global model it asks this node to train)."""
+    h = hashlib.sha256(b"fedge global model v1")
+    for name, record in sorted(content.array_records.items()):
+        for key in sorted(record):
+            arr = record[key]
+            h.update(f"{name}/{key}|{arr.dtype}|{tuple(arr.shape)}|".encode())
+            h.update(arr.data)
+    return h.hexdigest()
 
 
 def check_evaluate(policy: PrivacyPolicy) -> None:

@@ -19,6 +19,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
+from clients.privacy.ledger import STATE_DIR_ENV
 from server.config import RunConfig
 from server.loop import run_federation
 from server.rundir import MetricsLog
@@ -87,12 +88,14 @@ def outcomes(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     from simulations.apps import clientapp as client_app
 
     os.environ["FEDGE_CONCURRENCY"] = "2"
-    run_simulation(
-        server_app=app,
-        client_app=client_app,
-        num_supernodes=3,
-        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
-    )
+    with pytest.MonkeyPatch.context() as mp:  # ledgers span runs: this module's own root
+        mp.setenv(STATE_DIR_ENV, str(tmp_path_factory.mktemp("node-state")))
+        run_simulation(
+            server_app=app,
+            client_app=client_app,
+            num_supernodes=3,
+            backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
+        )
     return OUTCOMES
 
 

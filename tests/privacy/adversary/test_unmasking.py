@@ -208,3 +208,53 @@ def test_attack2_an_invented_neighbour_is_refused() -> None:
     # Assert
     assert not atk.matches(recovered, secret)
     assert refusals and "trust list" in refusals[0]
+
+
+def test_attack2_a_new_session_cannot_replace_a_pinned_identity() -> None:
+    """Attack 2 through a new key session: on main an advertise cleared every pin, so keys
+    the server made for a known neighbour were accepted and the victim's input recovered."""
+    # Prepare: an honest session in which the victim pins both neighbours' identities
+    fed = {31: atk.secret_input(6), 32: atk.secret_input(7), 33: atk.secret_input(8)}
+    states: dict[int, ConfigRecord] = {}
+    server = SecAggServerEngine(SecAggConfig(), sorted(fed), atk.MASKED)
+
+    def ask(node: int, content: RecordDict) -> RecordDict:
+        return atk.engine(node, states).handle(content, lambda: fed[node])
+
+    server.receive_public_keys({u: ask(u, r) for u, r in server.advertise_requests().items()})
+    server.receive_masked_inputs({u: ask(u, r) for u, r in server.collect_requests().items()})
+    v, a, b = sorted(fed)
+    # Execute: a new session; the server poses as A and B with keys and identities it made
+    ask(v, atk.advertise_record("s2"))
+    (_, pk1), (_, pk2) = server_keys()
+    (_, qk1), (_, qk2) = server_keys()
+    forged_a = atk.forged_identity(a, "s2", pk1, pk2)
+    forged_b = atk.forged_identity(b, "s2", qk1, qk2)
+    extra = {
+        wire.KEY_PEER_IDENTITY: [
+            *forged_a[wire.KEY_PEER_IDENTITY],
+            *forged_b[wire.KEY_PEER_IDENTITY],
+        ],  # type: ignore[misc]
+        wire.KEY_PEER_SIGNATURE: [
+            *forged_a[wire.KEY_PEER_SIGNATURE],
+            *forged_b[wire.KEY_PEER_SIGNATURE],
+        ],  # type: ignore[misc]
+    }
+    collect = atk.collect_record([a, b], [pk1, qk1], [pk2, qk2], 2, "s2", "r2", extra)
+    # Assert
+    with pytest.raises(SecAggProtocolError, match="never replaced"):
+        ask(v, collect)
+
+
+def test_a_non_finite_number_in_a_collect_message_is_refused() -> None:
+    """NaN or infinite protocol numbers made comparisons false on main; now they are refused."""
+    v, states = 41, {}
+    atk.engine(v, states).handle(atk.advertise_record("s"), dict)
+    for key, value in (
+        (wire.KEY_THRESHOLD, float("nan")),
+        (wire.KEY_CLIPPING_RANGE, float("inf")),
+        (wire.KEY_MODULUS_RANGE, 3),
+    ):
+        collect = atk.collect_record([], [], [], 1, "s", f"r-{key}", {key: value})
+        with pytest.raises(SecAggProtocolError, match="finite and in range"):
+            atk.engine(v, states).handle(collect, dict)
