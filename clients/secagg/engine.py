@@ -27,16 +27,19 @@ contains at least 2t - n of its neighbours' inputs.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedge.errors import FedgeError
+from clients.secagg.rules import (
+    ClientRules,
+    SecAggProtocolError,
+    check_neighbourhood,
+    check_numbers,
+)
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
 from fedge.secagg.binding import content_digest
@@ -90,27 +93,6 @@ _SETTINGS = (
     wire.KEY_SCALE_VALUES,
     wire.KEY_MASKED_RECORD,
 )
-
-
-class SecAggProtocolError(FedgeError):
-    """A SecAgg+ stage message was out of order, malformed or unsafe; the client refuses it."""
-
-
-@dataclass(frozen=True)
-class ClientRules:
-    """What this node requires of a SecAgg+ round, from its own policy, never from the server."""
-
-    min_neighbours: int = 1  # fewer neighbours are refused (never 0: its seed would be its share)
-    min_threshold: int = 1  # a lower reconstruction threshold is refused
-    trusted: frozenset[bytes] | None = None  # Ed25519 keys of accepted neighbours (None: any)
-
-    def __post_init__(self) -> None:
-        """Reject rules that would let an empty or unmaskable neighbourhood through."""
-        if self.min_neighbours < 1 or self.min_threshold < 1:
-            raise ValueError(
-                f"SecAgg+ rules: min-neighbours={self.min_neighbours} and min-threshold="
-                f"{self.min_threshold} must be >= 1"
-            )
 
 
 class SecAggClientEngine:
@@ -203,8 +185,8 @@ class SecAggClientEngine:
             if key not in rec:
                 raise SecAggProtocolError(f"collect message lacks field {key!r}")
         neighbours = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_NEIGHBOURS))
-        threshold, clip, levels, modulus = _check_numbers(rec)
-        self._check_neighbourhood(neighbours, threshold)
+        threshold, clip, levels, modulus = check_numbers(rec)
+        check_neighbourhood(self.node_id, neighbours, threshold, self.rules)
         self._check_keys(
             neighbours,
             wire.get_bytes_list(rec, wire.KEY_PEER_PK1),
@@ -322,32 +304,6 @@ class SecAggClientEngine:
         return RecordDict({wire.SECAGG_RECORD: out})
 
     # ------------------------------------------------------------------ helpers
-    def _check_neighbourhood(self, neighbours: list[int], threshold: int) -> None:
-        """Refuse a neighbourhood this node's rules do not allow: too small, or a threshold
-        at or below half of it (then one server could hold both secrets of a node)."""
-        n = len(neighbours)
-        if self.node_id in neighbours or len(set(neighbours)) != n:
-            raise SecAggProtocolError(
-                "collect message lists this node or a node twice as neighbour"
-            )
-        if n < self.rules.min_neighbours:
-            raise SecAggProtocolError(
-                f"{n} neighbours, fewer than this node's secagg-min-neighbours "
-                f"{self.rules.min_neighbours} (rule: at least one neighbour, else its self-mask "
-                "seed would be its only share); refusing"
-            )
-        if not 2 * threshold > n or threshold > n:
-            raise SecAggProtocolError(
-                f"threshold {threshold} is not more than half of this node's {n} neighbours (or "
-                "exceeds them); with it the server could rebuild both secrets of a node, so it "
-                "refuses"
-            )
-        if threshold < self.rules.min_threshold:
-            raise SecAggProtocolError(
-                f"threshold {threshold} is below this node's secagg-min-threshold "
-                f"{self.rules.min_threshold}; refusing"
-            )
-
     def _check_keys(
         self,
         ids: list[int],
@@ -463,33 +419,6 @@ class SecAggClientEngine:
     def _share_key(self, peer: int, secret: bytes, round_id: str) -> bytes:
         """This round's key for the shares exchanged with ``peer``."""
         return derive(secret, pair_info(SHARE_PURPOSE, self.node_id, peer, round_id))
-
-
-def _check_numbers(rec: ConfigRecord) -> tuple[int, float, int, int]:
-    """Threshold, clipping range, quantization levels and modulus, each finite and in range."""
-    t = wire.get_number(rec, wire.KEY_THRESHOLD)
-    clip = wire.get_number(rec, wire.KEY_CLIPPING_RANGE)
-    levels = wire.get_number(rec, wire.KEY_QUANTIZATION_RANGE)
-    m = wire.get_number(rec, wire.KEY_MODULUS_RANGE)
-    scales = wire.get_float_list(rec, wire.KEY_SCALE_VALUES)
-    ok = (
-        math.isfinite(t)
-        and t == int(t)
-        and t >= 1
-        and math.isfinite(clip)
-        and clip > 0
-        and m in {2.0**b for b in range(1, 33)}
-        and levels == int(levels)
-        and 1 <= levels < m
-        and all(math.isfinite(x) and x > 0 for x in scales)
-    )
-    if not ok:
-        raise SecAggProtocolError(
-            "collect message: threshold, clipping range, quantization range, modulus or a "
-            "scale is not a finite number in its range (rule: every number from a message is "
-            "finite and in range); refusing"
-        )
-    return int(t), clip, int(levels), int(m)
 
 
 def _share_context(src: int, dst: int) -> bytes:

@@ -254,6 +254,7 @@ def test_a_non_finite_number_in_a_collect_message_is_refused() -> None:
         (wire.KEY_THRESHOLD, float("nan")),
         (wire.KEY_CLIPPING_RANGE, float("inf")),
         (wire.KEY_MODULUS_RANGE, 3),
+        (wire.KEY_QUANTIZATION_RANGE, float("inf")),
     ):
         collect = atk.collect_record([], [], [], 1, "s", f"r-{key}", {key: value})
         with pytest.raises(SecAggProtocolError, match="finite and in range"):
