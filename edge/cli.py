@@ -16,6 +16,7 @@ from edge.cli_options import (
     TOKEN_ENV,
     VERIFY_BURST,
     AdapterOption,
+    CredentialsOption,
     GenerateBurstOption,
     GenerateRateOption,
     MaxBatchOption,
@@ -24,6 +25,9 @@ from edge.cli_options import (
     OtlpEndpointOption,
     RequireTokenOption,
     SessionTtlOption,
+    TlsCertOption,
+    TlsClientCaOption,
+    TlsKeyOption,
     TracingOption,
     VerifyBurstOption,
     VerifyRateOption,
@@ -120,7 +124,21 @@ def generate_command(
     token: Annotated[
         str | None, typer.Option(envvar=TOKEN_ENV, help=f"Bearer token (or ${TOKEN_ENV}).")
     ] = None,
-    root_cert: Annotated[Path | None, typer.Option(help="PEM root certificate: use TLS.")] = None,
+    credential_file: Annotated[
+        Path | None,
+        typer.Option(help="File holding this device's bearer token (read at start; not --token)."),
+    ] = None,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option("--tls-ca", "--root-cert", help="PEM CA of the verifier's certificate: TLS."),
+    ] = None,
+    tls_server_name: Annotated[
+        str | None, typer.Option(help="Name to check the verifier's certificate against.")
+    ] = None,
+    tls_client_cert: Annotated[
+        Path | None, typer.Option(help="PEM client certificate (mTLS; with --tls-client-key).")
+    ] = None,
+    tls_client_key: Annotated[Path | None, typer.Option(help="PEM client key (mTLS).")] = None,
     added_rtt_ms: Annotated[
         float, typer.Option(help="Simulated network round trip per call, ms.")
     ] = 0.0,
@@ -150,7 +168,11 @@ def generate_command(
             ClientConfig(
                 verifier,
                 token=token,
-                root_cert=root_cert,
+                token_file=credential_file,
+                root_cert=tls_ca,
+                tls_server_name=tls_server_name,
+                client_cert=tls_client_cert,
+                client_key=tls_client_key,
                 added_rtt_s=added_rtt_ms / 1e3,
                 device_id=device_id,
             ),
@@ -183,10 +205,10 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Listen port; 0 = any free port (printed).")] = 50061,
     token: RequireTokenOption = None,
-    tls_cert: Annotated[
-        Path | None, typer.Option(help="PEM certificate chain (with --tls-key).")
-    ] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="PEM private key (with --tls-cert).")] = None,
+    credentials: CredentialsOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_client_ca: TlsClientCaOption = None,
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus /metrics on this port.")
     ] = None,
@@ -221,8 +243,10 @@ def serve_command(
         host=host,
         port=port,
         token=token,
+        credentials_file=credentials,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
         metrics_port=metrics_port,
         grace_s=grace_s,
         engine=EngineConfig(

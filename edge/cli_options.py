@@ -22,6 +22,22 @@ RequireTokenOption = Annotated[
     str | None,
     typer.Option(envvar=TOKEN_ENV, help=f"Require this bearer token (or ${TOKEN_ENV})."),
 ]
+CredentialsOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--credentials",
+        help="Per-device credentials file, one 'IDENTITY TOKEN' line per device, read at start; "
+        "the identity keys rate limits, quotas and session ownership.",
+    ),
+]
+TlsCertOption = Annotated[
+    Path | None, typer.Option(help="PEM certificate chain: serve TLS (with --tls-key).")
+]
+TlsKeyOption = Annotated[Path | None, typer.Option(help="PEM private key (with --tls-cert).")]
+TlsClientCaOption = Annotated[
+    Path | None,
+    typer.Option(help="PEM CA: require client certificates it signed (mTLS; with --tls-cert)."),
+]
 MaxBatchOption = Annotated[int, typer.Option(help="Verifies per batched forward pass.")]
 MaxDraftOption = Annotated[int, typer.Option(help="Longest accepted draft.")]
 SessionTtlOption = Annotated[float, typer.Option(help="Idle session lifetime, seconds.")]

@@ -17,14 +17,17 @@ from edge.cli_options import (
     GENERATE_BURST,
     VERIFY_BURST,
     AdapterOption,
+    CredentialsOption,
     GenerateBurstOption,
     GenerateRateOption,
     MaxBatchOption,
     MaxDraftOption,
     ModelOption,
     OtlpEndpointOption,
-    RequireTokenOption,
     SessionTtlOption,
+    TlsCertOption,
+    TlsClientCaOption,
+    TlsKeyOption,
     TracingOption,
     VerifyBurstOption,
     VerifyRateOption,
@@ -52,7 +55,10 @@ def fleet_command(
     ] = True,
     host: Annotated[str, typer.Option(help="Ingress listen address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Ingress port; 0 = any free port (printed).")] = 50062,
-    token: RequireTokenOption = None,
+    credentials: CredentialsOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_client_ca: TlsClientCaOption = None,
     min_replicas: Annotated[int, typer.Option(help="Autoscaling lower bound.")] = 1,
     max_replicas: Annotated[
         int | None, typer.Option(help="Autoscaling upper bound; omit for a fixed count.")
@@ -76,7 +82,8 @@ def fleet_command(
 ) -> None:
     """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM.
 
-    Per-device rate limits are enforced in the ingress, so they hold across all replicas.
+    The ingress authenticates every call (--credentials, --tls-client-ca) before anything
+    else; per-device rate limits are enforced there, so they hold across all replicas.
     """
     from edge.fleet.app import FleetConfig, running_fleet
     from edge.tracing import TracingConfig
@@ -91,7 +98,10 @@ def fleet_command(
         affinity=affinity,
         host=host,
         port=port,
-        token=token,
+        credentials_file=credentials,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
         target_queue=target_queue,

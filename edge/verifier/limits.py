@@ -1,7 +1,9 @@
 """Per-device rate limits: a token bucket per device for verify tokens and for Generate tokens.
 
-A device is named by the `fedge-device` request metadata when it sends one, else
-by its bearer token (hashed), else by its peer address. Each device has one
+A device is its authenticated identity (`edge.verifier.auth`) when the server
+authenticates callers; only on a server that does not is it named by the
+self-asserted `fedge-device` metadata, else its bearer token (hashed), else its
+peer address. Each device has one
 bucket per kind: a Verify costs `len(draft_ids) + 1` verify tokens (the target
 positions it computes), a Generate costs `max_new_tokens` generate tokens up
 front, and what a stop token leaves unused is refunded when the stream ends.
@@ -27,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from edge.verifier.auth import CALLER
 from edge.verifier.rate_config import RateLimitConfig
 
 DEVICE_KEY = "fedge-device"  # request metadata: the device's id (asserted by the client)
@@ -97,7 +100,11 @@ class RateLimiter:
 
 
 def device_of(metadata: Sequence[tuple[str, Any]], peer: str) -> str:
-    """The caller's device key: `fedge-device` metadata, else its bearer token's hash, else its host."""
+    """The caller's device key: its authenticated identity; unauthenticated servers trust the
+    `fedge-device` metadata, else the bearer token's hash, else the caller's host."""
+    caller = CALLER.get()
+    if caller is not None:
+        return f"id:{caller}"
     values = {key: value for key, value in metadata}
     device = values.get(DEVICE_KEY)
     if device:
