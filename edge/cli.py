@@ -13,6 +13,7 @@ from rich.console import Console
 
 from edge.cli_options import (
     GENERATE_BURST,
+    PREFILL_BURST,
     TOKEN_ENV,
     VERIFY_BURST,
     AdapterOption,
@@ -23,7 +24,10 @@ from edge.cli_options import (
     MaxDraftOption,
     ModelOption,
     OtlpEndpointOption,
+    PrefillBurstOption,
+    PrefillRateOption,
     RequireTokenOption,
+    SessionsPerDeviceOption,
     SessionTtlOption,
     TlsCertOption,
     TlsClientCaOption,
@@ -218,6 +222,7 @@ def serve_command(
     ] = 2.0,
     max_draft: MaxDraftOption = 16,
     max_sessions: Annotated[int, typer.Option(help="Open sessions before LRU eviction.")] = 1024,
+    max_sessions_per_device: SessionsPerDeviceOption = 0,
     session_ttl_s: SessionTtlOption = 300.0,
     kv_cap_mb: Annotated[int, typer.Option(help="KV cache memory cap, MiB.")] = 1024,
     grace_s: Annotated[float, typer.Option(help="Drain time on SIGTERM, seconds.")] = 5.0,
@@ -228,6 +233,8 @@ def serve_command(
     verify_burst: VerifyBurstOption = VERIFY_BURST,
     generate_rate: GenerateRateOption = None,
     generate_burst: GenerateBurstOption = GENERATE_BURST,
+    prefill_rate: PrefillRateOption = None,
+    prefill_burst: PrefillBurstOption = PREFILL_BURST,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:
@@ -252,13 +259,16 @@ def serve_command(
         engine=EngineConfig(
             max_draft=max_draft,
             max_sessions=max_sessions,
+            max_sessions_per_token=max_sessions_per_device,
             session_ttl_s=session_ttl_s,
             kv_cap_bytes=kv_cap_mb << 20,
             batch_window_s=batch_window_ms / 1e3,
             max_batch=max_batch,
             torch_threads=torch_threads,
         ),
-        rate_limits=rate_limits(verify_rate, verify_burst, generate_rate, generate_burst),
+        rate_limits=rate_limits(
+            verify_rate, verify_burst, generate_rate, generate_burst, prefill_rate, prefill_burst
+        ),
     )
     provider = tracer_provider(TracingConfig(tracing, "fedge-verifier", otlp_endpoint))
 

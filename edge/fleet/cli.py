@@ -15,6 +15,7 @@ from rich.console import Console
 
 from edge.cli_options import (
     GENERATE_BURST,
+    PREFILL_BURST,
     VERIFY_BURST,
     AdapterOption,
     CredentialsOption,
@@ -24,6 +25,9 @@ from edge.cli_options import (
     MaxDraftOption,
     ModelOption,
     OtlpEndpointOption,
+    PrefillBurstOption,
+    PrefillRateOption,
+    SessionsPerDeviceOption,
     SessionTtlOption,
     TlsCertOption,
     TlsClientCaOption,
@@ -70,10 +74,13 @@ def fleet_command(
     max_draft: MaxDraftOption = 16,
     max_batch: MaxBatchOption = 32,
     session_ttl_s: SessionTtlOption = 300.0,
+    max_sessions_per_device: SessionsPerDeviceOption = 0,
     verify_rate: VerifyRateOption = None,
     verify_burst: VerifyBurstOption = VERIFY_BURST,
     generate_rate: GenerateRateOption = None,
     generate_burst: GenerateBurstOption = GENERATE_BURST,
+    prefill_rate: PrefillRateOption = None,
+    prefill_burst: PrefillBurstOption = PREFILL_BURST,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
     run_dir: Annotated[
@@ -106,8 +113,15 @@ def fleet_command(
         max_replicas=max_replicas,
         target_queue=target_queue,
         replica_cpus=replica_cpus,
-        engine=EngineConfig(max_draft=max_draft, max_batch=max_batch, session_ttl_s=session_ttl_s),
-        rate_limits=rate_limits(verify_rate, verify_burst, generate_rate, generate_burst),
+        engine=EngineConfig(
+            max_draft=max_draft,
+            max_batch=max_batch,
+            session_ttl_s=session_ttl_s,
+            max_sessions_per_token=max_sessions_per_device,
+        ),
+        rate_limits=rate_limits(
+            verify_rate, verify_burst, generate_rate, generate_burst, prefill_rate, prefill_burst
+        ),
         tracing=TracingConfig(tracing, endpoint=otlp_endpoint),
     )
     stopping = threading.Event()

@@ -204,7 +204,8 @@ class FleetIngress:
         self.fleet = spec.fleet
         self.canary: str | None = None
         self.canary_fraction = 0.0
-        self.sessions: dict[str, tuple[str, str]] = {}  # session id -> (app, replica id)
+        # (owner, session id) -> (app, replica id): a session is found only by its owner
+        self.sessions: dict[tuple[str, str], tuple[str, str]] = {}
         self.arms: dict[str, ArmStats] = {}
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
@@ -291,31 +292,34 @@ class FleetIngress:
     def _live(self, app: str) -> bool:
         return app in (self.stable, self.canary)
 
-    def _target(self, session_id: str) -> tuple[str, str]:
+    def _target(self, session_id: str, owner: str = "") -> tuple[str, str]:
         """Application and home replica of a call: its session's, or a new session's pick.
 
         A session this ingress has not seen opens wherever the call lands (the edge
         opens sessions with their first Verify), so it takes part in the canary split.
         """
-        home = self.sessions.get(session_id) if session_id else None
+        home = self.sessions.get((owner, session_id)) if session_id else None
         if home is not None:
             return home if self._live(home[0]) else (self.stable, "")
         if self.canary and random.random() < self.canary_fraction:
             return self.canary, ""
         return self.stable, ""
 
-    def _remember(self, method: str, session_id: str, app: str, result: CallResult) -> None:
-        """Keep (or drop) the session -> replica map after a relayed unary call."""
+    def _remember(
+        self, method: str, session_id: str, app: str, result: CallResult, owner: str = ""
+    ) -> None:
+        """Keep (or drop) `owner`'s session -> replica map after a relayed unary call."""
+        key = (owner, session_id)
         if result.code != "OK":
             if result.code == "NOT_FOUND" and session_id:
-                self.sessions.pop(session_id, None)
+                self.sessions.pop(key, None)
             return
         if method == "CloseSession":
-            self.sessions.pop(session_id, None)
+            self.sessions.pop(key, None)
             return
         if not session_id:
             return
-        self.sessions[session_id] = (app, result.replica)
+        self.sessions[key] = (app, result.replica)
         while len(self.sessions) > SESSION_MAP_LIMIT:
             self.sessions.pop(next(iter(self.sessions)))
 
@@ -357,7 +361,8 @@ class FleetIngress:
         async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
             started = time.perf_counter()
             session_id = _session_of(request)
-            app, home = self._target(session_id)
+            owner = caller_identity(context.invocation_metadata() or ())
+            app, home = self._target(session_id, owner)
             result = await self._relay_unary(name, request, context, app, home)
             self._count(name, request, result.replica, started, 0)
             if home and result.replica and result.replica != home:  # the session moved
@@ -366,10 +371,10 @@ class FleetIngress:
                     await asyncio.wait({closing}, timeout=CLOSE_WAIT_S)  # reopen may be closed
             if result.code == "OK":
                 reply = reply_cls.FromString(result.payload)
-                self._remember(name, session_id or _session_of(reply), app, result)
+                self._remember(name, session_id or _session_of(reply), app, result, owner)
                 self._observe(app, name, request, reply, result.code, started)
                 return reply
-            self._remember(name, session_id, app, result)
+            self._remember(name, session_id, app, result, owner)
             self._observe(app, name, request, None, result.code, started)
             await context.abort(grpc.StatusCode[result.code], result.details, result.trailing)
             raise AssertionError("grpc.aio context.abort returned instead of raising")

@@ -27,7 +27,14 @@ from edge.fleet.ingress import IngressSpec
 from edge.verifier.engine import EngineConfig
 from edge.verifier.limits import RateLimitConfig
 
-LIMIT_ARGS = ("verify_rate", "verify_burst", "generate_rate", "generate_burst")  # RateLimitConfig
+LIMIT_ARGS = (  # RateLimitConfig
+    "verify_rate",
+    "verify_burst",
+    "generate_rate",
+    "generate_burst",
+    "prefill_rate",
+    "prefill_burst",
+)
 VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine.)
     "model": "model_dir",
     "adapter": "adapter_dir",
@@ -41,6 +48,7 @@ VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine
     "max_draft": "engine.max_draft",
     "max_batch": "engine.max_batch",
     "session_ttl_s": "engine.session_ttl_s",
+    "max_sessions_per_device": "engine.max_sessions_per_token",
 }
 SECRET_FILE_ARGS = ("credentials_file", "tls_cert", "tls_key", "tls_client_ca")  # paths
 INGRESS_ARGS = ("stable", "host", "port", *SECRET_FILE_ARGS, *LIMIT_ARGS)  # limits: fleet-wide

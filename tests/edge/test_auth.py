@@ -3,9 +3,7 @@ rate limit that only the authenticated identity can spend, in the single verifie
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import pytest
 from transformers import PreTrainedModel
 
 from edge.client import ClientConfig, VerifierClient
-from edge.fleet.ingress import FleetIngress, IngressSpec
+from edge.fleet.ingress import IngressSpec
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.verifier.auth import IDENTITY_KEY, Credentials
@@ -23,7 +21,13 @@ from edge.verifier.engine import EngineConfig
 from edge.verifier.limits import DEVICE_KEY, VERIFY, RateLimitConfig, retry_after_ms
 from edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
-from tests.edge.credentials import client_certificate, write_credentials
+from tests.edge.harness import (
+    LocalIngress,
+    NoReplicas,
+    client_certificate,
+    running_ingress,
+    write_credentials,
+)
 from tests.edge.test_service import code_of, self_signed_cert
 
 MAX_DRAFT = 8
@@ -254,35 +258,6 @@ def test_mtls_names_the_device_by_its_certificate(
 
 
 # ------------------------------------------------------------------- fleet ingress (no Ray)
-class LocalIngress(FleetIngress):
-    """The ingress outside Serve: its teardown is awaited by the fixture, not left to the collector."""
-
-    def __del__(self) -> None:
-        return None
-
-
-class NoReplicas:
-    """Stands where Ray Serve's deployment handle is: records each relay, then fails it.
-
-    It observes what the ingress would ship to a replica; no replica is needed to show
-    that a refused call ships nothing.
-    """
-
-    def __init__(self) -> None:
-        self.relayed: list[dict[str, str]] = []
-
-    @property
-    def unary(self) -> NoReplicas:
-        return self
-
-    def options(self, **_: Any) -> NoReplicas:
-        return self
-
-    async def remote(self, method: str, payload: bytes, metadata: Any, *_: Any, **__: Any) -> Any:
-        self.relayed.append(dict(metadata))
-        raise RuntimeError("no replica in this test")
-
-
 @pytest.fixture(scope="module")
 def ingress(
     tls: tuple[Path, Path], credentials: tuple[Path, dict[str, str]]
@@ -292,17 +267,8 @@ def ingress(
     spec = IngressSpec(
         "fedge-v1", credentials_file=credentials[0], tls_cert=cert, tls_key=key, rate_limits=LIMITS
     )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    front = LocalIngress.__new__(LocalIngress)  # what Serve does: construct, then await __init__
-    asyncio.run_coroutine_threadsafe(front.__init__(spec), loop).result()  # type: ignore[func-returns-value]
-    replicas = NoReplicas()
-    front._handle = lambda app: replicas  # type: ignore[method-assign]
-    yield front, replicas
-    asyncio.run_coroutine_threadsafe(FleetIngress.__del__(front), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
+    with running_ingress(spec) as running:
+        yield running
 
 
 def test_ingress_refuses_strangers_before_charging_or_relaying(

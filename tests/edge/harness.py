@@ -1,10 +1,18 @@
-"""Test helpers: per-device credentials files and client certificates signed by a test CA."""
+"""Test helpers: per-device credentials, client certificates signed by a test CA, a fleet
+ingress running outside Ray Serve."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import secrets
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from edge.fleet.ingress import FleetIngress, IngressSpec
 
 
 def write_credentials(directory: Path, devices: list[str]) -> tuple[Path, dict[str, str]]:
@@ -49,3 +57,50 @@ def client_certificate(
         )
     )
     return cert_path, key_path
+
+
+class LocalIngress(FleetIngress):
+    """The ingress outside Serve: its teardown is awaited by `running_ingress`, not the collector."""
+
+    def __del__(self) -> None:
+        return None
+
+
+class NoReplicas:
+    """Stands where Ray Serve's deployment handle is: records each relay, then fails it.
+
+    It observes what the ingress would ship to a replica; no replica is needed to show
+    that a refused call ships nothing.
+    """
+
+    def __init__(self) -> None:
+        self.relayed: list[dict[str, str]] = []
+
+    @property
+    def unary(self) -> NoReplicas:
+        return self
+
+    def options(self, **_: Any) -> NoReplicas:
+        return self
+
+    async def remote(self, method: str, payload: bytes, metadata: Any, *_: Any, **__: Any) -> Any:
+        self.relayed.append(dict(metadata))
+        raise RuntimeError("no replica in this test")
+
+
+@contextlib.contextmanager
+def running_ingress(spec: IngressSpec) -> Iterator[tuple[LocalIngress, NoReplicas]]:
+    """A real fleet ingress (its gRPC server, auth, limits) on a loop thread, relaying to nobody."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    front = LocalIngress.__new__(LocalIngress)  # what Serve does: construct, then await __init__
+    asyncio.run_coroutine_threadsafe(front.__init__(spec), loop).result()  # type: ignore[func-returns-value]
+    replicas = NoReplicas()
+    front._handle = lambda app: replicas  # type: ignore[method-assign]
+    try:
+        yield front, replicas
+    finally:
+        asyncio.run_coroutine_threadsafe(FleetIngress.__del__(front), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
