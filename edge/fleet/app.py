@@ -46,7 +46,10 @@ class FleetConfig:
     host: str = "127.0.0.1"
     port: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
-    token: str | None = None
+    credentials_file: Path | None = None  # 'IDENTITY TOKEN' per device; the ingress reads it
+    tls_cert: Path | None = None  # PEM chain and key of the ingress's TLS listener
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA of client certificates (mTLS)
     min_replicas: int = 1  # autoscaling lower bound (used when max_replicas is set)
     max_replicas: int | None = None  # None = no autoscaling
     target_queue: float = 8.0  # autoscaling target: ongoing calls per replica
@@ -100,7 +103,6 @@ class FleetConfig:
             self.model_dir,
             adapter_dir or self.adapter_dir,
             self.engine,
-            self.token,
             self.slowdown,
             replace(self.tracing, service_name=REPLICA_SERVICE),
         )
@@ -111,9 +113,13 @@ class FleetConfig:
             stable_app,
             self.host,
             self.port,
-            pickle.dumps(self),
-            self.rate_limits,
-            replace(self.tracing, service_name=INGRESS_SERVICE),
+            self.credentials_file,
+            self.tls_cert,
+            self.tls_key,
+            self.tls_client_ca,
+            fleet=pickle.dumps(self),
+            rate_limits=self.rate_limits,
+            tracing=replace(self.tracing, service_name=INGRESS_SERVICE),
         )
 
     def autoscaling(self) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -44,6 +45,16 @@ from edge.fleet.stats import ArmStats, ReplicaFigures
 from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata, clean_metadata
 from edge.proto import verifier_pb2 as pb
 from edge.tracing import TracingConfig, server_interceptors, shutdown, tracer_provider
+from edge.verifier.auth import (
+    AUTH_HEADER,
+    CALLER,
+    IDENTITY_KEY,
+    Authenticator,
+    Credentials,
+    bearer_token,
+    server_credentials,
+    token_identity,
+)
 from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 
 LOG = logging.getLogger("fedge.fleet")
@@ -58,6 +69,7 @@ SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire 
 INT_TYPES = (descriptor.FieldDescriptor.TYPE_INT32, descriptor.FieldDescriptor.TYPE_INT64)
 INGRESS_SERVICE = "fedge-fleet-ingress"  # service.name of the ingress's spans
 TRACE_KEYS = frozenset({"traceparent", "tracestate"})  # W3C context the ingress re-injects
+PRIVATE_KEYS = frozenset({AUTH_HEADER, IDENTITY_KEY})  # never relayed as the caller sent them
 
 
 class SwitchableLimits(grpc.aio.ServerInterceptor):
@@ -89,27 +101,48 @@ class SwitchableLimits(grpc.aio.ServerInterceptor):
         return await current.intercept_service(continuation, handler_call_details)
 
 
-def relay_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> Metadata:
-    """Caller metadata for the replica, its trace context replaced by the current span's.
+def caller_identity(pairs: Sequence[tuple[str, str | bytes]]) -> str:
+    """Who the call is for: the identity the ingress authenticated, else (an open ingress) a
+    digest of the bearer token sent, else the anonymous ""."""
+    caller = CALLER.get()
+    if caller is not None:
+        return caller
+    token = bearer_token(pairs)
+    return token_identity(token) if token else ""
 
-    The replica's server span then nests under the ingress's span rather than beside
-    it; with tracing off there is no current span and the caller's context passes on.
+
+def relay_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> Metadata:
+    """Caller metadata for the replica: credentials out, the caller's identity in, trace context
+    replaced by the current span's.
+
+    The caller's token never leaves the ingress; the replica learns whom the call is
+    for from `fedge-identity`, which only its own relay may assert. The replica's
+    server span nests under the ingress's span rather than beside it; with tracing off
+    there is no current span and the caller's context passes on.
     """
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
-    if not carrier:
-        return clean_metadata(pairs)
-    kept = tuple((k, v) for k, v in clean_metadata(pairs) if k not in TRACE_KEYS)
-    return kept + tuple(carrier.items())
+    dropped = PRIVATE_KEYS | (TRACE_KEYS if carrier else frozenset())
+    kept = tuple((k, v) for k, v in clean_metadata(pairs) if k not in dropped)
+    return (*kept, (IDENTITY_KEY, caller_identity(pairs)), *carrier.items())
 
 
 @dataclass(frozen=True)
 class IngressSpec:
-    """Where the ingress listens, which replica application serves at start, limits and tracing."""
+    """Where the ingress listens, which replica application serves at start, who may call, limits.
+
+    Secrets are named by path and read when the ingress starts, so none is pickled
+    into the deployment's arguments.
+    """
 
     stable_app: str
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port; `port()` tells which
+    credentials_file: Path | None = None  # 'IDENTITY TOKEN' per device line; None = open
+    tls_cert: Path | None = None  # PEM chain; with tls_key every call is over TLS
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA of client certificates (mTLS)
+    max_message_bytes: int = 4 << 20  # largest request (= the single verifier's)
     fleet: bytes = b""  # the pickled FleetConfig (opaque here: unpickling it would import torch)
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
     tracing: TracingConfig = field(
@@ -119,6 +152,31 @@ class IngressSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"IngressSpec.port must lie in [0, 65535], got {self.port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("IngressSpec.tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("IngressSpec.tls_client_ca needs tls_cert and tls_key")
+
+    def authenticator(self) -> Authenticator | None:
+        """The interceptor naming each caller, reading the credentials file now (None: open)."""
+        credentials = (
+            Credentials.load(self.credentials_file) if self.credentials_file is not None else None
+        )
+        if credentials is None and self.tls_client_ca is None:
+            return None
+        return Authenticator(credentials, certificates=self.tls_client_ca is not None)
+
+    def bind(self, server: grpc.aio.Server) -> int:
+        """Add the listening port (TLS when configured); returns it."""
+        address = f"{self.host}:{self.port}"
+        if self.tls_cert is not None and self.tls_key is not None:
+            credentials = server_credentials(self.tls_cert, self.tls_key, self.tls_client_ca)
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind the fleet ingress to {address}")
+        return port
 
 
 def routing_tokens(request: Message) -> int:
@@ -146,7 +204,8 @@ class FleetIngress:
         self.fleet = spec.fleet
         self.canary: str | None = None
         self.canary_fraction = 0.0
-        self.sessions: dict[str, tuple[str, str]] = {}  # session id -> (app, replica id)
+        # (owner, session id) -> (app, replica id): a session is found only by its owner
+        self.sessions: dict[tuple[str, str], tuple[str, str]] = {}
         self.arms: dict[str, ArmStats] = {}
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
@@ -156,14 +215,17 @@ class FleetIngress:
         self.health = health.aio.HealthServicer()
         self.limits = SwitchableLimits(spec.rate_limits)
         self.tracer_provider = tracer_provider(spec.tracing)
-        self.server = grpc.aio.server(
-            interceptors=[*server_interceptors(self.tracer_provider), self.limits]
-        )
+        authenticator = spec.authenticator()  # first: a stranger is traced, charged, relayed never
+        interceptors = [] if authenticator is None else [authenticator]
+        interceptors += [*server_interceptors(self.tracer_provider), self.limits]
+        limits = [
+            ("grpc.max_receive_message_length", spec.max_message_bytes),
+            ("grpc.max_send_message_length", spec.max_message_bytes),
+        ]
+        self.server = grpc.aio.server(interceptors=interceptors, options=limits)
         self.server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self._port = self.server.add_insecure_port(f"{spec.host}:{spec.port}")
-        if self._port == 0:
-            raise OSError(f"cannot bind the fleet ingress to {spec.host}:{spec.port}")
+        self._port = spec.bind(self.server)
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -230,31 +292,34 @@ class FleetIngress:
     def _live(self, app: str) -> bool:
         return app in (self.stable, self.canary)
 
-    def _target(self, session_id: str) -> tuple[str, str]:
+    def _target(self, session_id: str, owner: str = "") -> tuple[str, str]:
         """Application and home replica of a call: its session's, or a new session's pick.
 
         A session this ingress has not seen opens wherever the call lands (the edge
         opens sessions with their first Verify), so it takes part in the canary split.
         """
-        home = self.sessions.get(session_id) if session_id else None
+        home = self.sessions.get((owner, session_id)) if session_id else None
         if home is not None:
             return home if self._live(home[0]) else (self.stable, "")
         if self.canary and random.random() < self.canary_fraction:
             return self.canary, ""
         return self.stable, ""
 
-    def _remember(self, method: str, session_id: str, app: str, result: CallResult) -> None:
-        """Keep (or drop) the session -> replica map after a relayed unary call."""
+    def _remember(
+        self, method: str, session_id: str, app: str, result: CallResult, owner: str = ""
+    ) -> None:
+        """Keep (or drop) `owner`'s session -> replica map after a relayed unary call."""
+        key = (owner, session_id)
         if result.code != "OK":
             if result.code == "NOT_FOUND" and session_id:
-                self.sessions.pop(session_id, None)
+                self.sessions.pop(key, None)
             return
         if method == "CloseSession":
-            self.sessions.pop(session_id, None)
+            self.sessions.pop(key, None)
             return
         if not session_id:
             return
-        self.sessions[session_id] = (app, result.replica)
+        self.sessions[key] = (app, result.replica)
         while len(self.sessions) > SESSION_MAP_LIMIT:
             self.sessions.pop(next(iter(self.sessions)))
 
@@ -296,7 +361,8 @@ class FleetIngress:
         async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
             started = time.perf_counter()
             session_id = _session_of(request)
-            app, home = self._target(session_id)
+            owner = caller_identity(context.invocation_metadata() or ())
+            app, home = self._target(session_id, owner)
             result = await self._relay_unary(name, request, context, app, home)
             self._count(name, request, result.replica, started, 0)
             if home and result.replica and result.replica != home:  # the session moved
@@ -305,10 +371,10 @@ class FleetIngress:
                     await asyncio.wait({closing}, timeout=CLOSE_WAIT_S)  # reopen may be closed
             if result.code == "OK":
                 reply = reply_cls.FromString(result.payload)
-                self._remember(name, session_id or _session_of(reply), app, result)
+                self._remember(name, session_id or _session_of(reply), app, result, owner)
                 self._observe(app, name, request, reply, result.code, started)
                 return reply
-            self._remember(name, session_id, app, result)
+            self._remember(name, session_id, app, result, owner)
             self._observe(app, name, request, None, result.code, started)
             await context.abort(grpc.StatusCode[result.code], result.details, result.trailing)
             raise AssertionError("grpc.aio context.abort returned instead of raising")

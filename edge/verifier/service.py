@@ -22,6 +22,7 @@ import grpc
 
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
+from edge.verifier.auth import AUTH_HEADER, CALLER
 from edge.verifier.engine import (
     Sampling,
     SessionInfo,
@@ -41,7 +42,6 @@ from edge.verifier.errors import (
 from edge.verifier.metrics import VerifierMetrics
 
 R = TypeVar("R")
-AUTH_HEADER = "authorization"
 VALIDATION_THREADS = 2  # request validation and densifying run here, off the event loop
 
 STATUS_OF: dict[type[VerifierError], grpc.StatusCode] = {
@@ -78,7 +78,10 @@ def info_message(info: SessionInfo) -> pb.SessionInfo:
 
 
 def owner_of(context: grpc.aio.ServicerContext) -> str:
-    """Session owner: a digest of the caller's bearer token ("" without one)."""
+    """Session owner: the authenticated caller; without auth, a digest of any bearer token sent."""
+    caller = CALLER.get()
+    if caller is not None:
+        return caller
     for key, value in context.invocation_metadata() or ():
         if key == AUTH_HEADER:
             return hashlib.sha256(str(value).encode()).hexdigest()[:16]

@@ -154,7 +154,7 @@ class Worker:
 
     def _prefill(self, job: PrefillJob) -> SessionInfo:
         """Fill the KV cache with all prompt tokens but the last, which stays pending."""
-        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, keep=set())
+        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), {job.owner})
         cache = DynamicCache()
         if len(job.prompt) > 1:
             _hf.forward_on(self.model, torch.tensor([job.prompt[:-1]]), cache)
@@ -188,7 +188,7 @@ class Worker:
             self.observer.on_abandoned("generate")
             return
         try:
-            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, keep=set())
+            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), {job.owner})
             cache = DynamicCache()
             logits = _hf.forward_on(self.model, torch.tensor([job.prompt]), cache)
             session = self._session(uuid.uuid4().hex, cache, -1, job.sampling, job.owner)
@@ -208,7 +208,7 @@ class Worker:
         try:
             while not (stream.finished or channel.cancelled or stop.is_set()):
                 started = time.monotonic()
-                self.sessions.reserve(self._bytes_per_position, keep)
+                self.sessions.reserve(self._bytes_per_position, keep, {session.owner})
                 logits = _hf.forward_on(
                     self.model, torch.tensor([[session.pending]]), session.cache
                 )
@@ -272,7 +272,7 @@ class Worker:
         try:
             keep = {m.session.key for m in members}
             growth = sum(len(tokens) for tokens in inputs) * self._bytes_per_position
-            self.sessions.reserve(growth, keep)
+            self.sessions.reserve(growth, keep, {m.session.owner for m in members})
             times_ns.append(time.time_ns())
             logits, new_kv = self._forward(members, inputs)
             times_ns.append(time.time_ns())
