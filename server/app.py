@@ -5,12 +5,17 @@ run config, i.e. ``[tool.flwr.app.config]`` plus ``flwr run --run-config``
 overrides. ``fedge simulate`` builds its own ServerApp with
 :func:`make_server_app`, passing the scenario's resolved config directly, because
 Flower's ``run_simulation`` gives the ServerApp an empty run config.
+
+The FAB deploys the production ClientApp (``clients.app:app``), which never simulates a
+device; so under ``flwr run`` the ServerApp refuses the device-simulation keys
+(``straggler-fraction``, ``device-population``) instead of silently ignoring them:
+simulated devices are ``fedge simulate``'s (``simulations.apps`` wraps the ClientApp).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from flwr.app import Context
@@ -30,6 +35,20 @@ class OutcomeBox:
     rows: list[dict[str, object]] = field(default_factory=list)
 
 
+DEVICE_SIMULATION_KEYS = ("straggler-fraction", "device-population")
+
+
+def refuse_device_simulation(run_config: Mapping[str, object]) -> None:
+    """Raise when a FAB run asks for simulated devices, which only ``fedge simulate`` provides."""
+    asked = [k for k in DEVICE_SIMULATION_KEYS if run_config.get(k) not in (None, "", 0, 0.0)]
+    if asked:
+        raise ValueError(
+            f"run config sets {', '.join(asked)}: the FAB's ClientApp (clients.app:app) is the "
+            "production one and simulates no devices; run device simulations with "
+            "`fedge simulate` (scenario [config]), or set these keys to their defaults"
+        )
+
+
 def make_server_app(
     cfg: RunConfig | None = None,
     resume: bool = False,
@@ -45,6 +64,8 @@ def make_server_app(
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
+        if cfg is None:
+            refuse_device_simulation(context.run_config)
         config = cfg if cfg is not None else RunConfig.from_mapping(dict(context.run_config))
         if wrap_grid is not None:
             grid = wrap_grid(grid)
