@@ -17,12 +17,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from server.config import RunConfig
-from server.loop import LoopOutcome, RowCallback, run_federation
+from server.loop import LoopOutcome, RowCallback, default_run_dir, run_federation
+from server.tracking import LazyRoundScalars
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +70,17 @@ def make_server_app(
         if cfg is None:
             refuse_device_simulation(context.run_config)
         config = cfg if cfg is not None else RunConfig.from_mapping(dict(context.run_config))
+        if not config.run_dir:  # fix the default now: the loop and the tracker share it
+            config = config.with_overrides({"run-dir": str(default_run_dir())})
         if wrap_grid is not None:
             grid = wrap_grid(grid)
-        outcome = run_federation(grid, config, resume=resume, on_row=on_row)
+        logdir = Path(config.run_dir) / "tensorboard"
+        scalars = LazyRoundScalars(logdir) if config.tensorboard else None
+        try:
+            outcome = run_federation(grid, config, resume=resume, on_row=_both(on_row, scalars))
+        finally:
+            if scalars is not None:
+                scalars.close()
         if box is not None:
             box.outcome = outcome
         level = logging.INFO if outcome.status != "failed" else logging.ERROR
@@ -82,6 +93,19 @@ def make_server_app(
         )
 
     return server_app
+
+
+def _both(first: RowCallback | None, second: RowCallback | None) -> RowCallback | None:
+    """One row callback calling both (either may be None)."""
+    callbacks = [c for c in (first, second) if c is not None]
+    if not callbacks:
+        return None
+
+    def call(row: Mapping[str, Any]) -> None:
+        for callback in callbacks:
+            callback(row)
+
+    return call
 
 
 app = make_server_app()
