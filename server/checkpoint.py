@@ -45,6 +45,7 @@ RESUMABLE_CHANGES = frozenset(
         "client-threads",
         "client-eval",
         "save-merged",
+        "tensorboard",
         "x-fault-partitions",  # fault drills (clients/faults.py) change between attempts
     }
 )
