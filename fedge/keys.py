@@ -109,6 +109,9 @@ CFG_CLIENT_MODS: Final = "client-mods"  # comma separated "package.module:mod" (
 CFG_OPTIMIZER: Final = "optimizer"  # "auto" (the strategy's own), "adamw", "sgd" (clients.trainer)
 
 CFG_RUN_DIR: Final = "run-dir"
+CFG_TENSORBOARD: Final = (
+    "tensorboard"  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
+)
 CFG_MAX_EPSILON: Final = "max-epsilon"  # 0 disables the privacy-budget stop
 CFG_AGGREGATOR: Final = (
     "aggregator"  # plain | median | trimmed-mean | krum | "package.module:factory"

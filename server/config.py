@@ -65,6 +65,7 @@ class RunConfig:
     client_mods: str = ""
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
+    tensorboard: bool = True  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
     run_id: str = ""  # "": the server draws a random id at a fresh start (namespaces client state)
     train: TrainConfig = field(default_factory=TrainConfig)
     extra: Mapping[str, ConfigValue] = field(default_factory=dict)  # keys under EXTENSION_PREFIXES

@@ -49,6 +49,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from simulations.flower_internals import set_message_id
+
 log = logging.getLogger(__name__)
 
 NODE_UNAVAILABLE_REASON = "node is not connected (it left the federation)"
@@ -276,7 +278,7 @@ class InProcessGrid(Grid):
     # ------------------------------------------------------------ execution
     def _stamp(self, msg: Message) -> None:
         """Give the message the id the SuperLink would (Flower's own grids set it the same way)."""
-        msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        set_message_id(msg, uuid.uuid4().hex)
 
     def _execute(self, msg: Message) -> Message:
         """The ClientApp's reply to one message, or the error reply Flower's engines would give."""
@@ -287,7 +289,7 @@ class InProcessGrid(Grid):
             )
         else:
             reply = self._call(row, msg)
-        reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        set_message_id(reply, uuid.uuid4().hex)
         self.messages_run += 1
         return reply
 

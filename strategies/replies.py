@@ -58,7 +58,11 @@ def contribution_record(
     local = next(iter(content.array_records.values()))
     metrics = next(iter(content.metric_records.values()))
     weight = metrics.get(weighted_by_key)
-    if not isinstance(weight, int | float) or set(local.keys()) != set(global_arrays):
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or set(local.keys()) != set(global_arrays)
+    ):
         return None
     w = np.float32(weight)
     arrays: Arrays = {
@@ -85,7 +89,11 @@ def reply_contribution(
         )
     problem = contribution_problem(record, spec)
     if problem is not None:
-        if keys.REC_CONTRIB not in content.array_records:
-            problem += " (a plain Flower reply carries no SCAFFOLD control delta: use strategies.client.TrainRound)"
+        plain = keys.REC_CONTRIB not in content.array_records
+        if plain and any(k.startswith(keys.PREFIX_CONTROL) for k in spec):
+            problem += (
+                " (a plain Flower reply carries no SCAFFOLD control delta: build the reply "
+                "with strategies.client.TrainRound)"
+            )
         return None, problem
     return {k: record[k].numpy() for k in spec}, None

@@ -62,11 +62,6 @@ class RobustConfig:
                 f"{self.max_weight} and {self.max_update_norm}"
             )
 
-    @property
-    def sees_clients(self) -> bool:
-        """Whether anything here needs individual contributions (not just their sum)."""
-        return self.rule != "mean" or self.max_weight > 0 or self.max_update_norm > 0
-
 
 def update_norm(contribution: Arrays) -> float:
     """L2 norm of the client's unscaled update: delta/weight and its ctrl/ part jointly."""
@@ -82,14 +77,20 @@ def update_norm(contribution: Arrays) -> float:
 
 
 def apply_bounds(contribution: Arrays, cfg: RobustConfig) -> tuple[Arrays, str | None]:
-    """Return (the contribution with its weight capped, None) or (it, why it is refused)."""
+    """Return (the contribution with its weight capped, None) or (it, why it is refused).
+
+    Always refused, bounds or not: a negative ``meta/weight`` (it would subtract the
+    client's update from the others') and a ``meta/count`` other than 0 or 1.
+    """
+    weight, count = float(contribution[keys.KEY_WEIGHT][0]), float(contribution[keys.KEY_COUNT][0])
+    if weight < 0 or count not in (0.0, 1.0):
+        return contribution, f"meta/weight {weight:g} or meta/count {count:g} is impossible"
     if cfg.max_update_norm > 0:
         norm = update_norm(contribution)
         if norm > cfg.max_update_norm:
             return contribution, (
                 f"update norm {norm:.4g} exceeds max-update-norm={cfg.max_update_norm:g}"
             )
-    weight = float(contribution[keys.KEY_WEIGHT][0])
     if cfg.max_weight > 0 and weight > cfg.max_weight:
         ratio = np.float32(cfg.max_weight / weight)
         capped = {
@@ -107,7 +108,11 @@ def robust_sum(contributions: list[Arrays], cfg: RobustConfig) -> Arrays:
         return sum_contributions(contributions)
     if not contributions:
         raise ValueError("robust_sum got no contributions: at least one client must reply")
-    live = [c for c in contributions if float(c[keys.KEY_COUNT][0]) > 0]
+    live = [
+        c
+        for c in contributions
+        if float(c[keys.KEY_COUNT][0]) > 0 and float(c[keys.KEY_WEIGHT][0]) > 0
+    ]
     if not live:  # every client's work was dropped: the plain sum says so (weight 0)
         return sum_contributions(contributions)
     updates = [_unscaled(c) for c in live]

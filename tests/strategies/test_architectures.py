@@ -122,3 +122,13 @@ def test_one_federation_round_with_auto_lora_targets(
     assert adapted == ARCHITECTURES[name][1]
     initial = holder.get_lora_model(str(model), cfg.train).initial
     assert any(not np.array_equal(adapter[k], initial[k]) for k in adapter)
+    _assert_tensorboard_rounds(tmp_path / "run" / "tensorboard", [0, 1])
+
+
+def _assert_tensorboard_rounds(logdir: Path, rounds: list[int]) -> None:
+    """Every run tracks its rounds in TensorBoard by default (server.tracking)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("round/eval_loss")] == rounds

@@ -150,6 +150,8 @@ def test_bounds_cap_the_weight_and_refuse_a_large_update() -> None:
     np.testing.assert_allclose(capped[keys.KEY_WEIGHT], [10.0])
     _, why = apply_bounds(c, RobustConfig(max_update_norm=4))
     assert why is not None and "max-update-norm" in why
+    negative = {**c, keys.KEY_WEIGHT: np.array([-100.0], np.float32)}
+    assert "impossible" in (apply_bounds(negative, RobustConfig())[1] or "")
 
 
 def test_robust_sum_has_the_shape_of_a_sum() -> None:
