@@ -152,7 +152,7 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
     report = write_report(summary, run_dir)
     console.print(
         f"[green]demo finished in {summary['seconds']} s; report {report}; "
-        f"`tensorboard --logdir {run_dir / 'tensorboard'}`"
+        f"`tensorboard --logdir {run_dir}`"
     )
     return summary
 

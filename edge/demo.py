@@ -140,7 +140,7 @@ def _greedy_line(summary: dict[str, Any]) -> str:
 
 def _sample_panel(sample: dict[str, Any]) -> Panel:
     """The prompt (dim) and its sampled completion, highlighted as the Python it imitates."""
-    code = Text(sample["prompt"], style="dim")
+    code = Text(_from_line_start(sample["prompt"]), style="dim")
     code.append_text(
         Syntax(sample["completion"], "python", theme="ansi_dark").highlight(sample["completion"])
     )
@@ -150,6 +150,12 @@ def _sample_panel(sample: dict[str, Any]) -> Panel:
         f"{sample['acceptance']:.2f})"
     )
     return Panel(code, title=title, title_align="left")
+
+
+def _from_line_start(prompt: str) -> str:
+    """The prompt from its first whole line: a window of tokens usually starts mid-line."""
+    head, newline, rest = prompt.partition("\n")
+    return rest if newline and rest.strip() else prompt
 
 
 def _variants_table(manifest: dict[str, Any]) -> Table:
@@ -179,7 +185,7 @@ def _table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
             "prompt",
             "tokens",
             "acceptance",
-            "target passes/token",
+            "target passes per token",
             "tokens/s",
             "cloud-only tokens/s",
             "= cloud",

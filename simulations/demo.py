@@ -5,8 +5,8 @@ client per stdlib package, every client in every round) on Flower's simulation e
 Perplexity is reported twice: on the participating clients' own held-out code (what the
 federation is for) and on the whole corpus's held-out code (every package, most of which no
 client holds). The private run adds SecAgg+ with distributed DP (``PRIVATE_OVERRIDES``) and
-reports its epsilon and what it costs in perplexity. Round metrics also go to TensorBoard
-(``<run>/tensorboard/<label>``). ``FEDGE_DEMO_SET`` holds space-separated ``key=value``
+reports its epsilon and what it costs in perplexity. Each federation's ServerApp writes its
+round metrics to TensorBoard under its own run directory (``tensorboard --logdir <run>``). ``FEDGE_DEMO_SET`` holds space-separated ``key=value``
 overrides for every run (the keys of ``fedge simulate --set``).
 """
 
@@ -126,7 +126,7 @@ def federated_stage(
         f"{cfg.strategy}, "
         f"{cfg.num_server_rounds} rounds, LoRA r={cfg.train.lora_r}, aggregator {cfg.aggregator}"
     )
-    _run(scenario, run_dir, run_dir.parent / "tensorboard" / label, console, "federation")
+    _run(scenario, run_dir, console, f"federation ({label})")
     rows = [r for r in MetricsLog(run_dir).rows() if r.get("perplexity") is not None]
     epsilon = rows[-1].get("epsilon")
     result = FederationResult(
@@ -174,7 +174,6 @@ def realignment_stage(
     merged = _run(
         scenario,
         run_dir,
-        run_dir.parent / "tensorboard" / "realign-draft",
         console,
         "draft realignment",
         teacher=federation.merged_dir,
@@ -229,23 +228,16 @@ def acceptance_table(rows: list[ClientAcceptance]) -> Table:
 def _run(
     scenario: Scenario,
     run_dir: Path,
-    logdir: Path,
     console: Console,
     what: str,
     teacher: Path | None = None,
     draft: Path | None = None,
 ) -> Path:
-    """Run one federation (a realignment when `teacher` is given) with live round scalars."""
-    from simulations.tensorboard import RoundScalars
-
+    """Run one federation (a realignment when `teacher` is given), showing each round's figure."""
     rounds = scenario.config.num_server_rounds
-    with (
-        console.status(f"{what}: starting the Flower simulation") as status,
-        RoundScalars(logdir) as scalars,
-    ):
+    with console.status(f"{what}: starting the Flower simulation") as status:
 
         def on_row(row: Mapping[str, Any]) -> None:
-            scalars(row)
             ppl = row.get("perplexity")
             shown = f"perplexity {ppl:.2f}" if isinstance(ppl, float) else str(row.get("status"))
             status.update(f"{what}: round {row['round']}/{rounds}, {shown}")
