@@ -158,6 +158,7 @@ def generate_command(
     from edge.export import TOKENIZER_DIR, load_export_tokenizer
     from edge.runtime import load_draft_runtime
     from edge.tracing import TracingConfig, shutdown, tracer_provider
+    from edge.verifier.identity import tokenizer_id
     from fedge.models import load_tokenizer
 
     provider = tracer_provider(TracingConfig(tracing, "fedge-edge", otlp_endpoint))
@@ -179,6 +180,7 @@ def generate_command(
                 client_key=tls_client_key,
                 added_rtt_s=added_rtt_ms / 1e3,
                 device_id=device_id,
+                tokenizer_id=tokenizer_id(tokenizer),  # a verifier with another one is refused
             ),
             tracer_provider=provider,
         )

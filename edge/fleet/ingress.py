@@ -206,6 +206,7 @@ class FleetIngress:
         self.canary_fraction = 0.0
         # (owner, session id) -> (app, replica id): a session is found only by its owner
         self.sessions: dict[tuple[str, str], tuple[str, str]] = {}
+        self.versions: dict[str, str] = {}  # session version (model_id/adapter_id) -> app
         self.arms: dict[str, ArmStats] = {}
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
@@ -292,15 +293,20 @@ class FleetIngress:
     def _live(self, app: str) -> bool:
         return app in (self.stable, self.canary)
 
-    def _target(self, session_id: str, owner: str = "") -> tuple[str, str]:
+    def _target(self, session_id: str, owner: str = "", version: str = "") -> tuple[str, str]:
         """Application and home replica of a call: its session's, or a new session's pick.
 
         A session this ingress has not seen opens wherever the call lands (the edge
-        opens sessions with their first Verify), so it takes part in the canary split.
+        opens sessions with their first Verify), so a new session takes part in the
+        canary split; a reopen naming its version returns to the application serving
+        that version while one does (else the stable one refuses it: version gone).
         """
         home = self.sessions.get((owner, session_id)) if session_id else None
         if home is not None:
             return home if self._live(home[0]) else (self.stable, "")
+        if version:
+            app = self.versions.get(version)
+            return (app, "") if app is not None and self._live(app) else (self.stable, "")
         if self.canary and random.random() < self.canary_fraction:
             return self.canary, ""
         return self.stable, ""
@@ -322,6 +328,20 @@ class FleetIngress:
         self.sessions[key] = (app, result.replica)
         while len(self.sessions) > SESSION_MAP_LIMIT:
             self.sessions.pop(next(iter(self.sessions)))
+
+    def _learn_version(self, reply: Message, app: str) -> None:
+        """Note which application serves the version an open's reply reports."""
+        fields = reply.DESCRIPTOR.fields_by_name
+        if "opened" in fields:  # a Verify: set when it opened its session
+            if not reply.HasField("opened"):
+                return
+            info: Any = reply.opened  # type: ignore[attr-defined]
+        elif "model_id" in fields:  # an OpenSession
+            info = reply
+        else:
+            return
+        if info.model_id:
+            self.versions[f"{info.model_id}/{info.adapter_id}"] = app
 
     def _handle(self, app: str) -> Any:
         """The (cached) deployment handle of `app`'s replicas: one router per application."""
@@ -362,7 +382,7 @@ class FleetIngress:
             started = time.perf_counter()
             session_id = _session_of(request)
             owner = caller_identity(context.invocation_metadata() or ())
-            app, home = self._target(session_id, owner)
+            app, home = self._target(session_id, owner, str(getattr(request, "version", "")))
             result = await self._relay_unary(name, request, context, app, home)
             self._count(name, request, result.replica, started, 0)
             if home and result.replica and result.replica != home:  # the session moved
@@ -372,6 +392,7 @@ class FleetIngress:
             if result.code == "OK":
                 reply = reply_cls.FromString(result.payload)
                 self._remember(name, session_id or _session_of(reply), app, result, owner)
+                self._learn_version(reply, app)
                 self._observe(app, name, request, reply, result.code, started)
                 return reply
             self._remember(name, session_id, app, result, owner)

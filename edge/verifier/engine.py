@@ -33,7 +33,9 @@ from edge.verifier.errors import (
     NotReady,
     Overloaded,
     SessionBusy,
+    VersionGone,
 )
+from edge.verifier.identity import ServingIdentity
 from edge.verifier.jobs import (
     EngineObserver,
     GenerateJob,
@@ -122,8 +124,10 @@ class VerifierEngine:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing = NO_TRACING,
+        identity: ServingIdentity | None = None,
     ) -> None:
         self.model = model.eval()
+        self.identity = identity or ServingIdentity()
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or NullObserver()
         self.tracing = tracing
@@ -219,8 +223,15 @@ class VerifierEngine:
         session_id: str | None = None,
         owner: str = "",
         field: str = "prompt_ids",
+        version: str = "",
     ) -> Future[SessionInfo]:
-        """Queue a session open (prompt prefill) under `session_id` (default: a fresh id)."""
+        """Queue a session open (prompt prefill) under `session_id` (default: a fresh id).
+
+        A `version` other than the one served (a reopen of a session opened on weights
+        that are gone) is refused VersionGone.
+        """
+        if version and version != self.identity.version:
+            raise VersionGone(version, self.identity.version)
         sid = uuid.uuid4().hex if session_id is None else check_session_id(session_id)
         prompt = self._check_prompt(field, prompt_ids)
         check_sampling(sampling)
@@ -343,6 +354,9 @@ class VerifierEngine:
             self.config.max_draft,
             self.max_context,
             self.config.session_ttl_s,
+            self.identity.model_id,
+            self.identity.adapter_id,
+            self.identity.tokenizer_id,
         )
 
     def _check_draft(

@@ -34,6 +34,16 @@ class SessionInfo:
     max_draft: int
     max_context: int
     session_ttl_s: float
+    model_id: str = (
+        ""  # digests of the served weights, adapter and tokenizer (edge.verifier.identity)
+    )
+    adapter_id: str = ""
+    tokenizer_id: str = ""
+
+    @property
+    def version(self) -> str:
+        """The version the session is served on: `model_id/adapter_id`."""
+        return f"{self.model_id}/{self.adapter_id}"
 
 
 @dataclass(frozen=True)

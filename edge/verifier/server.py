@@ -31,6 +31,7 @@ from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.tracing import Tracing, server_interceptors
 from edge.verifier.auth import Authenticator, Credentials, server_credentials, token_identity
 from edge.verifier.engine import EngineConfig, VerifierEngine
+from edge.verifier.identity import serving_identity
 from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 from edge.verifier.metrics import VerifierMetrics
 from edge.verifier.service import VerifierService
@@ -223,8 +224,15 @@ class VerifierServer:
         # collector from rescanning them (a full pass stalled a stream ~0.3 s on the micro zoo)
         gc.collect()
         gc.freeze()
+        identity = await asyncio.to_thread(
+            serving_identity, self.config.model_dir, self.config.adapter_dir
+        )
         engine = VerifierEngine(
-            model, self.config.engine, observer=self.metrics, tracing=self.tracing
+            model,
+            self.config.engine,
+            observer=self.metrics,
+            tracing=self.tracing,
+            identity=identity,
         )
         engine.on_death(lambda error: _call_soon(loop, self._engine_dead))
         self.metrics.watch(engine)

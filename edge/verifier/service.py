@@ -31,6 +31,7 @@ from edge.verifier.engine import (
     VerifyResult,
 )
 from edge.verifier.errors import (
+    VERSION_GONE_KEY,
     InvalidRequest,
     LengthMismatch,
     NotReady,
@@ -38,6 +39,7 @@ from edge.verifier.errors import (
     SessionBusy,
     SessionNotFound,
     VerifierError,
+    VersionGone,
 )
 from edge.verifier.metrics import VerifierMetrics
 
@@ -45,6 +47,7 @@ R = TypeVar("R")
 VALIDATION_THREADS = 2  # request validation and densifying run here, off the event loop
 
 STATUS_OF: dict[type[VerifierError], grpc.StatusCode] = {
+    VersionGone: grpc.StatusCode.FAILED_PRECONDITION,
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
@@ -74,6 +77,9 @@ def info_message(info: SessionInfo) -> pb.SessionInfo:
         max_draft=info.max_draft,
         max_context=info.max_context,
         session_ttl_s=info.session_ttl_s,
+        model_id=info.model_id,
+        adapter_id=info.adapter_id,
+        tokenizer_id=info.tokenizer_id,
     )
 
 
@@ -147,7 +153,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Count the failure and end the call with the mapped status (abort raises)."""
         code = status_of(error)
         self._count(method, code.name)
-        await context.abort(code, str(error))
+        trailing = ((VERSION_GONE_KEY, error.served),) if isinstance(error, VersionGone) else ()
+        await context.abort(code, str(error), trailing_metadata=trailing)
         raise AssertionError("grpc.aio context.abort returned instead of raising")
 
     async def _submit(
@@ -206,6 +213,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             max_draft=info.max_draft,
             max_context=info.max_context,
             session_ttl_s=info.session_ttl_s,
+            model_id=info.model_id,
+            adapter_id=info.adapter_id,
+            tokenizer_id=info.tokenizer_id,
         )
 
     async def Verify(
@@ -239,7 +249,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             sampling = sampling_from(request.sampling)
             info = await self._submit(
                 lambda: engine.submit_open(
-                    committed, sampling, request.session_id, owner, field="committed_ids"
+                    committed,
+                    sampling,
+                    request.session_id,
+                    owner,
+                    field="committed_ids",
+                    version=request.version,
                 ),
                 lambda info: _close_quietly(engine, info.session_id, owner),
             )
