@@ -78,6 +78,17 @@ def derive_seed(session_id: str) -> int:
     return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:7], "big")
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a session's random draws at `position` (its length when they are drawn).
+
+    Draws are a function of (session seed, position), not of how many came before on
+    this replica: a session reopened elsewhere continues the same random stream, so
+    sampling stays exact across failover (re-seeding at the start replayed old draws).
+    """
+    digest = hashlib.sha256(f"{seed}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # torch seeds are < 2**64; keep it signed-safe
+
+
 def check_session_id(session_id: str) -> str:
     """A session id is 1 .. 64 characters of [A-Za-z0-9_-]."""
     if not SESSION_ID.fullmatch(session_id):
