@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from edge.fleet.ingress import INGRESS_SERVICE, REPLICA_DEPLOYMENT, FleetIngress, IngressSpec
+from edge.fleet.ingress import REPLICA_DEPLOYMENT, FleetIngress
+from edge.fleet.ingress_spec import INGRESS_SERVICE, IngressSpec
 from edge.fleet.replica import REPLICA_SERVICE, ReplicaSpec, VerifierReplica
 from edge.fleet.routers import policy_class, policy_path
 from edge.fleet.wire import ROUTE_PIN
@@ -59,6 +60,9 @@ class FleetConfig:
     scaling_metrics_s: float = 10.0  # how often the ingress's handle reports its queue to Serve
     # (Serve 2.55's `metrics_interval_s`, deprecated there in favour of an environment variable)
     max_ongoing_requests: int = 64  # per replica; above it Serve queues in the ingress
+    max_queued_requests: int = 256  # queued in the ingress's handle per version; beyond it a
+    # call is refused RESOURCE_EXHAUSTED with a retry-after (Serve's BackPressureError)
+    max_inflight: int = 4096  # calls the ingress holds at once; beyond, refused at once
     health_period_s: float = 2.0  # Serve probes each replica's verifier health this often
     health_timeout_s: float = 10.0
     replica_cpus: float = 1.0  # logical CPUs each replica reserves in Ray
@@ -94,6 +98,9 @@ class FleetConfig:
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"FleetConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_queued_requests", "max_inflight", "max_ongoing_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FleetConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.replica_cpus < 0:
             raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
 
@@ -117,6 +124,7 @@ class FleetConfig:
             self.tls_cert,
             self.tls_key,
             self.tls_client_ca,
+            max_inflight=self.max_inflight,
             fleet=pickle.dumps(self),
             rate_limits=self.rate_limits,
             tracing=replace(self.tracing, service_name=INGRESS_SERVICE),
@@ -147,6 +155,7 @@ def replica_application(config: FleetConfig, adapter_dir: Path | None = None) ->
     options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests,
         "health_check_period_s": config.health_period_s,
         "health_check_timeout_s": config.health_timeout_s,
         "graceful_shutdown_timeout_s": 5.0,

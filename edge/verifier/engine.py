@@ -60,6 +60,7 @@ from edge.verifier.sessions import Session, SessionStore
 from edge.verifier.worker import Worker
 
 LOG = logging.getLogger("fedge.verifier")
+QUEUE_FULL_RETRY_S = 0.05  # retry-after of a full queue: the worker drains a batch in ms
 
 __all__ = [
     "EngineConfig",
@@ -400,7 +401,8 @@ class VerifierEngine:
             self._queue.put_nowait(job)
         except queue.Full:
             raise Overloaded(
-                f"verify queue is full ({self.config.max_queue} requests); back off and retry"
+                f"verify queue is full ({self.config.max_queue} requests); back off and retry",
+                QUEUE_FULL_RETRY_S,
             ) from None
 
     # ------------------------------------------------------------------ worker

@@ -32,7 +32,11 @@ class LengthMismatch(VerifierError):
 
 
 class Overloaded(VerifierError):
-    """Queue full or KV memory cap reached (RESOURCE_EXHAUSTED); retry with backoff."""
+    """Queue full or KV memory cap reached (RESOURCE_EXHAUSTED, with a retry-after)."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NotReady(VerifierError):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import contextvars
 import hashlib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -41,6 +42,7 @@ from edge.verifier.errors import (
     VerifierError,
     VersionGone,
 )
+from edge.verifier.limits import RETRY_AFTER_KEY
 from edge.verifier.metrics import VerifierMetrics
 
 R = TypeVar("R")
@@ -153,8 +155,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Count the failure and end the call with the mapped status (abort raises)."""
         code = status_of(error)
         self._count(method, code.name)
-        trailing = ((VERSION_GONE_KEY, error.served),) if isinstance(error, VersionGone) else ()
-        await context.abort(code, str(error), trailing_metadata=trailing)
+        await context.abort(code, str(error), trailing_metadata=_trailing(error))
         raise AssertionError("grpc.aio context.abort returned instead of raising")
 
     async def _submit(
@@ -325,6 +326,15 @@ class VerifierService(pb_grpc.VerifierServicer):
             for token in chunk:
                 yield pb.GenerateReply(token_id=token)
         self._ok("Generate", started)
+
+
+def _trailing(error: VerifierError) -> tuple[tuple[str, str], ...]:
+    """What an error's status carries besides its message: the version served, a retry-after."""
+    if isinstance(error, VersionGone):
+        return ((VERSION_GONE_KEY, error.served),)
+    if isinstance(error, Overloaded):
+        return ((RETRY_AFTER_KEY, str(math.ceil(error.retry_after_s * 1000))),)
+    return ()
 
 
 def _cancel_stream(handoff: Future[TokenChannel]) -> None:

@@ -13,7 +13,7 @@ import pytest
 from transformers import PreTrainedModel
 
 from edge.client import ClientConfig, VerifierClient
-from edge.fleet.ingress import IngressSpec
+from edge.fleet.ingress_spec import IngressSpec
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.verifier.auth import IDENTITY_KEY, Credentials

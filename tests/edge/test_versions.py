@@ -12,7 +12,7 @@ import pytest
 from transformers import PreTrainedModel
 
 from edge.client import ClientConfig, TokenizerMismatch, VerifierClient
-from edge.fleet.ingress import IngressSpec
+from edge.fleet.ingress_spec import IngressSpec
 from edge.fleet.wire import CallResult
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
