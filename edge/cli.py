@@ -218,6 +218,10 @@ def serve_command(
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus /metrics on this port.")
     ] = None,
+    health_port: Annotated[
+        int | None,
+        typer.Option(help="Also serve grpc.health.v1 alone, plaintext, here (probes under TLS)."),
+    ] = None,
     max_batch: MaxBatchOption = 32,
     batch_window_ms: Annotated[
         float, typer.Option(help="Wait this long for a batch to fill.")
@@ -257,6 +261,7 @@ def serve_command(
         tls_key=tls_key,
         tls_client_ca=tls_client_ca,
         metrics_port=metrics_port,
+        health_port=health_port,
         grace_s=grace_s,
         engine=EngineConfig(
             max_draft=max_draft,
