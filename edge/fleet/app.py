@@ -101,6 +101,15 @@ class FleetConfig:
         for name in ("max_queued_requests", "max_inflight", "max_ongoing_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FleetConfig.{name} must be >= 1, got {getattr(self, name)}")
+        longest_verify = self.engine.max_draft + 1
+        if (
+            self.rate_limits.verify_rate is not None
+            and self.rate_limits.verify_burst < longest_verify
+        ):
+            raise ValueError(
+                f"FleetConfig.rate_limits.verify_burst={self.rate_limits.verify_burst} is below "
+                f"the cost of the longest verify (max_draft + 1 = {longest_verify}); raise it"
+            )
         if self.replica_cpus < 0:
             raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
 
@@ -220,9 +229,9 @@ class Fleet:
         handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=self.describe()["stable"])
         return getattr(handle, method).remote(*args, **{ROUTE_PIN: replica_id, **kwargs}).result()
 
-    def restart(self, adapter_dir: Path | None = None) -> dict[str, Any]:
+    def restart(self) -> dict[str, Any]:
         """Replace every replica of the stable version in place, one at a time (`restart_version`)."""
-        report = restart_version(self.ingress, adapter_dir)
+        report = restart_version(self.ingress)
         self.config = pickle.loads(self.ingress.fleet_config.remote().result())
         return report
 
@@ -252,9 +261,7 @@ def replica_actors(app: str) -> dict[str, str]:
     }
 
 
-def restart_version(
-    ingress: Any, adapter_dir: Path | None = None, timeout_s: float = 600.0
-) -> dict[str, Any]:
+def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     """Replace every replica of the ingress's stable version, one at a time, failing no call.
 
     This is Ray Serve's rolling update: `serve.run` gives the deployment a new code
@@ -264,13 +271,12 @@ def restart_version(
     calls it holds (`graceful_shutdown_timeout_s`); a call that still reaches it is
     handled as the replica's loss (`ReplicaStopping`), and its sessions reopen on
     another replica from the edge's committed tokens (NOT_FOUND, the proto's recovery).
-    With `adapter_dir` the new replicas serve that adapter: an upgrade, checked before
-    any replica stops (a misfit is refused naming the file). Returns the replica ids
-    before and after. Refused while a canary rollout runs.
+    The replicas keep serving the same weights: a new adapter goes through the canary
+    (`edge.fleet.rollout.run_rollout`; `fedge verifier restart --adapter` does that), so
+    one application never mixes adapters. Returns the replica ids before and after.
+    Refused while a canary rollout runs.
     """
     from ray import serve
-
-    from edge.fleet.adapters import check_adapter
 
     current = ingress.describe.remote().result()
     if current["canary"] is not None:
@@ -279,9 +285,6 @@ def restart_version(
         )
     stable = current["stable"]
     config: FleetConfig = pickle.loads(ingress.fleet_config.remote().result())
-    if adapter_dir is not None:
-        check_adapter(config.model_dir, adapter_dir)
-        config = with_adapter(config, adapter_dir)
     before = set(replica_actors(stable))
     started = time.monotonic()
     serve.run(replica_application(config), name=stable, route_prefix=None)
@@ -336,8 +339,3 @@ def running_fleet(config: FleetConfig) -> Iterator[Fleet]:
         yield fleet
     finally:
         fleet.stop()
-
-
-def with_adapter(config: FleetConfig, adapter_dir: Path | None) -> FleetConfig:
-    """The same fleet serving another adapter."""
-    return replace(config, adapter_dir=adapter_dir)
