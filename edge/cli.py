@@ -158,6 +158,7 @@ def generate_command(
     from edge.export import TOKENIZER_DIR, load_export_tokenizer
     from edge.runtime import load_draft_runtime
     from edge.tracing import TracingConfig, shutdown, tracer_provider
+    from edge.verifier.identity import tokenizer_id
     from fedge.models import load_tokenizer
 
     provider = tracer_provider(TracingConfig(tracing, "fedge-edge", otlp_endpoint))
@@ -179,6 +180,7 @@ def generate_command(
                 client_key=tls_client_key,
                 added_rtt_s=added_rtt_ms / 1e3,
                 device_id=device_id,
+                tokenizer_id=tokenizer_id(tokenizer),  # a verifier with another one is refused
             ),
             tracer_provider=provider,
         )
@@ -215,6 +217,10 @@ def serve_command(
     tls_client_ca: TlsClientCaOption = None,
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus /metrics on this port.")
+    ] = None,
+    health_port: Annotated[
+        int | None,
+        typer.Option(help="Also serve grpc.health.v1 alone, plaintext, here (probes under TLS)."),
     ] = None,
     max_batch: MaxBatchOption = 32,
     batch_window_ms: Annotated[
@@ -255,6 +261,7 @@ def serve_command(
         tls_key=tls_key,
         tls_client_ca=tls_client_ca,
         metrics_port=metrics_port,
+        health_port=health_port,
         grace_s=grace_s,
         engine=EngineConfig(
             max_draft=max_draft,

@@ -12,6 +12,10 @@ class VerifierUnreachable(FedgeError):
     """The verifier answered UNAVAILABLE or DEADLINE_EXCEEDED (or not SERVING) for too long."""
 
 
+class TokenizerMismatch(FedgeError):
+    """The verifier's tokenizer is not the draft's: its ids would decode to other text."""
+
+
 class RateLimited(Exception):
     """The verifier refused a call for this device's rate limit and asked for a longer wait than allowed."""
 
@@ -39,6 +43,8 @@ class ClientConfig:
     max_wait_s: float = 2.0  # longest server-asked retry-after waited out; longer: RateLimited
     unreachable_after_s: float = 3.0  # UNAVAILABLE / DEADLINE_EXCEEDED retried this long
     health_timeout_s: float = 1.0  # a health check slower than this counts as down
+    tokenizer_id: str | None = None  # the draft's (edge.verifier.identity); a verifier with
+    # another tokenizer is refused (TokenizerMismatch). None: not checked
 
     def __post_init__(self) -> None:
         host, _, port = self.target.rpartition(":")

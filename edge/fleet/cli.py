@@ -188,19 +188,30 @@ def _connect(fleet: Path) -> Any:
 
 def restart_command(
     adapter: Annotated[
-        Path | None, typer.Option(help="Upgrade: the new replicas serve this adapter dir.")
+        Path | None,
+        typer.Option(help="Upgrade to this adapter dir: through the canary, as `rollout` does."),
     ] = None,
+    canary: Annotated[float, typer.Option(help="With --adapter: its share of new sessions.")] = 0.1,
+    window: Annotated[float, typer.Option(help="With --adapter: observation window, s.")] = 60.0,
+    run_dir: Annotated[
+        Path, typer.Option(help="With --adapter: directory for rollout.json.")
+    ] = Path("runs/rollout"),
     fleet: FleetDirOption = Path("runs/fleet"),
 ) -> None:
     """Replace the running fleet's replicas one at a time (Serve's rolling update), failing no call.
 
     Sessions of a replica being replaced reopen on another from the edge's committed
-    tokens. With --adapter it is an upgrade (checked first); without a canary's figures.
+    tokens. With --adapter it is an upgrade, and it takes the canary path of `rollout`
+    (checked numerically, served to a fraction, compared, then promoted or rolled back), so
+    no application ever serves two adapters at once.
     """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if adapter is not None:
+        rollout_command(adapter, canary, window, run_dir=run_dir, fleet=fleet)
+        return
     from edge.fleet.app import restart_version
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    _console.print_json(json.dumps(restart_version(_connect(fleet), adapter)))
+    _console.print_json(json.dumps(restart_version(_connect(fleet))))
 
 
 def register(app: typer.Typer) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.fleet.app import FleetConfig, ingress_application, replica_application
-from edge.fleet.ingress import IngressSpec
+from edge.fleet.ingress_spec import IngressSpec
 from edge.verifier.engine import EngineConfig
 from edge.verifier.limits import RateLimitConfig
 

@@ -21,7 +21,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edge.fleet.wire import ROUTE_PIN, SERVING, CallResult, Metadata, clean_metadata
+from edge.fleet.wire import (
+    ROUTE_PIN,
+    SERVING,
+    CallResult,
+    Metadata,
+    ReplicaStopping,
+    clean_metadata,
+)
 from edge.tracing import TracingConfig, tracer_provider
 from edge.verifier.auth import AUTH_HEADER
 from edge.verifier.engine import EngineConfig
@@ -66,10 +73,6 @@ def _slow_down(model: Any, factor: float) -> None:
 
     model.register_forward_pre_hook(before)
     model.register_forward_hook(after)
-
-
-class ReplicaStopping(RuntimeError):
-    """A call reached a replica that Serve is stopping; the ingress handles it as the replica's loss."""
 
 
 class VerifierReplica:

@@ -31,6 +31,7 @@ from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.tracing import Tracing, server_interceptors
 from edge.verifier.auth import Authenticator, Credentials, server_credentials, token_identity
 from edge.verifier.engine import EngineConfig, VerifierEngine
+from edge.verifier.identity import serving_identity
 from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 from edge.verifier.metrics import VerifierMetrics
 from edge.verifier.service import VerifierService
@@ -58,6 +59,7 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # PEM CA: clients must show a certificate it signed (mTLS)
     relay_secret: str | None = None  # a fleet replica's: its relay names the caller's identity
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = any
+    health_port: int | None = None  # plaintext grpc.health.v1 only (kubelet probes cannot TLS)
     drain_notice_s: float = 1.0  # NOT_SERVING but still serving, so health checkers move traffic
     grace_s: float = 5.0  # then in-flight calls get this long to finish; new ones are refused
     rate_limits: RateLimitConfig = field(
@@ -164,6 +166,8 @@ class VerifierServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
         self.grpc = grpc.aio.server(interceptors=interceptors, options=limits)
+        self.health_grpc: grpc.aio.Server | None = None  # the plaintext health-only listener
+        self.health_port: int | None = None
         pb_grpc.add_VerifierServicer_to_server(
             VerifierService(lambda: self.engine, self.metrics), self.grpc
         )
@@ -203,6 +207,14 @@ class VerifierServer:
         self.port = self._bind()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
+        if self.config.health_port is not None:
+            self.health_grpc = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
+            address = f"{self.config.host}:{self.config.health_port}"
+            self.health_port = self.health_grpc.add_insecure_port(address)
+            if self.health_port == 0:
+                raise OSError(f"cannot bind the verifier's health port to {address}")
+            await self.health_grpc.start()
         if self.config.metrics_port is not None:
             http, _ = start_http_server(
                 self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
@@ -223,8 +235,15 @@ class VerifierServer:
         # collector from rescanning them (a full pass stalled a stream ~0.3 s on the micro zoo)
         gc.collect()
         gc.freeze()
+        identity = await asyncio.to_thread(
+            serving_identity, self.config.model_dir, self.config.adapter_dir
+        )
         engine = VerifierEngine(
-            model, self.config.engine, observer=self.metrics, tracing=self.tracing
+            model,
+            self.config.engine,
+            observer=self.metrics,
+            tracing=self.tracing,
+            identity=identity,
         )
         engine.on_death(lambda error: _call_soon(loop, self._engine_dead))
         self.metrics.watch(engine)
@@ -269,6 +288,8 @@ class VerifierServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.sleep(self.config.drain_notice_s)
         await self.grpc.stop(self.config.grace_s if grace_s is None else grace_s)
+        if self.health_grpc is not None:
+            await self.health_grpc.stop(0)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self._metrics_http is not None:

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from edge import _hf
 from edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
-from edge.verifier.requests import VerifyResult
+from edge.verifier.requests import VerifyResult, position_seed
 
 
 def session_key(owner: str, session_id: str) -> str:
@@ -42,7 +42,7 @@ class Session:
     cache: DynamicCache  # length - 1 positions
     pending: int  # last committed token; its KV is computed by the next verify
     temperature: float
-    generator: torch.Generator
+    seed: int  # its random draws at each position derive from this (see `draws`)
     last_used: float
     owner: str = ""  # digest of the bearer token that opened it ("" without auth)
     busy: bool = False
@@ -53,6 +53,10 @@ class Session:
     def length(self) -> int:
         """Committed tokens: everything in the KV cache plus the pending token."""
         return _hf.cache_length(self.cache) + 1
+
+    def draws(self, position: int) -> torch.Generator:
+        """The generator of this session's random draws at `position` (its length then)."""
+        return torch.Generator().manual_seed(position_seed(self.seed, position))
 
     @property
     def key(self) -> str:

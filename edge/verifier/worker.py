@@ -164,14 +164,14 @@ class Worker:
     def _session(
         self, session_id: str, cache: DynamicCache, pending: int, sampling: Sampling, owner: str
     ) -> Session:
-        """A new session holding `cache`, its sampling generator seeded per session."""
+        """A new session holding `cache`; its random draws derive from its seed per position."""
         seed = sampling.seed or derive_seed(session_id)
         return Session(
             session_id=session_id,
             cache=cache,
             pending=pending,
             temperature=sampling.temperature,
-            generator=torch.Generator().manual_seed(seed),
+            seed=seed,
             last_used=self.parts.clock(),
             owner=owner,
         )
@@ -230,7 +230,11 @@ class Worker:
         vocab = probs.shape[1]
         empty_q = torch.zeros(0, dtype=torch.float64)
         return sampling_verdict(
-            [], empty_q, torch.zeros(0, vocab, dtype=torch.float64), probs, session.generator
+            [],
+            empty_q,
+            torch.zeros(0, vocab, dtype=torch.float64),
+            probs,
+            session.draws(session.length),
         ).next_token
 
     def _emit(self, stream: Stream, token: int) -> None:
@@ -359,7 +363,7 @@ class Worker:
         else:
             probs = torch.softmax(logits[: k + 1].double() / session.temperature, dim=-1)
             verdict = sampling_verdict(
-                draft.ids, draft.probs, draft.dists, probs, session.generator
+                draft.ids, draft.probs, draft.dists, probs, session.draws(start)
             )
         self._keep(session, new, verdict.accepted + 1, k + 1)  # pending plus accepted drafts
         session.pending = verdict.next_token

@@ -8,7 +8,7 @@ import contextlib
 import datetime
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +69,15 @@ class LocalIngress(FleetIngress):
 class NoReplicas:
     """Stands where Ray Serve's deployment handle is: records each relay, then fails it.
 
-    It observes what the ingress would ship to a replica; no replica is needed to show
-    that a refused call ships nothing.
+    It observes what the ingress would ship to a replica (no replica is needed to show
+    that a refused call ships nothing) and raises what the handle would on a fault that
+    takes a cluster to cause (`fail`); with `gate`, a relay first waits for it to open.
     """
 
     def __init__(self) -> None:
         self.relayed: list[dict[str, str]] = []
+        self.fail: Callable[[], BaseException] = lambda: RuntimeError("no replica in this test")
+        self.gate: threading.Event | None = None
 
     @property
     def unary(self) -> NoReplicas:
@@ -85,7 +88,9 @@ class NoReplicas:
 
     async def remote(self, method: str, payload: bytes, metadata: Any, *_: Any, **__: Any) -> Any:
         self.relayed.append(dict(metadata))
-        raise RuntimeError("no replica in this test")
+        while self.gate is not None and not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        raise self.fail()
 
 
 @contextlib.contextmanager

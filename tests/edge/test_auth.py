@@ -10,10 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from transformers import PreTrainedModel
 
 from edge.client import ClientConfig, VerifierClient
-from edge.fleet.ingress import IngressSpec
+from edge.fleet.ingress_spec import IngressSpec
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.verifier.auth import IDENTITY_KEY, Credentials
@@ -28,7 +29,7 @@ from tests.edge.harness import (
     running_ingress,
     write_credentials,
 )
-from tests.edge.test_service import code_of, self_signed_cert
+from tests.edge.test_service import code_of, health_status, self_signed_cert
 
 MAX_DRAFT = 8
 LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=MAX_DRAFT + 1, generate_rate=1.0)
@@ -61,6 +62,7 @@ def server(
         credentials_file=credentials[0],
         tls_cert=cert,
         tls_key=key,
+        health_port=0,  # plaintext health alone, for probes that cannot speak TLS
         drain_notice_s=0.0,
         rate_limits=LIMITS,
         engine=EngineConfig(max_draft=MAX_DRAFT, batch_window_s=0.001),
@@ -167,9 +169,9 @@ def test_strangers_claiming_a_device_cost_it_nothing(
     refused = code_of(
         lambda: plaintext.Verify(full_burst_verify("p", prompt), metadata=alice_auth, timeout=5)
     )
-    assert (
-        refused == grpc.StatusCode.UNAVAILABLE
-    )  # no TLS, no talk: the token never goes out in clear
+    assert refused == grpc.StatusCode.UNAVAILABLE  # no TLS, no talk: no token in clear
+    assert server.server is not None and server.server.health_port
+    assert health_status(server.server.health_port) == health_pb2.HealthCheckResponse.SERVING
     # alice's whole burst is still hers: one verify of max_draft + 1 tokens passes
     reply = stub.Verify(full_burst_verify("alice-1", prompt), metadata=alice_auth)
     assert reply.session_length > len(prompt)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from transformers import PreTrainedModel
 
-from edge.fleet.ingress import IngressSpec
+from edge.fleet.ingress_spec import IngressSpec
 from edge.fleet.wire import CallResult
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
