@@ -154,7 +154,7 @@ def _sample_panel(sample: dict[str, Any]) -> Panel:
 
 def _from_line_start(prompt: str) -> str:
     """The prompt from its first whole line: a window of tokens usually starts mid-line."""
-    head, newline, rest = prompt.partition("\n")
+    _, newline, rest = prompt.partition("\n")
     return rest if newline and rest.strip() else prompt
 
 
