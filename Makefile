@@ -43,10 +43,11 @@ typecheck: $(STAMP)
 
 # The micro zoo is built once before the workers start (they share $(CURDIR)/.fedge-cache);
 # tests run in 3 processes, one file per worker at a time: most of their time is start-up and
-# waiting on servers, so they overlap well on two cores.
+# waiting on servers, so they overlap well on two cores. Files go out in collection order,
+# where tests/conftest.py puts the few that take minutes first (not xdist's most-tests-first).
 unit: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
-	$(BIN)/pytest -n 3 --dist loadfile --durations=15
+	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint typecheck unit
 

@@ -9,22 +9,88 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
+import subprocess
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take ports from it)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768  # Linux's default
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` currently free TCP ports on 127.0.0.1."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` distinct TCP ports on 127.0.0.1, free now, chosen below the ephemeral range.
+
+    A child process binds them after this probe closes. An ephemeral port could meanwhile go to
+    any outgoing connection; one below the range only to another explicit bind, which
+    `start_listening` detects and retries.
+    """
+    high = _ephemeral_low()
+    low = 10_000 if high > 11_000 else 1024
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
+
+
+def listens(proc: subprocess.Popen[bytes], port: int) -> bool:
+    """Whether ``proc`` (or a process it started) listens on TCP ``port``."""
+    try:
+        root = psutil.Process(proc.pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for member in family:
+        with contextlib.suppress(psutil.Error):
+            for conn in member.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                    return True
+    return False
+
+
+def start_listening(
+    command: Callable[[int], list[str]],
+    log: Path,
+    timeout: float = 120,
+    attempts: int = 5,
+    **popen: Any,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start ``command(port)`` on a free port and return once that process listens on it.
+
+    The port was free when chosen, but another process can bind it before the child does: the
+    child then exits (bind failure), and this tries again on a new port. Output goes to ``log``.
+    """
+    for _ in range(attempts):
+        (port,) = free_ports(1)
+        with log.open("ab") as out:
+            proc = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT, **popen)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and not listens(proc, port):
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"{command(port)[0]} did not listen on {port} in {timeout} s")
+            time.sleep(0.1)
+        if proc.poll() is None:
+            return proc, port
+    raise RuntimeError(f"{command(0)[0]} failed to bind a port {attempts} times; see {log}")
 
 
 def wait_port(port: int, timeout: float = 60) -> None:
@@ -77,6 +143,42 @@ def superlink_command(port: int, database: Path) -> list[str]:
         "--database",
         str(database),
     ]
+
+
+def local_superlink_command(port: int, home: Path) -> list[str]:
+    """What ``flwr run . local`` starts (a simulation SuperLink), on 127.0.0.1:``port``.
+
+    Started ahead by a caller that waits for it (``start_listening``), ``flwr run`` finds it on
+    ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` and uses it, instead of starting its own and giving
+    it a fixed 15 s, which a loaded machine can exceed.
+    """
+    runtime = home / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)
+    return [
+        "flower-superlink",
+        "--insecure",
+        "--simulation",
+        "--isolation",
+        "subprocess",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database",
+        str(runtime / "state.db"),
+    ]
+
+
+def wait_healthy(port: int, timeout: float = 120) -> None:
+    """Return once the SuperLink's HTTP API on 127.0.0.1:``port`` answers its health check."""
+    deadline = time.monotonic() + timeout
+    while True:
+        url = f"http://127.0.0.1:{port}/health"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5):
+            return  # answered 2xx (refused, reset or an error status raise OSError)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the SuperLink on {port} is not healthy after {timeout} s")
+        time.sleep(0.2)
 
 
 def supernode_command(link_port: int, port: int, partition: int, partitions: int) -> list[str]:

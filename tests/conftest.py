@@ -20,6 +20,34 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see t
 
 MICRO_CHARS_PER_CLIENT = 20_000  # the micro zoo's own corpus size per package
 
+# `make test` hands whole files to its workers in collection order (xdist --dist loadfile,
+# --no-loadscope-reorder): the files that take minutes go first, longest first, so the
+# workers do not end on them one after another while the short files wait behind.
+LONG_FILES = (
+    "fleet/test_fleet.py",
+    "server/test_flower_engines.py",
+    "simulations/test_simulate.py",
+    "fedge/test_zoo.py",
+    "edge/test_recovery.py",
+    "secagg/test_flower.py",
+    "privacy/test_matrix.py",
+    "simulations/test_devices_federation.py",
+    "simulations/test_realign.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the long files first (scheduling only: a stable sort, tests keep their order)."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+
+    def first(item: pytest.Item) -> int:
+        try:
+            return rank.get(item.path.relative_to(REPO / "tests").as_posix(), len(rank))
+        except ValueError:
+            return len(rank)
+
+    items.sort(key=first)
+
 
 @pytest.fixture(scope="session")
 def micro_zoo():  # type: ignore[no-untyped-def]

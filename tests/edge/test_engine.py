@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -150,18 +151,33 @@ def test_sampling_needs_draft_distributions(engine: VerifierEngine) -> None:
     assert result.session_length == 2 + result.accepted + 1
 
 
-def test_second_verify_in_flight_is_refused(micro_target: PreTrainedModel) -> None:
-    # Prepare: a long batching window keeps the first verify in flight for a while
-    engine = VerifierEngine(micro_target, EngineConfig(batch_window_s=0.5, max_batch=4)).start()
+def test_second_verify_in_flight_is_refused(
+    micro_target: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the target's forward pass waits on a gate, so the first verify stays in flight
+    # until the test opens it (no timing involved)
+    engine = VerifierEngine(micro_target, EngineConfig(max_batch=4)).start()
+    gate, forward = threading.Event(), micro_target.forward
+    entered = threading.Event()
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert gate.wait(30), "the test never opened the gate"
+        return forward(*args, **kwargs)
+
     try:
         info = engine.open([1, 2])
+        monkeypatch.setattr(micro_target, "forward", gated)
         first = engine.submit_verify(info.session_id, [3])
+        assert entered.wait(30)  # the worker holds the first verify in its forward pass
         # Execute / Assert
         with pytest.raises(SessionBusy, match=r"in flight"):
             engine.submit_verify(info.session_id, [3])
-        assert first.result(timeout=10).session_length >= 3
+        gate.set()
+        assert first.result(timeout=30).session_length >= 3
         engine.verify(info.session_id, [])  # free again once answered
     finally:
+        gate.set()
         engine.stop()
 
 

@@ -70,7 +70,7 @@ def test_kill_and_restart_the_verifier_under_16_devices(
     expected = [greedy(micro_target, p, NEW_TOKENS) for p in prompts]
     first = VerifierProcess(micro_zoo.target_dir)
     servers = [first]
-    restarted = threading.Event()
+    restarted, warmed = threading.Event(), threading.Event()
     restarted_at = [0.0]
     reports: list[tuple[int, list[int], object, bool]] = []  # device, tokens, report, after restart
     errors: list[BaseException] = []
@@ -78,6 +78,14 @@ def test_kill_and_restart_the_verifier_under_16_devices(
     with NetworkEmulator(first.port, LinkConfig(rtt_s=0.005)) as netem:
 
         def device(i: int) -> None:
+            """One device's loop; anything raised in it (an assert too) reaches `errors`."""
+            try:
+                decode_until_back(i)
+            except BaseException as exc:  # reported by the assertion below
+                with lock:
+                    errors.append(exc)
+
+        def decode_until_back(i: int) -> None:
             config = ClientConfig(f"127.0.0.1:{netem.port}", timeout_s=5.0, unreachable_after_s=1.0)
             with VerifierClient(config) as link:
                 edge = EdgeClient(
@@ -90,15 +98,12 @@ def test_kill_and_restart_the_verifier_under_16_devices(
                 )
                 while not restarted.is_set() or time.monotonic() < restarted_at[0] + PATIENCE_S:
                     after = restarted.is_set()
-                    try:
-                        tokens = [t for c in edge.stream_ids(prompts[i], "speculative") for t in c]
-                    except BaseException as exc:  # reported by the assertion below
-                        with lock:
-                            errors.append(exc)
-                        return
+                    tokens = [t for c in edge.stream_ids(prompts[i], "speculative") for t in c]
+                    assert edge.last is not None, f"device {i}: a request ended without a report"
                     with lock:
                         reports.append((i, tokens, edge.last, after))
-                    assert edge.last is not None
+                        if len(reports) >= DEVICES:
+                            warmed.set()
                     if edge.last.route != "edge-only" and after:
                         return  # back in the cloud after the restart
                     if edge.last.route == "edge-only":
@@ -108,9 +113,7 @@ def test_kill_and_restart_the_verifier_under_16_devices(
         try:
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 30
-            while len(reports) < DEVICES and time.monotonic() < deadline:
-                time.sleep(0.01)  # let every device finish a request in the cloud first
+            warmed.wait(30)  # let the devices finish a request each in the cloud first
             # Execute: crash the verifier mid-decoding, start another, point the proxy at it
             first.kill()
             second = VerifierProcess(micro_zoo.target_dir)
@@ -120,6 +123,7 @@ def test_kill_and_restart_the_verifier_under_16_devices(
             restarted.set()
             for thread in threads:
                 thread.join(120)
+            assert not [t.name for t in threads if t.is_alive()], "devices still decoding"
         finally:
             for server in servers:
                 server.stop()

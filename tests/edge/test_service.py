@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -196,9 +195,15 @@ def test_health_not_serving_while_loading_and_draining(
             run(server.load(micro_target))
             assert health_status(port) == health_pb2.HealthCheckResponse.SERVING
             sid = client.open([1, 2]).session_id
-            stopping = asyncio.run_coroutine_threadsafe(server.stop(), loop)
-            time.sleep(0.3)
-            assert health_status(port) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                watch = health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest(service=""), timeout=30
+                )
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+                stopping = asyncio.run_coroutine_threadsafe(server.stop(), loop)
+                # the drain begins: the next status the server sends is NOT_SERVING
+                assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                watch.cancel()
             client.verify(sid, [3])  # still served during the drain notice
             stopping.result(30)
     finally:

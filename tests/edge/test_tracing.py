@@ -48,13 +48,16 @@ def recording() -> tuple[TracerProvider, InMemorySpanExporter]:
 def wait_for(
     spans: Callable[[], list[ReadableSpan]], done: Callable[[list[ReadableSpan]], bool]
 ) -> list[ReadableSpan]:
-    """Poll until `done(spans())` (server spans end just after the client has its reply)."""
+    """Wait until `done(spans())`: a server span ends just after the client has its reply.
+
+    Fails after 10 s, naming what was missing.
+    """
     deadline = time.monotonic() + 10.0
-    while True:
-        current = spans()
-        if done(current) or time.monotonic() > deadline:
-            return current
+    while not done(current := spans()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"spans still incomplete after 10 s: {sorted(s.name for s in current)}")
         time.sleep(0.01)
+    return current
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +105,14 @@ def test_one_request_is_one_trace_from_the_edge_to_the_forward_pass(
     assert {s.context.trace_id for s in edge_side} == {request.context.trace_id}
     assert not [s for s in edge_side if "Health" in s.name]  # the RTT probe is not traced
 
-    def complete(spans: list[ReadableSpan]) -> bool:
-        return len([s for s in spans if s.name == FORWARD_SPAN]) >= len(verify_rpcs)
+    def complete(spans: list[ReadableSpan]) -> bool:  # every server span the asserts read, ended
+        server = [s.name for s in spans if s.kind == SpanKind.SERVER]
+        return (
+            server.count(VERIFY_RPC) >= len(verify_rpcs)
+            and len([s for s in spans if s.name == FORWARD_SPAN]) >= len(verify_rpcs)
+            and {"/fedge.edge.v1.Verifier/OpenSession", "/fedge.edge.v1.Verifier/CloseSession"}
+            <= set(server)
+        )
 
     cloud_side = wait_for(lambda: list(server_spans.get_finished_spans()), complete)
     served = [s for s in cloud_side if s.kind == SpanKind.SERVER and s.name == VERIFY_RPC]
@@ -143,7 +152,10 @@ def test_without_metadata_the_server_starts_its_own_trace(
     channel.close()
     spans = wait_for(
         lambda: list(server_spans.get_finished_spans()),
-        lambda spans: any(s.name == FORWARD_SPAN for s in spans),
+        lambda spans: (
+            len([s for s in spans if s.kind == SpanKind.SERVER]) >= 2
+            and any(s.name == FORWARD_SPAN for s in spans)
+        ),
     )
     served = [s for s in spans if s.kind == SpanKind.SERVER]
     assert len(served) == 2 and all(s.parent is None for s in served)

@@ -81,10 +81,13 @@ def fleet(micro_zoo: ZooPaths) -> Iterator[Any]:
         replicas=2,
         replica_cpus=0.0,  # the tests' two cores are shared; Ray must not wait for free CPUs
         health_period_s=1.0,
-        health_timeout_s=5.0,
+        # a probe slowed by the suite's other workers must not get a live replica replaced
+        # (its sessions would reopen); a drained or dead replica fails its probe at once
+        health_timeout_s=30.0,
         engine=EngineConfig(max_draft=8),
     )
     running = start_fleet(config)
+    running.started_with = config  # type: ignore[attr-defined]  # what a test may restore
     yield running
     running.stop()
     if ray.is_initialized():

@@ -1,10 +1,11 @@
 """The verifier fleet on Ray Serve, end to end: unchanged edge client, canary rollout, replica death.
 
-One fleet (two micro-target replicas) serves every test, in order: a session moved
-off its replica freed there, the edge client against it, then rollouts (misfit
-refused, bad rolled back, good promoted), per-device limits, a drained replica,
-a replica killed under load, a rolling restart under load, and last autoscaling
-(which redeploys the stable version as 1..2 replicas).
+One fleet (two micro-target replicas) serves every test: a session moved off its
+replica freed there, the edge client against it, per-device limits, a drained replica,
+a replica killed under load, a rolling restart under load, rollouts (misfit refused, bad
+rolled back, good promoted) and autoscaling (the stable version as 1..2 replicas). Each
+test starts on the fleet as started (`as_started` puts back what a test changed), so
+any order or selection runs; in file order the two that change the fleet come last.
 """
 
 from __future__ import annotations
@@ -118,6 +119,43 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.2)
 
 
+def settled(fleet: Any, replicas: int = 2) -> bool:
+    """The stable version runs exactly `replicas` replicas, none starting or stopping."""
+    from ray import serve
+
+    app = serve.status().applications[fleet.describe()["stable"]]
+    states = app.deployments["verifier"].replica_states
+    return states.get("RUNNING", 0) == replicas and sum(states.values()) == replicas
+
+
+@pytest.fixture(autouse=True)
+def as_started(fleet: Any) -> None:
+    """Each test gets the fleet as it started, whichever tests ran before it (or none).
+
+    Two replicas of the base model, no canary, no rate limits: a test that promoted an
+    adapter or turned autoscaling on leaves a fleet this puts back (in file order, the
+    tests that change the fleet come last, so nothing is redeployed).
+    """
+    from ray import serve
+
+    from edge.fleet.app import replica_application
+
+    fleet.ingress.set_rate_limits.remote(RateLimitConfig()).result()
+    described = fleet.describe()
+    if described["canary"] is not None:
+        fleet.ingress.set_canary.remote(None).result()
+        serve.delete(described["canary"])
+    baseline = fleet.started_with
+    current = pickle.loads(fleet.ingress.fleet_config.remote().result())
+    shape = ("adapter_dir", "replicas", "min_replicas", "max_replicas")
+    if any(getattr(current, k) != getattr(baseline, k) for k in shape):
+        stable = described["stable"]
+        serve.run(replica_application(baseline), name=stable, route_prefix=None)
+        fleet.ingress.promote.remote(stable, pickle.dumps(baseline)).result()
+        fleet.config = baseline
+    wait_for(lambda: settled(fleet), 180, "the fleet's two replicas, none starting or stopping")
+
+
 @pytest.fixture(scope="module")
 def models(micro_zoo: ZooPaths) -> tuple[PreTrainedModel, PreTrainedModel]:
     return load_causal_lm(micro_zoo.target_dir), load_causal_lm(micro_zoo.draft_dir)
@@ -226,60 +264,6 @@ def draft_agreement(target: PreTrainedModel, draft: PreTrainedModel, prompt: lis
         logits = draft(input_ids=torch.tensor([prompt + continuation])).logits  # type: ignore[operator]
     guesses = logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
     return sum(g == t for g, t in zip(guesses, continuation, strict=True)) / len(continuation)
-
-
-def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
-    fleet: Any,
-    models: tuple[PreTrainedModel, PreTrainedModel],
-    prompts: list[list[int]],
-    misfit_adapter: Path,
-    bad_adapter: Path,
-    good_adapter: Path,
-    tmp_path: Path,
-) -> None:
-    target, draft = models
-    # Every session decodes the same prompt, so both arms see one workload: with a prompt per
-    # load thread, which threads' sessions the canary drew decided its acceptance (a 0.14 gap
-    # between identical models), not the adapter. The prompt the draft predicts best leaves the
-    # bad adapter's collapse the most room to show.
-    prompt = max(prompts, key=lambda p: draft_agreement(target, draft, p))
-
-    def work(client: VerifierClient, i: int) -> None:
-        decode_with_reopen(client, draft, prompt, NEW_TOKENS)
-
-    def rollout(adapter: Path, name: str) -> dict[str, Any]:
-        config = RolloutConfig(
-            adapter_dir=adapter,
-            run_dir=tmp_path / name,
-            canary=0.5,
-            window_s=2.0,
-            min_verifies=40,
-            min_sessions=5,
-            max_window_s=60.0,
-            poll_s=0.2,
-            # Acceptance decides here; a canary replica that just started on two shared cores
-            # can be several times slower than the warm stable one (the latency rule has its
-            # own tests in test_policies.py).
-            max_latency_ratio=5.0,
-        )
-        return run_rollout(fleet.ingress, config)
-
-    before = fleet.describe()
-    with Load(fleet.port, work, threads=3) as load:
-        refused = rollout(misfit_adapter, "misfit")
-        assert refused["decision"] == "refused"
-        assert "adapter_model.safetensors" in refused["reasons"][0]
-        assert fleet.describe() == before  # no canary was ever set
-        bad = rollout(bad_adapter, "bad")
-        good = rollout(good_adapter, "good")
-    assert bad["decision"] == "rollback", bad["reasons"]
-    assert any(reason.startswith("acceptance") for reason in bad["reasons"])
-    canary_acceptance = bad["figures"][bad["canary_app"]]["acceptance"]
-    assert canary_acceptance < bad["figures"][bad["stable_app"]]["acceptance"] - 0.05
-    assert good["decision"] == "promote", good["reasons"]
-    assert fleet.describe() == {"stable": good["canary_app"], "canary": None, "fraction": 0.0}
-    assert (tmp_path / "good" / "rollout.json").is_file()
-    assert load.failures == [] and load.done > 0
 
 
 def test_rate_limits_bind_a_device_across_all_replicas(
@@ -422,7 +406,61 @@ def test_rolling_restart_under_load_fails_no_request_and_replaces_every_replica(
     assert (report["before"], report["after"]) == (sorted(before), sorted(after))
 
 
-def test_autoscaling_adds_a_replica_under_queue_depth_and_removes_it_when_idle(
+def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
+    fleet: Any,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+    misfit_adapter: Path,
+    bad_adapter: Path,
+    good_adapter: Path,
+    tmp_path: Path,
+) -> None:
+    target, draft = models
+    # Every session decodes the same prompt, so both arms see one workload: with a prompt per
+    # load thread, which threads' sessions the canary drew decided its acceptance (a 0.14 gap
+    # between identical models), not the adapter. The prompt the draft predicts best leaves the
+    # bad adapter's collapse the most room to show.
+    prompt = max(prompts, key=lambda p: draft_agreement(target, draft, p))
+
+    def work(client: VerifierClient, i: int) -> None:
+        decode_with_reopen(client, draft, prompt, NEW_TOKENS)
+
+    def rollout(adapter: Path, name: str) -> dict[str, Any]:
+        config = RolloutConfig(
+            adapter_dir=adapter,
+            run_dir=tmp_path / name,
+            canary=0.5,
+            window_s=2.0,
+            min_verifies=40,
+            min_sessions=5,
+            max_window_s=60.0,
+            poll_s=0.2,
+            # Acceptance decides here; a canary replica that just started on two shared cores
+            # can be several times slower than the warm stable one (the latency rule has its
+            # own tests in test_policies.py).
+            max_latency_ratio=5.0,
+        )
+        return run_rollout(fleet.ingress, config)
+
+    before = fleet.describe()
+    with Load(fleet.port, work, threads=3) as load:
+        refused = rollout(misfit_adapter, "misfit")
+        assert refused["decision"] == "refused"
+        assert "adapter_model.safetensors" in refused["reasons"][0]
+        assert fleet.describe() == before  # no canary was ever set
+        bad = rollout(bad_adapter, "bad")
+        good = rollout(good_adapter, "good")
+    assert bad["decision"] == "rollback", bad["reasons"]
+    assert any(reason.startswith("acceptance") for reason in bad["reasons"])
+    canary_acceptance = bad["figures"][bad["canary_app"]]["acceptance"]
+    assert canary_acceptance < bad["figures"][bad["stable_app"]]["acceptance"] - 0.05
+    assert good["decision"] == "promote", good["reasons"]
+    assert fleet.describe() == {"stable": good["canary_app"], "canary": None, "fraction": 0.0}
+    assert (tmp_path / "good" / "rollout.json").is_file()
+    assert load.failures == [] and load.done > 0
+
+
+def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
     fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
 ) -> None:
     from ray import serve
@@ -434,7 +472,7 @@ def test_autoscaling_adds_a_replica_under_queue_depth_and_removes_it_when_idle(
     current = pickle.loads(fleet.ingress.fleet_config.remote().result())
     scaling = replace(
         current,
-        replicas=1,
+        replicas=2,  # starts at the fleet's two: the autoscaler must take one away when idle
         min_replicas=1,
         max_replicas=2,
         target_queue=1.0,  # the load's 4 devices keep about 2-4 calls in flight
@@ -455,10 +493,9 @@ def test_autoscaling_adds_a_replica_under_queue_depth_and_removes_it_when_idle(
     def work(client: VerifierClient, i: int) -> None:
         decode_with_reopen(client, draft, prompts[i % len(prompts)], NEW_TOKENS)
 
-    wait_for(lambda: replicas() == 1 and seen[-1][1] == 1, 60, "the autoscaled start (1)")
+    wait_for(lambda: replicas() == 1 and seen[-1][1] == 1, 90, "idleness to take one away")
     start = len(seen)
     with Load(fleet.port, work, threads=4) as load:
         wait_for(lambda: replicas() == 2, 60, "queue depth to add a replica")
-    wait_for(lambda: replicas() == 1, 60, "idleness to take it back")
     assert load.failures == []
     assert all(running >= 1 and alive <= 2 for running, alive in seen[start:])

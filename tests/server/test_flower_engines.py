@@ -5,20 +5,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from simulations.localnet import (
-    free_ports,
+    local_superlink_command,
+    start_listening,
     stop_marked,
     superlink_command,
     supernode_command,
-    wait_port,
+    wait_healthy,
     write_flwr_home,
 )
 
@@ -60,35 +63,57 @@ def _rows(run_dir: Path) -> list[dict[str, object]]:
 
 
 def test_flwr_run_local_simulation_reuses_the_cached_model(micro_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """`flwr run . local` with 3 supernodes, 2 rounds: completes; each actor loads the base model once."""
+    """`flwr run . local` with 3 supernodes, 2 rounds: completes; each actor loads the base model once.
+
+    The local simulation SuperLink runs on this test's own port and FLWR_HOME (Flower's fixed
+    port would reuse any SuperLink already listening there). The test starts it, as `flwr run`
+    would, and waits until it is healthy (`flwr run` gives it a fixed 15 s, too short on a
+    loaded machine); `flwr run` then finds it there, and it is stopped by pid afterwards.
+    """
     run_dir = tmp_path / "run"
-    cmd = [
-        "flwr",
-        "run",
-        str(REPO),
-        "local",
-        "--stream",
-        "--federation-config",
-        "num-supernodes=3",
-        "--run-config",
-        _run_config(run_dir, micro_zoo.target_dir, 2),
-    ]
-    out = subprocess.run(
-        cmd,
-        env=_env(tmp_path / "flwr"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        check=False,
+    home = tmp_path / "flwr"
+    env = _env(home)
+    superlink, http = start_listening(
+        lambda port: local_superlink_command(port, home), tmp_path / "superlink.log", env=env
     )
-    assert (run_dir / "status.json").is_file(), out.stdout[-3000:] + out.stderr[-3000:]
+    try:
+        wait_healthy(http)
+        cmd = [
+            "flwr",
+            "run",
+            str(REPO),
+            "local",
+            "--stream",
+            "--federation-config",
+            "num-supernodes=3",
+            "--run-config",
+            _run_config(run_dir, micro_zoo.target_dir, 2),
+        ]
+        out = subprocess.run(
+            cmd,
+            env={**env, "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http)},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=420,
+            check=False,
+        )
+        assert superlink.poll() is None  # ours served the run: `flwr run` started none
+    finally:
+        superlink.terminate()  # the SuperLink outlives a run: stopped by pid
+        superlink.wait(timeout=30)
+        _stop_marked()
+    log = out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Starting local SuperLink" not in out.stdout, log
+    assert (run_dir / "status.json").is_file(), log
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     trained = [r for r in _rows(run_dir) if r["round"] != 0]
     assert [r["clients_succeeded"] for r in trained] == [3, 3]
     assert all(r["model_loads_max"] == 1 for r in trained)
     assert max(float(r["worker_calls_max"]) for r in trained) >= 3  # one actor served several calls
     assert (run_dir / "final" / "adapter" / "adapter_config.json").is_file()
+    with socket.socket() as probe:  # nothing left on its port
+        assert probe.connect_ex(("127.0.0.1", http)) != 0
 
 
 def _wait_round(run_dir: Path, server_round: int, proc: subprocess.Popen[bytes]) -> None:
@@ -111,25 +136,22 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
     B restarts under a new node id. The run completes, and later rounds train partition 2
     and partition 1 again (B's old process is dead, so that is the reconnected node).
     """
-    link, *ports = free_ports(5)
     home = tmp_path / "flwr"
-    write_flwr_home(home, link)
-    env = _env(home)
     logs = tmp_path / "logs"
     logs.mkdir()
     started: dict[str, subprocess.Popen[bytes]] = {}
+    env = _env(home)
 
-    def spawn(name: str, *args: str) -> None:
-        with (logs / f"{name}.log").open("wb") as fh:
-            started[name] = subprocess.Popen(
-                list(args), env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT
-            )
+    def spawn(name: str, command: Callable[[int], list[str]]) -> int:
+        """Start `command(port)` on a free port (retried if taken first); returns the port."""
+        started[name], port = start_listening(command, logs / f"{name}.log", env=env, cwd=tmp_path)
+        return port
 
     def supernode(name: str, partition: int) -> None:
-        spawn(name, *supernode_command(link, ports.pop(), partition, 3))
+        spawn(name, lambda port: supernode_command(link, port, partition, 3))
 
-    spawn("superlink", *superlink_command(link, tmp_path / "state.db"))
-    wait_port(link)
+    link = spawn("superlink", lambda port: superlink_command(port, tmp_path / "state.db"))
+    write_flwr_home(home, link)
     supernode("a", 0)
     supernode("b", 1)
     run_dir = tmp_path / "run"
