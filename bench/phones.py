@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
 
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-phones-"))
-    cmd = [sys.executable, "-m", "fedge.cli", "simulate", "phones", "--out", str(out)]
+    cmd = [sys.executable, "-m", "cli", "simulate", "phones", "--out", str(out)]
     cmd += ["--strategy", ",".join(STRATEGIES)]
     if args.rounds:
         cmd += ["--rounds", str(args.rounds)]

@@ -4,7 +4,7 @@
 (SecAgg+, distributed-DP clipping and noise, fault injection) is configuration, so
 the ClientApp installs :func:`dispatch_mods` only. On every call it
 
-1. checks train messages against this node's :class:`clients.privacy.policy.PrivacyPolicy`
+1. checks train and evaluate messages against this node's :class:`clients.privacy.policy.PrivacyPolicy`
    and answers a violation with an error reply naming the rule (the server reports it);
 2. applies the mods ``client-mods`` names (message config, else run config), outermost
    first, each looked up in :data:`REGISTRY`, plus any the policy requires.
@@ -28,7 +28,13 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from clients.faults import fault_mod
 from clients.privacy.mods import distributed_dp_mod
-from clients.privacy.policy import ERROR_POLICY, PolicyRefusal, check_train, node_policy
+from clients.privacy.policy import (
+    ERROR_POLICY,
+    PolicyRefusal,
+    check_evaluate,
+    check_train,
+    node_policy,
+)
 from clients.secagg.mod import secaggplus_mod
 from fedge import keys
 from fedge.privacy.wire import KEY_DP_NOISE_STD
@@ -91,8 +97,11 @@ def dispatch_mods(msg: Message, context: Context, call_next: ClientAppCallable) 
     """Check the node's privacy policy, then apply the registered mods around ``call_next``."""
     try:
         names = required_mods(msg, configured_mods(msg, context))
-        if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN:
+        kind = msg.metadata.message_type.split(".")[0]
+        if kind == MessageType.TRAIN:
             check_train(node_policy(context.node_config), msg, context)
+        elif kind == MessageType.EVALUATE:
+            check_evaluate(node_policy(context.node_config))
     except (PolicyRefusal, ValueError) as exc:
         return Message(Error(code=ERROR_POLICY, reason=f"privacy policy: {exc}"), reply_to=msg)
     handler: ClientAppCallable = call_next

@@ -13,17 +13,25 @@ from rich.console import Console
 
 from edge.cli_options import (
     GENERATE_BURST,
+    PREFILL_BURST,
     TOKEN_ENV,
     VERIFY_BURST,
     AdapterOption,
+    CredentialsOption,
     GenerateBurstOption,
     GenerateRateOption,
     MaxBatchOption,
     MaxDraftOption,
     ModelOption,
     OtlpEndpointOption,
+    PrefillBurstOption,
+    PrefillRateOption,
     RequireTokenOption,
+    SessionsPerDeviceOption,
     SessionTtlOption,
+    TlsCertOption,
+    TlsClientCaOption,
+    TlsKeyOption,
     TracingOption,
     VerifyBurstOption,
     VerifyRateOption,
@@ -120,7 +128,21 @@ def generate_command(
     token: Annotated[
         str | None, typer.Option(envvar=TOKEN_ENV, help=f"Bearer token (or ${TOKEN_ENV}).")
     ] = None,
-    root_cert: Annotated[Path | None, typer.Option(help="PEM root certificate: use TLS.")] = None,
+    credential_file: Annotated[
+        Path | None,
+        typer.Option(help="File holding this device's bearer token (read at start; not --token)."),
+    ] = None,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option("--tls-ca", "--root-cert", help="PEM CA of the verifier's certificate: TLS."),
+    ] = None,
+    tls_server_name: Annotated[
+        str | None, typer.Option(help="Name to check the verifier's certificate against.")
+    ] = None,
+    tls_client_cert: Annotated[
+        Path | None, typer.Option(help="PEM client certificate (mTLS; with --tls-client-key).")
+    ] = None,
+    tls_client_key: Annotated[Path | None, typer.Option(help="PEM client key (mTLS).")] = None,
     added_rtt_ms: Annotated[
         float, typer.Option(help="Simulated network round trip per call, ms.")
     ] = 0.0,
@@ -136,6 +158,7 @@ def generate_command(
     from edge.export import TOKENIZER_DIR, load_export_tokenizer
     from edge.runtime import load_draft_runtime
     from edge.tracing import TracingConfig, shutdown, tracer_provider
+    from edge.verifier.identity import tokenizer_id
     from fedge.models import load_tokenizer
 
     provider = tracer_provider(TracingConfig(tracing, "fedge-edge", otlp_endpoint))
@@ -150,9 +173,14 @@ def generate_command(
             ClientConfig(
                 verifier,
                 token=token,
-                root_cert=root_cert,
+                token_file=credential_file,
+                root_cert=tls_ca,
+                tls_server_name=tls_server_name,
+                client_cert=tls_client_cert,
+                client_key=tls_client_key,
                 added_rtt_s=added_rtt_ms / 1e3,
                 device_id=device_id,
+                tokenizer_id=tokenizer_id(tokenizer),  # a verifier with another one is refused
             ),
             tracer_provider=provider,
         )
@@ -183,12 +211,16 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Listen port; 0 = any free port (printed).")] = 50061,
     token: RequireTokenOption = None,
-    tls_cert: Annotated[
-        Path | None, typer.Option(help="PEM certificate chain (with --tls-key).")
-    ] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="PEM private key (with --tls-cert).")] = None,
+    credentials: CredentialsOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_client_ca: TlsClientCaOption = None,
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus /metrics on this port.")
+    ] = None,
+    health_port: Annotated[
+        int | None,
+        typer.Option(help="Also serve grpc.health.v1 alone, plaintext, here (probes under TLS)."),
     ] = None,
     max_batch: MaxBatchOption = 32,
     batch_window_ms: Annotated[
@@ -196,6 +228,7 @@ def serve_command(
     ] = 2.0,
     max_draft: MaxDraftOption = 16,
     max_sessions: Annotated[int, typer.Option(help="Open sessions before LRU eviction.")] = 1024,
+    max_sessions_per_device: SessionsPerDeviceOption = 0,
     session_ttl_s: SessionTtlOption = 300.0,
     kv_cap_mb: Annotated[int, typer.Option(help="KV cache memory cap, MiB.")] = 1024,
     grace_s: Annotated[float, typer.Option(help="Drain time on SIGTERM, seconds.")] = 5.0,
@@ -206,6 +239,8 @@ def serve_command(
     verify_burst: VerifyBurstOption = VERIFY_BURST,
     generate_rate: GenerateRateOption = None,
     generate_burst: GenerateBurstOption = GENERATE_BURST,
+    prefill_rate: PrefillRateOption = None,
+    prefill_burst: PrefillBurstOption = PREFILL_BURST,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:
@@ -221,20 +256,26 @@ def serve_command(
         host=host,
         port=port,
         token=token,
+        credentials_file=credentials,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
         metrics_port=metrics_port,
+        health_port=health_port,
         grace_s=grace_s,
         engine=EngineConfig(
             max_draft=max_draft,
             max_sessions=max_sessions,
+            max_sessions_per_token=max_sessions_per_device,
             session_ttl_s=session_ttl_s,
             kv_cap_bytes=kv_cap_mb << 20,
             batch_window_s=batch_window_ms / 1e3,
             max_batch=max_batch,
             torch_threads=torch_threads,
         ),
-        rate_limits=rate_limits(verify_rate, verify_burst, generate_rate, generate_burst),
+        rate_limits=rate_limits(
+            verify_rate, verify_burst, generate_rate, generate_burst, prefill_rate, prefill_burst
+        ),
     )
     provider = tracer_provider(TracingConfig(tracing, "fedge-verifier", otlp_endpoint))
 

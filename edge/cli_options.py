@@ -22,6 +22,22 @@ RequireTokenOption = Annotated[
     str | None,
     typer.Option(envvar=TOKEN_ENV, help=f"Require this bearer token (or ${TOKEN_ENV})."),
 ]
+CredentialsOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--credentials",
+        help="Per-device credentials file, one 'IDENTITY TOKEN' line per device, read at start; "
+        "the identity keys rate limits, quotas and session ownership.",
+    ),
+]
+TlsCertOption = Annotated[
+    Path | None, typer.Option(help="PEM certificate chain: serve TLS (with --tls-key).")
+]
+TlsKeyOption = Annotated[Path | None, typer.Option(help="PEM private key (with --tls-cert).")]
+TlsClientCaOption = Annotated[
+    Path | None,
+    typer.Option(help="PEM CA: require client certificates it signed (mTLS; with --tls-cert)."),
+]
 MaxBatchOption = Annotated[int, typer.Option(help="Verifies per batched forward pass.")]
 MaxDraftOption = Annotated[int, typer.Option(help="Longest accepted draft.")]
 SessionTtlOption = Annotated[float, typer.Option(help="Idle session lifetime, seconds.")]
@@ -32,6 +48,17 @@ VerifyRateOption = Annotated[
 VerifyBurstOption = Annotated[int, typer.Option(help="Per-device verify token bucket size.")]
 VERIFY_BURST = RateLimitConfig.verify_burst  # the bursts' defaults: RateLimitConfig's, one source
 GENERATE_BURST = RateLimitConfig.generate_burst
+PREFILL_BURST = RateLimitConfig.prefill_burst
+PrefillRateOption = Annotated[
+    float | None,
+    typer.Option(help="Per-device tokens prefilled by opens and reopens per second; off if unset."),
+]
+PrefillBurstOption = Annotated[
+    int, typer.Option(help="Per-device prefill bucket size (a longer prompt waits for a full one).")
+]
+SessionsPerDeviceOption = Annotated[
+    int, typer.Option(help="Sessions one device may hold per verifier; 0 = --max-sessions.")
+]
 GenerateRateOption = Annotated[
     float | None,
     typer.Option(help="Per-device Generate tokens (max_new_tokens) per second; off if unset."),
@@ -56,12 +83,19 @@ OtlpEndpointOption = Annotated[
 
 
 def rate_limits(
-    verify_rate: float | None, verify_burst: int, generate_rate: float | None, generate_burst: int
+    verify_rate: float | None,
+    verify_burst: int,
+    generate_rate: float | None,
+    generate_burst: int,
+    prefill_rate: float | None = None,
+    prefill_burst: int = PREFILL_BURST,
 ) -> RateLimitConfig:
-    """The per-device limits the four rate options describe."""
+    """The per-device limits the rate options describe."""
     return RateLimitConfig(
         verify_rate=verify_rate,
         verify_burst=verify_burst,
         generate_rate=generate_rate,
         generate_burst=generate_burst,
+        prefill_rate=prefill_rate,
+        prefill_burst=prefill_burst,
     )

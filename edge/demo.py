@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.panel import Panel
+from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 
 from edge.client import ClientConfig, VerifierClient
 from edge.decoder import DecodeConfig, SpeculativeDecoder
@@ -16,11 +19,16 @@ from edge.export import ExportConfig, export_draft
 from edge.prompts import heldout_prompts
 from edge.runtime import load_draft_runtime
 from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.tables import wrapping_table
 
 VALIDATION_PROMPTS = 8
 DEMO_PROMPTS = 6
 PROMPT_TOKENS = 32
 NEW_TOKENS = 48
+SAMPLE_TOKENS = 96
+# Greedy decoding of a small model loops ("_C_C_C..."); sampling at a moderate temperature reads
+# as code, and fedge's speculative sampling leaves the target's distribution exact.
+SAMPLE_TEMPERATURE = 0.7
 METRICS_NAME = "edge_metrics.json"
 
 
@@ -72,13 +80,26 @@ def edge_stage(
                         == list(client.generate(prompt, NEW_TOKENS)),
                     }
                 )
-        sample = tokenizer.decode(tokens, skip_special_tokens=True)
+            sample_prompt = prompts[VALIDATION_PROMPTS]
+            sampler = SpeculativeDecoder(
+                runtime,
+                client,
+                DecodeConfig(max_new_tokens=SAMPLE_TOKENS, temperature=SAMPLE_TEMPERATURE, seed=0),
+            )
+            completion = sampler.generate(sample_prompt)
     summary = _summarize(rows, runtime.name, adapter_dir)
     summary["decode_step_ms"] = {
         k: round(v["decode_step_s"] * 1e3, 4) for k, v in manifest["variants"].items()
     }
+    summary["sample"] = {
+        "temperature": SAMPLE_TEMPERATURE,
+        "prompt": tokenizer.decode(sample_prompt, skip_special_tokens=True),
+        "completion": tokenizer.decode(completion, skip_special_tokens=True),
+        "acceptance": round(sampler.stats.acceptance, 4),
+    }
     console.print(_table(rows, summary))
-    console.print(f"[dim]last completion: {sample[:120]!r}[/dim]")
+    console.print(_greedy_line(summary))
+    console.print(_sample_panel(summary["sample"]))
     (run_dir / METRICS_NAME).write_text(json.dumps({"summary": summary, "prompts": rows}, indent=2))
     return summary
 
@@ -107,11 +128,42 @@ def _summarize(
     }
 
 
+def _greedy_line(summary: dict[str, Any]) -> str:
+    """The correctness line: speculative greedy output equals the cloud's on every prompt."""
+    if summary["greedy_identical"]:
+        return (
+            f"[green]greedy speculative output identical to the cloud's on all "
+            f"{summary['prompts']} prompts[/green]"
+        )
+    return "[red]greedy speculative output DIFFERS from the cloud's: see edge_metrics.json[/red]"
+
+
+def _sample_panel(sample: dict[str, Any]) -> Panel:
+    """The prompt (dim) and its sampled completion, highlighted as the Python it imitates."""
+    code = Text(_from_line_start(sample["prompt"]), style="dim")
+    code.append_text(
+        Syntax(sample["completion"], "python", theme="ansi_dark").highlight(sample["completion"])
+    )
+    title = (
+        f"a held-out prompt (dim) and its completion, speculative sampling at temperature "
+        f"{sample['temperature']} (exactly the target's distribution; draft acceptance "
+        f"{sample['acceptance']:.2f})"
+    )
+    return Panel(code, title=title, title_align="left")
+
+
+def _from_line_start(prompt: str) -> str:
+    """The prompt from its first whole line: a window of tokens usually starts mid-line."""
+    _, newline, rest = prompt.partition("\n")
+    return rest if newline and rest.strip() else prompt
+
+
 def _variants_table(manifest: dict[str, Any]) -> Table:
     """Each exported variant: valid, agreement with the torch draft, decode step, size."""
-    table = Table(title="draft exports (ONNX Runtime, one decode step after a short prefill)")
-    for column in ("variant", "valid", "agreement with torch", "decode ms", "vs fp32", "bytes"):
-        table.add_column(column)
+    table = wrapping_table(
+        "draft exports (ONNX Runtime, one decode step after a short prefill)",
+        ("variant", "valid", "agreement with torch", "decode ms", "vs fp32", "bytes"),
+    )
     fp32 = manifest["variants"]["fp32"]["decode_step_s"]
     for name, v in manifest["variants"].items():
         table.add_row(
@@ -127,17 +179,18 @@ def _variants_table(manifest: dict[str, Any]) -> Table:
 
 def _table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
     """Per-prompt figures with the mean as caption."""
-    table = Table(title="edge: speculative decoding against the verifier (greedy)")
-    for column in (
-        "prompt",
-        "tokens",
-        "acceptance",
-        "target passes/token",
-        "tokens/s",
-        "cloud-only tokens/s",
-        "= cloud",
-    ):
-        table.add_column(column)
+    table = wrapping_table(
+        "edge: speculative decoding against the verifier (greedy)",
+        (
+            "prompt",
+            "tokens",
+            "acceptance",
+            "target passes per token",
+            "tokens/s",
+            "cloud-only tokens/s",
+            "= cloud",
+        ),
+    )
     for r in rows:
         table.add_row(
             str(r["prompt"]),

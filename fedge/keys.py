@@ -57,7 +57,12 @@ NODE_NUM_PARTITIONS: Final = "num-partitions"
 # ---------------------------------------------------------------- run / client config keys
 CFG_ROUNDS: Final = "num-server-rounds"
 CFG_STRATEGY: Final = "strategy"  # fedavg | fedprox | scaffold
-CFG_SERVER_LR: Final = "server-lr"
+CFG_SERVER_LR: Final = "server-lr"  # the server step: plain multiplier, FedAvgM lr, FedOpt eta
+CFG_SERVER_OPTIMIZER: Final = "server-optimizer"  # none | fedavgm | fedadam | fedyogi | fedadagrad
+CFG_SERVER_MOMENTUM: Final = "server-momentum"  # FedAvgM's momentum
+CFG_SERVER_BETA1: Final = "server-beta1"  # FedAdam / FedYogi first-moment decay
+CFG_SERVER_BETA2: Final = "server-beta2"  # FedAdam / FedYogi second-moment decay
+CFG_SERVER_TAU: Final = "server-tau"  # FedOpt's adaptivity floor under sqrt(v)
 CFG_PROXIMAL_MU: Final = "proximal-mu"
 CFG_WEIGHTING: Final = "weighting"  # examples | uniform
 CFG_ACCEPT_PARTIAL: Final = "accept-partial-work"
@@ -104,6 +109,17 @@ CFG_CLIENT_MODS: Final = "client-mods"  # comma separated "package.module:mod" (
 CFG_OPTIMIZER: Final = "optimizer"  # "auto" (the strategy's own), "adamw", "sgd" (clients.trainer)
 
 CFG_RUN_DIR: Final = "run-dir"
+CFG_TENSORBOARD: Final = (
+    "tensorboard"  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
+)
 CFG_MAX_EPSILON: Final = "max-epsilon"  # 0 disables the privacy-budget stop
-CFG_AGGREGATOR: Final = "aggregator"  # "plain" or "package.module:factory" (server.aggregation)
+CFG_AGGREGATOR: Final = (
+    "aggregator"  # plain | median | trimmed-mean | krum | "package.module:factory"
+)
+CFG_TRIM_BETA: Final = "trimmed-mean-beta"  # fraction cut from each tail by trimmed-mean
+CFG_KRUM_MALICIOUS: Final = "krum-malicious"  # Krum's f: attackers it must tolerate
+CFG_MAX_CLIENT_WEIGHT: Final = "max-client-weight"  # cap on a client's meta/weight (0: none)
+CFG_MAX_UPDATE_NORM: Final = (
+    "max-update-norm"  # refuse a client update above this L2 norm (0: none)
+)
 CFG_PRIVACY_BUDGET: Final = "privacy-budget"  # "" or "package.module:factory" (server.budget)

@@ -3,8 +3,11 @@
 The round loop (:mod:`server.loop`) hands an aggregator the sampled node ids and the
 train message content; the aggregator returns the element-wise SUM of the valid
 contributions (see :mod:`strategies.base`). :class:`PlainAggregator` sends one train
-message per node and sums in the clear. Privacy variants plug in by name through the
-``aggregator`` config key, as ``"plain"`` or a dotted ``"package.module:factory"``
+message per node and sums in the clear; seeing each contribution, it also enforces the
+per-client bounds (``max-client-weight``, ``max-update-norm``) and, with ``aggregator``
+``median``, ``trimmed-mean`` or ``krum``, combines them robustly
+(:mod:`strategies.robust`; the result keeps the shape of a sum). Privacy variants plug
+in by name through the ``aggregator`` config key, as a dotted ``"package.module:factory"``
 whose factory takes the resolved :class:`server.config.RunConfig` and returns an
 object with the :class:`Aggregator` protocol, e.g. a SecAgg+ aggregator that runs
 its own message stages and returns only the unmasked sum, or a central-DP wrapper
@@ -21,14 +24,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from fedge import keys
 from fedge.plugins import load_dotted
 from server.grid import exchange_messages
-from strategies.base import Arrays, sum_contributions
+from strategies.base import Arrays
+from strategies.registry import ROBUST_AGGREGATORS, robust_config
+from strategies.replies import contribution_problem
+from strategies.robust import RobustConfig, apply_bounds, robust_sum
 
 if TYPE_CHECKING:
     from server.config import RunConfig
@@ -82,21 +87,7 @@ def validate_contribution(record: ArrayRecord | None, spec: ContributionSpec) ->
 
     Checks, in order: presence, the exact key set, float32 dtype, shape, finiteness.
     """
-    if record is None:
-        return f"reply has no '{keys.REC_CONTRIB}' ArrayRecord"
-    got = set(record.keys())
-    missing, extra = sorted(set(spec) - got), sorted(got - set(spec))
-    if missing or extra:
-        return f"contribution keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
-    for name, shape in spec.items():
-        arr = record[name]
-        if arr.dtype != "float32":
-            return f"'{name}' has dtype {arr.dtype}, expected float32"
-        if tuple(arr.shape) != tuple(shape):
-            return f"'{name}' has shape {tuple(arr.shape)}, expected {tuple(shape)}"
-        if not np.isfinite(arr.numpy()).all():
-            return f"'{name}' contains NaN or Inf"
-    return None
+    return contribution_problem(record, spec)
 
 
 def reply_metrics(msg: Message) -> dict[str, float]:
@@ -120,7 +111,13 @@ def record_dict_bytes(content: RecordDict) -> int:
 
 
 class PlainAggregator:
-    """Sum contributions in the clear: the server sees each client's contribution."""
+    """Sum contributions in the clear: the server sees each client's contribution.
+
+    ``robust`` sets the per-client bounds and the combination rule (default: the exact sum).
+    """
+
+    def __init__(self, robust: RobustConfig | None = None) -> None:
+        self.robust = robust or RobustConfig()
 
     def aggregate(
         self,
@@ -151,9 +148,14 @@ class PlainAggregator:
                 continue
             rec = msg.content.array_records[keys.REC_CONTRIB]
             result.bytes_up += rec.count_bytes()
+            contribution, reason = apply_bounds({k: rec[k].numpy() for k in spec}, self.robust)
+            if reason is not None:
+                result.rejected[nid] = reason
+                log.warning("round %d: rejected reply from node %d: %s", server_round, nid, reason)
+                continue
             result.metrics[nid] = reply_metrics(msg)
             order = result.metrics[nid].get(keys.MET_PARTITION, float(nid))
-            valid.append((order, nid, {k: rec[k].numpy() for k in spec}))
+            valid.append((order, nid, contribution))
         for nid in set(node_ids) - {reply_node(m, sent) for m in replies}:
             result.rejected[nid] = "no reply before the round timeout"
             log.warning("round %d: node %d did not reply in time", server_round, nid)
@@ -161,7 +163,7 @@ class PlainAggregator:
         valid.sort(key=lambda t: (t[0], t[1]))
         result.accepted = [nid for _, nid, _ in valid]
         if valid:
-            result.summed = sum_contributions([c for _, _, c in valid])
+            result.summed = robust_sum([c for _, _, c in valid], self.robust)
         return result
 
 
@@ -179,9 +181,10 @@ AggregatorFactory = Callable[["RunConfig"], Aggregator]
 def build_aggregator(name: str, config: RunConfig) -> Aggregator:
     """Return the aggregator named by the ``aggregator`` config key.
 
-    ``"plain"`` is built in; anything else must be ``"package.module:factory"``.
+    ``"plain"`` and the robust rules (``median``, ``trimmed-mean``, ``krum``) are built in;
+    anything else must be ``"package.module:factory"``.
     """
-    if name == "plain":
-        return PlainAggregator()
+    if name == "plain" or name in ROBUST_AGGREGATORS:
+        return PlainAggregator(robust_config(config.to_mapping()))
     factory = load_dotted(name, what="aggregator")
     return factory(config)  # type: ignore[return-value]

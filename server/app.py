@@ -5,19 +5,27 @@ run config, i.e. ``[tool.flwr.app.config]`` plus ``flwr run --run-config``
 overrides. ``fedge simulate`` builds its own ServerApp with
 :func:`make_server_app`, passing the scenario's resolved config directly, because
 Flower's ``run_simulation`` gives the ServerApp an empty run config.
+
+The FAB deploys the production ClientApp (``clients.app:app``), which never simulates a
+device; so under ``flwr run`` the ServerApp refuses the device-simulation keys
+(``straggler-fraction``, ``device-population``) instead of silently ignoring them:
+simulated devices are ``fedge simulate``'s (``simulations.apps`` wraps the ClientApp).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from server.config import RunConfig
-from server.loop import LoopOutcome, RowCallback, run_federation
+from server.loop import LoopOutcome, RowCallback, default_run_dir, run_federation
+from server.tracking import LazyRoundScalars
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +36,20 @@ class OutcomeBox:
 
     outcome: LoopOutcome | None = None
     rows: list[dict[str, object]] = field(default_factory=list)
+
+
+DEVICE_SIMULATION_KEYS = ("straggler-fraction", "device-population")
+
+
+def refuse_device_simulation(run_config: Mapping[str, object]) -> None:
+    """Raise when a FAB run asks for simulated devices, which only ``fedge simulate`` provides."""
+    asked = [k for k in DEVICE_SIMULATION_KEYS if run_config.get(k) not in (None, "", 0, 0.0)]
+    if asked:
+        raise ValueError(
+            f"run config sets {', '.join(asked)}: the FAB's ClientApp (clients.app:app) is the "
+            "production one and simulates no devices; run device simulations with "
+            "`fedge simulate` (scenario [config]), or set these keys to their defaults"
+        )
 
 
 def make_server_app(
@@ -45,10 +67,20 @@ def make_server_app(
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
+        if cfg is None:
+            refuse_device_simulation(context.run_config)
         config = cfg if cfg is not None else RunConfig.from_mapping(dict(context.run_config))
+        if not config.run_dir:  # fix the default now: the loop and the tracker share it
+            config = config.with_overrides({"run-dir": str(default_run_dir())})
         if wrap_grid is not None:
             grid = wrap_grid(grid)
-        outcome = run_federation(grid, config, resume=resume, on_row=on_row)
+        logdir = Path(config.run_dir) / "tensorboard"
+        scalars = LazyRoundScalars(logdir) if config.tensorboard else None
+        try:
+            outcome = run_federation(grid, config, resume=resume, on_row=_both(on_row, scalars))
+        finally:
+            if scalars is not None:
+                scalars.close()
         if box is not None:
             box.outcome = outcome
         level = logging.INFO if outcome.status != "failed" else logging.ERROR
@@ -61,6 +93,19 @@ def make_server_app(
         )
 
     return server_app
+
+
+def _both(first: RowCallback | None, second: RowCallback | None) -> RowCallback | None:
+    """One row callback calling both (either may be None)."""
+    callbacks = [c for c in (first, second) if c is not None]
+    if not callbacks:
+        return None
+
+    def call(row: Mapping[str, Any]) -> None:
+        for callback in callbacks:
+            callback(row)
+
+    return call
 
 
 app = make_server_app()

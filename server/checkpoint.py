@@ -45,10 +45,19 @@ RESUMABLE_CHANGES = frozenset(
         "client-threads",
         "client-eval",
         "save-merged",
+        "tensorboard",
         "x-fault-partitions",  # fault drills (clients/faults.py) change between attempts
     }
 )
-RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "metrics.csv", "status.json", "devices")
+RUN_OUTPUTS = (
+    "checkpoints",
+    "final",
+    "metrics.jsonl",
+    "metrics.csv",
+    "status.json",
+    "devices",
+    "tensorboard",
+)
 
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 from fedge import keys
 from fedge.lm.config import TrainConfig, coerce, config_key
 from fedge.types import ConfigValue
-from strategies.registry import STRATEGY_NAMES
+from strategies.registry import ROBUST_AGGREGATORS, STRATEGY_NAMES, robust_config, server_opt_config
 
 EXTENSION_PREFIXES = ("dp-", "secagg-", "privacy-", "device-", "straggler-", "distill-", "x-")
 """Keys with these prefixes belong to plug-ins (aggregators, mods, budgets, device simulation
@@ -31,7 +31,12 @@ class RunConfig:
 
     num_server_rounds: int = 3
     strategy: str = "fedavg"
-    server_lr: float = 1.0
+    server_lr: float = 1.0  # the server step: plain multiplier, FedAvgM lr, FedOpt eta
+    server_optimizer: str = "none"  # none | fedavgm | fedadam | fedyogi | fedadagrad
+    server_momentum: float = 0.9  # FedAvgM (Hsu et al. 2019)
+    server_beta1: float = 0.9  # FedAdam / FedYogi (Reddi et al. 2021)
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3  # FedOpt's adaptivity floor; larger is closer to FedAvgM
     proximal_mu: float = 0.01  # FedProx's mu; small, since LoRA deltas are small
     weighting: str = "examples"
     fraction_train: float = 1.0
@@ -50,12 +55,17 @@ class RunConfig:
     server_eval_batches: int = 16  # held-out windows of seq-len for server perplexity
     client_eval: bool = True  # ask the round's clients for held-out loss too
     run_dir: str = ""  # "" under `flwr run`: runs/flwr-<utc time>
-    aggregator: str = "plain"
+    aggregator: str = "plain"  # plain | median | trimmed-mean | krum | package.module:factory
+    trimmed_mean_beta: float = 0.2  # Flower's default cut per tail
+    krum_malicious: int = 0  # Krum's f
+    max_client_weight: float = 0.0  # plain mode: weight cap (0: none)
+    max_update_norm: float = 0.0  # plain mode: refuse updates above this L2 norm (0: none)
     privacy_budget: str = ""
     max_epsilon: float = 0.0  # 0: no budget stop
     client_mods: str = ""
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
+    tensorboard: bool = True  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
     run_id: str = ""  # "": the server draws a random id at a fresh start (namespaces client state)
     train: TrainConfig = field(default_factory=TrainConfig)
     extra: Mapping[str, ConfigValue] = field(default_factory=dict)  # keys under EXTENSION_PREFIXES
@@ -94,6 +104,14 @@ class RunConfig:
             )
         if self.max_epsilon < 0:
             raise ValueError(f"max-epsilon must be >= 0, got {self.max_epsilon}")
+        if self.aggregator not in ("plain", *ROBUST_AGGREGATORS) and ":" not in self.aggregator:
+            raise ValueError(
+                f"aggregator must be plain, {', '.join(ROBUST_AGGREGATORS)} or "
+                f"'package.module:factory', got {self.aggregator!r}"
+            )
+        mapping = self.to_mapping()
+        server_opt_config(mapping)  # raises naming the server-* key that is out of range
+        robust_config(mapping)  # raises naming the robust-aggregation key that is out of range
 
     # ------------------------------------------------------------ mappings
     @classmethod

@@ -5,8 +5,8 @@ client per stdlib package, every client in every round) on Flower's simulation e
 Perplexity is reported twice: on the participating clients' own held-out code (what the
 federation is for) and on the whole corpus's held-out code (every package, most of which no
 client holds). The private run adds SecAgg+ with distributed DP (``PRIVATE_OVERRIDES``) and
-reports its epsilon and what it costs in perplexity. Round metrics also go to TensorBoard
-(``<run>/tensorboard/<label>``). ``FEDGE_DEMO_SET`` holds space-separated ``key=value``
+reports its epsilon and what it costs in perplexity. Each federation's ServerApp writes its
+round metrics to TensorBoard under its own run directory (``tensorboard --logdir <run>``). ``FEDGE_DEMO_SET`` holds space-separated ``key=value``
 overrides for every run (the keys of ``fedge simulate --set``).
 """
 
@@ -23,9 +23,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from fedge.tables import wrapping_table
 from fedge.zoo import ZooPaths
 from server.rundir import MetricsLog
 from simulations.realign import (
+    PROMPT_TOKENS,
     REALIGN_OVERRIDES,
     ClientAcceptance,
     acceptance_by_client,
@@ -124,7 +126,7 @@ def federated_stage(
         f"{cfg.strategy}, "
         f"{cfg.num_server_rounds} rounds, LoRA r={cfg.train.lora_r}, aggregator {cfg.aggregator}"
     )
-    _run(scenario, run_dir, run_dir.parent / "tensorboard" / label, console, "federation")
+    _run(scenario, run_dir, console, f"federation ({label})")
     rows = [r for r in MetricsLog(run_dir).rows() if r.get("perplexity") is not None]
     epsilon = rows[-1].get("epsilon")
     result = FederationResult(
@@ -146,9 +148,10 @@ def federated_stage(
 
 def perplexity_table(results: list[FederationResult]) -> Table:
     """Before/after perplexity per federation, on the clients' data and on the whole corpus."""
-    table = Table(title="held-out perplexity: base model -> federated adapter")
-    for column in ("federation", "participating clients' code", "whole corpus", "epsilon"):
-        table.add_column(column)
+    table = wrapping_table(
+        "held-out perplexity: base model -> federated adapter",
+        ("federation", "participating clients' code", "whole corpus", "epsilon"),
+    )
     for r in results:
         table.add_row(
             r.label,
@@ -171,7 +174,6 @@ def realignment_stage(
     merged = _run(
         scenario,
         run_dir,
-        run_dir.parent / "tensorboard" / "realign-draft",
         console,
         "draft realignment",
         teacher=federation.merged_dir,
@@ -193,41 +195,49 @@ def realignment_stage(
 
 def acceptance_table(rows: list[ClientAcceptance]) -> Table:
     """Greedy agreement of the draft with the target per client, before and after realignment."""
-    table = Table(title="draft acceptance (greedy agreement) on each client's held-out prompts")
-    for column in (
-        "client",
-        "base draft / base target",
-        "base draft / fed. target",
-        "realigned / fed. target",
-    ):
-        table.add_column(column)
+    table = wrapping_table(
+        "draft acceptance (greedy agreement) on each client's held-out prompts",
+        (
+            "client",
+            "base draft / base target",
+            "base draft / fed. target",
+            "realigned / fed. target",
+        ),
+    )
     for r in rows:
-        table.add_row(str(r.partition), f"{r.base:.1%}", f"{r.drifted:.1%}", f"{r.realigned:.1%}")
-    mean = [float(np.mean([getattr(r, k) for r in rows])) for k in ("base", "drifted", "realigned")]
+        if r.measured:
+            rates = (f"{r.base:.1%}", f"{r.drifted:.1%}", f"{r.realigned:.1%}")
+            label = str(r.partition) if r.prompt_tokens == PROMPT_TOKENS else f"{r.partition} *"
+        else:
+            rates, label = ("n/a", "n/a", "n/a"), str(r.partition)
+        table.add_row(label, *rates)
+    measured = [r for r in rows if r.measured] or rows
+    mean = [
+        float(np.mean([getattr(r, k) for r in measured])) for k in ("base", "drifted", "realigned")
+    ]
     table.add_row("mean", *(f"{m:.1%}" for m in mean))
+    notes = []
+    if any(r.measured and r.prompt_tokens != PROMPT_TOKENS for r in rows):
+        notes.append(f"* prompts shorter than {PROMPT_TOKENS} tokens (short held-out code)")
+    if not all(r.measured for r in rows):
+        notes.append("n/a: held-out code too short to measure")
+    table.caption = "; ".join(notes) or None
     return table
 
 
 def _run(
     scenario: Scenario,
     run_dir: Path,
-    logdir: Path,
     console: Console,
     what: str,
     teacher: Path | None = None,
     draft: Path | None = None,
 ) -> Path:
-    """Run one federation (a realignment when `teacher` is given) with live round scalars."""
-    from simulations.tensorboard import RoundScalars
-
+    """Run one federation (a realignment when `teacher` is given), showing each round's figure."""
     rounds = scenario.config.num_server_rounds
-    with (
-        console.status(f"{what}: starting the Flower simulation") as status,
-        RoundScalars(logdir) as scalars,
-    ):
+    with console.status(f"{what}: starting the Flower simulation") as status:
 
         def on_row(row: Mapping[str, Any]) -> None:
-            scalars(row)
             ppl = row.get("perplexity")
             shown = f"perplexity {ppl:.2f}" if isinstance(ppl, float) else str(row.get("status"))
             status.update(f"{what}: round {row['round']}/{rounds}, {shown}")

@@ -2,7 +2,8 @@
 
 This is a simulation concern: the ClientApp deployed on a real device knows nothing of
 it. :func:`device_mod` wraps the ClientApp (a Flower mod) and writes the round's step
-budget (``step-budget``) into each train message; the ClientApp honours the budget the
+budget (``step-budget``) into each train message, never above a budget already there
+(the virtual clock's deadline cut, :mod:`simulations.devicesim.grid`); the ClientApp honours the budget the
 same way it would honour one set by a real device. The keys below ride in the run
 config as plug-in keys (``device-`` / ``straggler-`` prefixes, see ``server.config``).
 """
@@ -125,11 +126,19 @@ def device_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         behaviour = DeviceBehaviour.from_config(config)  # type: ignore[arg-type]
         partition = context.node_config.get(keys.NODE_PARTITION_ID)
         if behaviour.active and partition is not None:
-            config[keys.CFG_STEP_BUDGET] = local_work(
+            budget = local_work(
                 behaviour,
                 int(config.get(keys.CFG_LOCAL_STEPS, 1)),  # type: ignore[arg-type]
                 int(config.get(keys.CFG_SEED, 0)),  # type: ignore[arg-type]
                 int(config.get(keys.CFG_SERVER_ROUND, 1)),  # type: ignore[arg-type]
                 int(partition),
             )
+            config[keys.CFG_STEP_BUDGET] = tighter_budget(config.get(keys.CFG_STEP_BUDGET), budget)
     return call_next(msg, context)
+
+
+def tighter_budget(given: object, own: int) -> int:
+    """The smaller of a ``step-budget`` already set (by the virtual clock's deadline) and this
+    device's own: a mod must never hand back steps the deadline took away (0 = none set)."""
+    earlier = int(given) if isinstance(given, int | float) and given > 0 else 0
+    return min(earlier, own) if earlier else own

@@ -21,7 +21,9 @@ reconnecting device gets a new node id, as a restarted SuperNode does).
 
 Differences from Flower's engines, by design: messages run one after another (the
 round timeout bounds their sum: a message not started by the deadline gets no
-reply, a reply finished after it is dropped); a message to a disconnected node is
+reply, a reply finished after it is dropped; under simulated devices the wall-clock
+timeout is off, ``wall_clock_timeout=False``, since the virtual clock has already decided
+who reports, and which clients dropped must not depend on this machine's speed); a message to a disconnected node is
 answered at once with Flower's ``NODE_UNAVAILABLE`` error; the records of one
 message content are shared, not copied, between the messages of a round, so a
 ClientApp must replace a received record rather than edit it in place (fedge's
@@ -46,6 +48,8 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
+
+from simulations.flower_internals import set_message_id
 
 log = logging.getLogger(__name__)
 
@@ -193,11 +197,13 @@ class InProcessGrid(Grid):
         devices: DeviceTable,
         state_dir: Path,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock_timeout: bool = True,
     ) -> None:
         self._app = client_app
         self.devices = devices
         self._states = NodeStates(state_dir, devices.size)
         self._clock = clock
+        self._timeout_applies = wall_clock_timeout
         self._run = Run.create_empty(0)
         self._replies: dict[str, Message] = {}
         self.messages_run = 0
@@ -254,7 +260,10 @@ class InProcessGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Run the messages one after another; those not done by ``timeout`` seconds get no reply."""
+        """Run the messages one after another; those not done by ``timeout`` seconds get no reply
+        (unless the wall-clock timeout is off: a virtual clock already decided who reports)."""
+        if not self._timeout_applies:
+            timeout = None
         deadline = None if timeout is None else self._clock() + timeout
         replies = []
         for msg in messages:
@@ -269,7 +278,7 @@ class InProcessGrid(Grid):
     # ------------------------------------------------------------ execution
     def _stamp(self, msg: Message) -> None:
         """Give the message the id the SuperLink would (Flower's own grids set it the same way)."""
-        msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        set_message_id(msg, uuid.uuid4().hex)
 
     def _execute(self, msg: Message) -> Message:
         """The ClientApp's reply to one message, or the error reply Flower's engines would give."""
@@ -280,7 +289,7 @@ class InProcessGrid(Grid):
             )
         else:
             reply = self._call(row, msg)
-        reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        set_message_id(reply, uuid.uuid4().hex)
         self.messages_run += 1
         return reply
 
@@ -313,14 +322,26 @@ class InProcessGrid(Grid):
         return reply
 
 
-def run_inprocess(server_app: ServerApp, grid: InProcessGrid, run_id: int = 1) -> None:
-    """Run ``server_app`` to the end on ``grid`` in this thread (the ServerApp's own Context is empty)."""
-    grid.set_run(Run.create_empty(run_id))
+def run_inprocess(
+    server_app: ServerApp,
+    grid: InProcessGrid,
+    run_id: int = 1,
+    run_config: Mapping[str, bool | int | float | str] | None = None,
+) -> None:
+    """Run ``server_app`` to the end on ``grid`` in this thread; both apps' Contexts carry
+    ``run_config`` (as ``flwr run --run-config`` would give them), empty by default."""
+    run = Run.create_empty(run_id)
+    run.override_config = dict(run_config or {})
+    grid.set_run(run)
     # What flwr.simulation sets for its ServerApp thread: new Messages take run and source from it.
     TaskIdentity.task_id = 1
     TaskIdentity.run_id = run_id
     TaskIdentity.node_id = SUPERLINK_NODE_ID
     context = Context(
-        run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config={}
+        run_id=run_id,
+        node_id=SUPERLINK_NODE_ID,
+        node_config={},
+        state=RecordDict(),
+        run_config=dict(run.override_config),
     )
     server_app(grid, context)

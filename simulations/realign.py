@@ -16,6 +16,7 @@ vs federated target.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from server.rundir import MetricsLog
 from simulations.runner import Scenario, run_simulation
 
 PROMPT_TOKENS = 32  # prompt length, as in the zoo card's agreement figure
+MIN_PROMPT_TOKENS = 4  # below this a prompt carries too little context to compare drafts on
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 REALIGN_OVERRIDES: dict[str, Any] = {
     # Sequence-level KD: the teacher writes the last 32 tokens of every window, the path
@@ -54,14 +56,22 @@ class ClientAcceptance:
     base: float  # base draft vs base target: what the edge had before the federation
     drifted: float  # base draft vs federated target: what it has after, without realignment
     realigned: float  # realigned draft vs federated target
+    prompt_tokens: int = PROMPT_TOKENS  # shorter for a client with little held-out code; 0 = none
+
+    @property
+    def measured(self) -> bool:
+        """False for a client whose held-out split is too short for even a minimal prompt."""
+        return self.prompt_tokens > 0
 
     def as_row(self) -> dict[str, Any]:
-        """JSON-ready row."""
+        """JSON-ready row (rates are null for a client with nothing to measure)."""
+        rate = lambda value: round(value, 4) if self.measured else None  # noqa: E731
         return {
             "partition": self.partition,
-            "base_vs_base": round(self.base, 4),
-            "base_vs_federated": round(self.drifted, 4),
-            "realigned_vs_federated": round(self.realigned, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "base_vs_base": rate(self.base),
+            "base_vs_federated": rate(self.drifted),
+            "realigned_vs_federated": rate(self.realigned),
         }
 
 
@@ -120,9 +130,10 @@ def acceptance_by_client(
     """Agreement per client for base/federated targets and base/realigned drafts.
 
     `models` names four model dirs: base_target, federated_target, base_draft, realigned_draft.
-    `config` is the federation's run config (its corpus and partitioning). A client whose
-    held-out split is shorter than one prompt plus `new_tokens` has nothing to measure and
-    gets no row.
+    `config` is the federation's run config (its corpus and partitioning). Every partition gets
+    a row, so the table counts the clients the federation ran: a client with little held-out code
+    gets prompts shortened to fit, and one without room for even `MIN_PROMPT_TOKENS` gets a row
+    that says it was not measured.
     """
     loaded = {name: load_causal_lm(path).eval() for name, path in models.items()}
     corpus = holder.get_corpus(
@@ -131,9 +142,11 @@ def acceptance_by_client(
     rows = []
     for pid in partitions:
         heldout = np.asarray(corpus.client(pid).heldout)
-        if len(heldout) < prompt_tokens + new_tokens:
+        fitted = min(prompt_tokens, len(heldout) - new_tokens)
+        if fitted < MIN_PROMPT_TOKENS:
+            rows.append(ClientAcceptance(pid, math.nan, math.nan, math.nan, prompt_tokens=0))
             continue
-        picks = prompts_from(heldout[: len(heldout) - new_tokens], prompts, prompt_tokens)
+        picks = prompts_from(heldout[: len(heldout) - new_tokens], prompts, fitted)
 
         def rate(target: str, draft: str, picks: list[np.ndarray] = picks) -> float:
             return greedy_agreement(loaded[target], loaded[draft], picks, new_tokens).rate
@@ -144,6 +157,7 @@ def acceptance_by_client(
                 base=rate("base_target", "base_draft"),
                 drifted=rate("federated_target", "base_draft"),
                 realigned=rate("federated_target", "realigned_draft"),
+                prompt_tokens=fitted,
             )
         )
     return rows

@@ -24,7 +24,8 @@ def write_report(summary: dict[str, Any], run_dir: Path) -> Path:
         "",
         f"Run directory `{summary['run_dir']}`; {summary['seconds']} s in all "
         f"({', '.join(f'{k} {v} s' for k, v in summary['timings_s'].items())}). "
-        "Round metrics for TensorBoard: `tensorboard --logdir " + f"{run_dir / 'tensorboard'}`.",
+        "Round metrics for TensorBoard: `tensorboard --logdir "
+        + f"{run_dir}` (one log per federation).",
         "",
         *_zoo_section(stages["zoo"]["card"]),
         *_federation_section(stages["federation"], plots["rounds"], run_dir),

@@ -17,6 +17,7 @@ source of truth.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 ENGINES = ("ray", "inprocess")
 NODE_STATE_DIR = "node-state"  # the in-process engine's Context.state files, per device
 QUIET_ENV = "FEDGE_QUIET"  # "1": Ray workers' logs stay out of the console
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # an existing Ray cluster to join (e.g. "auto" or "10.0.0.1:6379")
 _SCENARIO_FILE = "scenario.toml"
 
 
@@ -159,16 +161,30 @@ def write_scenario_table(run_dir: Path, scenario: Scenario) -> None:
 
 
 def backend_config(scenario: Scenario) -> dict[str, Any]:
-    """Ray resources: CPUs per ClientApp, and a GPU fraction only when CUDA is present."""
+    """Ray resources: CPUs per ClientApp, and a GPU fraction only when CUDA is present.
+
+    With ``RAY_ADDRESS`` set, the run joins that cluster: Ray refuses ``num_cpus`` /
+    ``num_gpus`` for a cluster it did not start, so only the address is passed and the
+    cluster's own resources schedule the ClientApps (``client-cpus`` still sizes each).
+    """
     import torch
 
     resources: dict[str, float] = {"num_cpus": scenario.client_cpus}
     if torch.cuda.is_available() and scenario.client_gpus > 0:
         resources["num_gpus"] = scenario.client_gpus
-    init_args: dict[str, Any] = {"num_cpus": os.cpu_count() or 1}
+    address = os.environ.get(RAY_ADDRESS_ENV, "").strip()
+    init_args: dict[str, Any] = (
+        {"address": address} if address else {"num_cpus": os.cpu_count() or 1}
+    )
     if os.environ.get(QUIET_ENV) == "1":  # `fedge demo` without --verbose: no worker output
         init_args.update(log_to_driver=False, logging_level="ERROR")
     return {"client_resources": resources, "init_args": init_args}
+
+
+def client_state_dir(scenario: Scenario, run_dir: Path) -> str:
+    """Where clients keep SCAFFOLD's c_i: the scenario's ``client-state-dir`` (on a Ray cluster,
+    a directory every node mounts) or else ``<run>/client-state`` (one machine)."""
+    return scenario.config.client_state_dir or str(run_dir / "client-state")
 
 
 def run_simulation(
@@ -189,7 +205,7 @@ def run_simulation(
         from simulations.apps import clientapp as client_app
 
     cfg = scenario.config.with_overrides(
-        {"run-dir": str(run_dir), "client-state-dir": str(run_dir / "client-state")}
+        {"run-dir": str(run_dir), "client-state-dir": client_state_dir(scenario, run_dir)}
     )
     write_scenario_table(run_dir, scenario)
     devices = DeviceRun.start(scenario, cfg, run_dir, resume) if scenario.devices else None
@@ -300,11 +316,30 @@ def _run_inprocess(
     """One ClientApp call at a time in this process, so torch gets every core."""
     import shutil
 
-    from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+    from simulations.inprocess import run_inprocess
 
     os.environ["FEDGE_CONCURRENCY"] = "1"
     state_dir = run_dir / NODE_STATE_DIR
     if not resume:  # a fresh run never sees the node states of an earlier run here
         shutil.rmtree(state_dir, ignore_errors=True)
-    grid = InProcessGrid(client_app, DeviceTable(scenario.num_supernodes, seed=seed), state_dir)
-    run_inprocess(server_app, grid)
+    run_inprocess(server_app, inprocess_grid(scenario, client_app, state_dir, seed))
+
+
+def inprocess_grid(
+    scenario: Scenario,
+    client_app: Any,
+    state_dir: Path,
+    seed: int,
+    clock: Callable[[], float] = time.monotonic,
+) -> Any:
+    """The in-process engine's Grid for a scenario: with simulated devices the virtual clock
+    decides who reports, so the wall-clock round timeout (machine speed) drops nobody."""
+    from simulations.inprocess import DeviceTable, InProcessGrid
+
+    return InProcessGrid(
+        client_app,
+        DeviceTable(scenario.num_supernodes, seed=seed),
+        state_dir,
+        clock=clock,
+        wall_clock_timeout=scenario.devices is None,
+    )

@@ -11,6 +11,7 @@ the Flower apps take, minus transport.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,8 +83,14 @@ def run_federation(
     straggler_fraction: float = 0.0,
     straggler_steps: int = 1,
     seed: int = 0,
+    combine: Callable[[list[Arrays]], Arrays] = sum_contributions,
+    tamper: Callable[[int, Arrays], Arrays] | None = None,
 ) -> list[float]:
-    """Run ``rounds`` rounds; return the global loss after each one."""
+    """Run ``rounds`` rounds; return the global loss after each one.
+
+    ``combine`` turns the round's contributions into their sum (a robust rule may stand
+    in); ``tamper(client, contribution)`` lets a test play a malicious client.
+    """
     dim = clients[0].a.shape[1]
     rng = np.random.default_rng(seed)
     adapter = {"w": np.zeros(dim, dtype=np.float32)}
@@ -97,21 +104,11 @@ def run_federation(
         for i in sorted(rng.choice(len(clients), size=per_round, replace=False)):
             straggler = rng.random() < straggler_fraction
             steps = straggler_steps if straggler else local_steps
-            contributions.append(
-                _local(
-                    strategy,
-                    clients[i],
-                    state,
-                    config,
-                    payload,
-                    stores[i],
-                    steps,
-                    local_steps,
-                    lr,
-                    r,
-                )
+            contribution = _local(
+                strategy, clients[i], state, config, payload, stores[i], steps, local_steps, lr, r
             )
-        summed = sum_contributions(contributions)
+            contributions.append(tamper(int(i), contribution) if tamper else contribution)
+        summed = combine(contributions)
         if summed[keys.KEY_WEIGHT][0] > 0:  # a round where every sampled client was dropped fails
             state = strategy.finalize(state, summed, population=len(clients))
         history.append(global_loss(clients, state.adapter["w"].astype(np.float64)))

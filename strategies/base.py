@@ -45,124 +45,122 @@ any strategy:
 
 SCAFFOLD's control delta is summed together with the adapter delta, so a DP
 mechanism's sensitivity bound covers both parts of the one vector.
+
+Every fedge strategy is also a Flower strategy
+(``flwr.serverapp.strategy.FedAvg`` is its base class), so a plain Flower ServerApp
+runs it with ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``:
+``configure_train`` is Flower's (node sampling, ``server-round``) plus the strategy's
+config keys and payload record; ``aggregate_train`` reads each reply as a contribution
+(:mod:`strategies.replies`: fedge's own or a Flower quickstart reply), applies the
+per-client bounds and the combination rule (:mod:`strategies.robust`), and calls
+``finalize``, whose step is the server optimizer (:mod:`strategies.server_opt`).
+Evaluation is Flower's FedAvg unchanged. The client half for any torch ClientApp is
+:class:`strategies.client.TrainRound`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from abc import ABC
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.exception import AggregationError
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedge import keys
 from fedge.types import Arrays, ConfigValue
+from strategies.contract import (
+    ClientHook,
+    ClientResult,
+    ClientStateStore,
+    GlobalState,
+    Weighting,
+    build_contribution,
+    client_weight,
+    replace_state,
+    sum_contributions,
+)
+from strategies.replies import reply_contribution
+from strategies.robust import RobustConfig, apply_bounds, robust_sum
+from strategies.server_opt import PREFIX_OPT, ServerOptConfig, ServerOptimizer
 
-Weighting = Literal["examples", "uniform"]
+__all__ = [
+    "Arrays",
+    "ClientHook",
+    "ClientResult",
+    "ClientStateStore",
+    "ConfigValue",
+    "GlobalState",
+    "Strategy",
+    "UniformWeighting",
+    "Weighting",
+    "build_contribution",
+    "client_weight",
+    "replace_state",
+    "sum_contributions",
+]
 
-
-@dataclass(frozen=True)
-class GlobalState:
-    """What the server holds between rounds: the global adapter and the strategy's own arrays.
-
-    ``adapter`` maps adapter tensor names (peft ``lora_`` names) to float32 arrays;
-    ``extras`` holds strategy state under namespaced keys (SCAFFOLD: ``ctrl/<name>`` = c).
-    """
-
-    adapter: Arrays
-    extras: Arrays = field(default_factory=dict)
-    server_round: int = 0
-
-    def __post_init__(self) -> None:
-        """Refuse an empty adapter: there would be nothing to train or aggregate."""
-        if not self.adapter:
-            raise ValueError("GlobalState.adapter is empty: pass the adapter tensors to train")
-
-
-@dataclass(frozen=True)
-class ClientResult:
-    """One client's local outcome, before it becomes a contribution.
-
-    ``delta`` is local minus global for every adapter tensor; ``completed`` is the
-    fraction of the configured local work the client finished (1.0 = all of it,
-    less for a straggler); ``extras`` are the hook's namespaced arrays.
-    """
-
-    delta: Arrays
-    num_examples: int
-    completed: float = 1.0
-    extras: Arrays = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        """Reject impossible counts and fractions early, naming the field."""
-        if self.num_examples < 0:
-            raise ValueError(f"ClientResult.num_examples must be >= 0, got {self.num_examples}")
-        if not 0.0 <= self.completed <= 1.0:
-            raise ValueError(f"ClientResult.completed must be in [0, 1], got {self.completed}")
+log = logging.getLogger(__name__)
 
 
-class ClientStateStore(Protocol):
-    """Where a client keeps strategy state across rounds (memory in Context.state, or disk).
-
-    ``load`` returns the newest state saved for a round BEFORE ``server_round`` (so a
-    replayed round after a resume sees exactly what it saw the first time), or None.
-    """
-
-    def load(self, server_round: int) -> Arrays | None:
-        """Return the state saved by the latest round earlier than ``server_round``."""
-        ...
-
-    def save(self, server_round: int, arrays: Arrays) -> None:
-        """Persist the state produced by ``server_round``."""
-        ...
+def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """numpy arrays -> ArrayRecord of contiguous float32 copies (what clients expect)."""
+    return ArrayRecord(
+        {k: Array(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
+    )
 
 
-class ClientHook:
-    """Client-side hooks of a strategy, called by the local trainer; the default does nothing.
-
-    The trainer calls, in order: ``regularizer`` inside each step's loss,
-    ``correct_gradients`` after ``backward`` and before the optimizer step, then once
-    ``finish`` with the final delta. Tensors are keyed by adapter tensor name.
-    """
-
-    def regularizer(self, trainable: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        """Return an extra loss term (a scalar tensor) or None."""
-        return None
-
-    def correct_gradients(self, trainable: Mapping[str, torch.Tensor]) -> None:
-        """Adjust ``.grad`` of the trainable tensors in place (default: leave them)."""
-
-    def finish(self, delta: Arrays, local_steps: int, lr: float) -> tuple[Arrays, Arrays | None]:
-        """Return (extra contribution arrays, client state to persist or None)."""
-        return {}, None
-
-
-class Strategy(ABC):
+class Strategy(FlowerFedAvg, ABC):
     """A federated optimisation algorithm as knobs, a client hook and a ``finalize`` step.
 
     Subclasses set ``name``, ``accepts_partial_work`` and ``local_optimizer`` and override
-    what differs. ``server_lr`` scales the averaged delta (1.0 reproduces plain averaging).
+    what differs. ``server_lr`` is the server step size (1.0 with ``server_optimizer``
+    "none" reproduces plain averaging); ``server_optimizer`` picks FedAvgM/FedAdam/
+    FedYogi/FedAdagrad; ``robust`` the combination rule and per-client bounds used when
+    the strategy aggregates replies itself (inside a Flower ServerApp). ``population``
+    is SCAFFOLD's N there (0: the nodes connected at each round). ``flower_options``
+    are Flower FedAvg's sampling options (``fraction_train``, ``min_train_nodes``, ...).
     """
 
     name: ClassVar[str]
     accepts_partial_work: ClassVar[bool] = False
     local_optimizer: ClassVar[str] = "adamw"  # what `optimizer = "auto"` means on the client
 
-    def __init__(self, server_lr: float = 1.0, weighting: Weighting = "examples") -> None:
+    def __init__(
+        self,
+        server_lr: float = 1.0,
+        weighting: Weighting = "examples",
+        *,
+        server_optimizer: ServerOptConfig | None = None,
+        robust: RobustConfig | None = None,
+        population: int = 0,
+        **flower_options: Any,
+    ) -> None:
+        super().__init__(**flower_options)
         if server_lr <= 0:
             raise ValueError(f"server_lr must be > 0, got {server_lr}")
         if weighting not in ("examples", "uniform"):
             raise ValueError(f"weighting must be 'examples' or 'uniform', got {weighting!r}")
+        if population < 0:
+            raise ValueError(f"population must be >= 0 (0: the connected nodes), got {population}")
         self.server_lr = server_lr
         self.weighting: Weighting = weighting
+        self.optimizer = ServerOptimizer(server_optimizer, server_lr)
+        self.robust = robust or RobustConfig()
+        self.population = population
+        self.flower_options = dict(flower_options)
+        self._round_state: GlobalState | None = None  # Flower ServerApp use: state between rounds
+        self._round_population = 0
 
     # ------------------------------------------------------------ server side
     def init_extras(self, adapter: Arrays) -> Arrays:
-        """Return the strategy's initial server state for a fresh run (default: none)."""
-        return {}
+        """Return the strategy's initial server state for a fresh run (the optimizer's moments)."""
+        return self.optimizer.init_state(adapter)
 
     def client_config(self, server_round: int) -> dict[str, ConfigValue]:
         """Return the config keys every train message carries for this strategy."""
@@ -184,20 +182,107 @@ class Strategy(ABC):
         return spec
 
     def finalize(self, state: GlobalState, summed: Arrays, population: int) -> GlobalState:
-        """Apply one round's summed contributions: x <- x + server_lr * sum(w d) / sum(w)."""
+        """Apply one round's summed contributions: the server optimizer steps on sum(w d) / sum(w)."""
         total_weight = float(summed[keys.KEY_WEIGHT][0])
         if total_weight <= 0:
             raise ValueError(
                 f"round {state.server_round + 1}: the summed weight is {total_weight}; "
                 "no client contributed, so there is nothing to average"
             )
-        adapter = {
-            k: (v + self.server_lr * summed[keys.PREFIX_DELTA + k] / total_weight).astype(
-                np.float32
-            )
-            for k, v in state.adapter.items()
-        }
-        return GlobalState(adapter, dict(state.extras), state.server_round + 1)
+        delta_sum = {k: summed[keys.PREFIX_DELTA + k] for k in state.adapter}
+        adapter, opt_state = self.optimizer.step(
+            state.server_round + 1, state.adapter, delta_sum, total_weight, state.extras
+        )
+        extras = {k: v for k, v in state.extras.items() if not k.startswith(PREFIX_OPT)}
+        return GlobalState(adapter, {**extras, **opt_state}, state.server_round + 1)
+
+    # ------------------------------------------------------------ Flower's Strategy contract
+    @property
+    def round_state(self) -> GlobalState | None:
+        """Inside a Flower ServerApp: the state after the last round (None before the first)."""
+        return self._round_state
+
+    def summary(self) -> None:
+        """Log fedge's settings, then Flower FedAvg's."""
+        log.info(
+            "fedge %s: server optimizer %s (lr %g), rule %s, weighting %s",
+            self.name,
+            self.optimizer.name,
+            self.server_lr,
+            self.robust.rule,
+            self.weighting,
+        )
+        super().summary()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Flower's sampling and messages, plus this strategy's config keys and payload record."""
+        adapter = {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in arrays.items()}
+        held = self._round_state
+        extras = (
+            held.extras
+            if held is not None and set(held.adapter) == set(adapter)
+            else self.init_extras(adapter)
+        )
+        self._round_state = GlobalState(adapter, extras, server_round - 1)
+        self._round_population = self.population or len(list(grid.get_node_ids()))
+        for key, value in self.client_config(server_round).items():
+            config[key] = value
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        payload = self.client_payload(self._round_state)
+        if payload:
+            for message in messages:
+                message.content[keys.REC_STRATEGY] = to_array_record(payload)
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Replies -> bounded contributions -> the rule's sum -> ``finalize`` -> next arrays."""
+        state = self._round_state
+        if state is None:
+            raise AggregationError("aggregate_train before configure_train: no round is open")
+        spec = self.contribution_spec(state)
+        contributions: list[Arrays] = []
+        contents: list[RecordDict] = []
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                log.warning(
+                    "round %d: node %d replied with an error: %s",
+                    server_round,
+                    node,
+                    msg.error.reason,
+                )
+                continue
+            arrays, why = reply_contribution(msg.content, state.adapter, spec, self.weighted_by_key)
+            if arrays is not None and why is None:
+                arrays, why = apply_bounds(arrays, self.robust)
+            if arrays is None or why is not None:
+                log.warning("round %d: rejected the reply of node %d: %s", server_round, node, why)
+                continue
+            contributions.append(arrays)
+            contents.append(msg.content)
+        if not contributions:
+            return None, None
+        summed = robust_sum(contributions, self.robust)
+        if float(summed[keys.KEY_WEIGHT][0]) > 0:
+            state = self.finalize(state, summed, self._round_population)
+        else:  # every client's work was dropped (stragglers under FedAvg): keep the arrays
+            state = replace_state(state, server_round=server_round)
+        self._round_state = state
+        return to_array_record(state.adapter), self._train_metrics(contents)
+
+    def _train_metrics(self, contents: list[RecordDict]) -> MetricRecord | None:
+        """Flower's metric aggregation over the replies that report ``weighted_by_key``."""
+        usable = [
+            c
+            for c in contents
+            if len(c.metric_records) == 1
+            and self.weighted_by_key in next(iter(c.metric_records.values()))
+        ]
+        return self.train_metrics_aggr_fn(usable, self.weighted_by_key) if usable else None
 
     # ------------------------------------------------------------ client side
     def client_hook(
@@ -218,10 +303,18 @@ class UniformWeighting(Strategy):
     """
 
     def __init__(self, inner: Strategy) -> None:
-        super().__init__(server_lr=inner.server_lr, weighting="uniform")
+        super().__init__(
+            server_lr=inner.server_lr,
+            weighting="uniform",
+            server_optimizer=inner.optimizer.cfg,
+            robust=inner.robust,
+            population=inner.population,
+            **inner.flower_options,
+        )
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]
         self.accepts_partial_work = inner.accepts_partial_work  # type: ignore[misc]
+        self.local_optimizer = inner.local_optimizer  # type: ignore[misc]
 
     def init_extras(self, adapter: Arrays) -> Arrays:
         """Delegate to the inner strategy."""
@@ -252,50 +345,3 @@ class UniformWeighting(Strategy):
     ) -> ClientHook:
         """Delegate to the inner strategy."""
         return self.inner.client_hook(config, global_adapter, payload, state)
-
-
-def client_weight(result: ClientResult, weighting: Weighting) -> float:
-    """Return the aggregation weight of one client: its example count, or 1."""
-    return float(result.num_examples) if weighting == "examples" else 1.0
-
-
-def build_contribution(result: ClientResult, weighting: Weighting, accept_partial: bool) -> Arrays:
-    """Turn one client's result into its summable contribution (see the module docstring).
-
-    A client that did only part of its work (``completed < 1``) under a strategy that
-    refuses partial work contributes zeros with ``meta/count = 0``.
-    """
-    dropped = result.completed < 1.0 and not accept_partial
-    weight = 0.0 if dropped else client_weight(result, weighting)
-    out: Arrays = {
-        keys.PREFIX_DELTA + k: (np.asarray(v, dtype=np.float32) * np.float32(weight))
-        for k, v in result.delta.items()
-    }
-    for k, v in result.extras.items():
-        arr = np.asarray(v, dtype=np.float32)
-        out[k] = np.zeros_like(arr) if dropped else arr
-    out[keys.KEY_WEIGHT] = np.array([weight], dtype=np.float32)
-    out[keys.KEY_COUNT] = np.array([0.0 if dropped else 1.0], dtype=np.float32)
-    return out
-
-
-def sum_contributions(contributions: list[Arrays]) -> Arrays:
-    """Element-wise sum of contributions with identical keys, in the given order (float64 accumulate)."""
-    if not contributions:
-        raise ValueError("sum_contributions got no contributions: at least one client must reply")
-    first = contributions[0]
-    acc = {k: np.asarray(v, dtype=np.float64).copy() for k, v in first.items()}
-    for c in contributions[1:]:
-        if c.keys() != first.keys():
-            raise ValueError(
-                f"contributions disagree on keys: {sorted(set(c) ^ set(first))[:5]}; "
-                "validate replies before summing"
-            )
-        for k, v in c.items():
-            acc[k] += v
-    return {k: v.astype(np.float32) for k, v in acc.items()}
-
-
-def replace_state(state: GlobalState, **changes: object) -> GlobalState:
-    """Return a copy of ``state`` with fields replaced (a typed ``dataclasses.replace``)."""
-    return dataclasses.replace(state, **changes)  # type: ignore[arg-type]

@@ -3,11 +3,14 @@
 Each client minimises ``f_i(w) + mu/2 * ||w - w_global||^2`` over the TRAINABLE
 (adapter) tensors, and the server aggregates partial work from stragglers instead
 of dropping it. With ``mu = 0`` and no stragglers FedProx is exactly FedAvg.
+The config key is Flower's own (``proximal-mu``, as ``flwr.serverapp.strategy.FedProx``
+sends it), so a client written for Flower's FedProx reads it unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -53,9 +56,13 @@ class FedProx(Strategy):
     accepts_partial_work = True
 
     def __init__(
-        self, proximal_mu: float = 0.01, server_lr: float = 1.0, weighting: Weighting = "examples"
+        self,
+        proximal_mu: float = 0.01,
+        server_lr: float = 1.0,
+        weighting: Weighting = "examples",
+        **options: Any,
     ) -> None:
-        super().__init__(server_lr=server_lr, weighting=weighting)
+        super().__init__(server_lr=server_lr, weighting=weighting, **options)
         if proximal_mu < 0:
             raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
         self.proximal_mu = proximal_mu

@@ -75,9 +75,13 @@ class Scaffold(Strategy):
     local_optimizer = "sgd"  # the paper's local update; its control variates assume plain SGD steps
 
     def init_extras(self, adapter: Arrays) -> Arrays:
-        """c starts at zero for every adapter tensor."""
+        """c starts at zero for every adapter tensor (beside the server optimizer's state)."""
         return {
-            keys.PREFIX_CONTROL + k: np.zeros_like(v, dtype=np.float32) for k, v in adapter.items()
+            **super().init_extras(adapter),
+            **{
+                keys.PREFIX_CONTROL + k: np.zeros_like(v, dtype=np.float32)
+                for k, v in adapter.items()
+            },
         }
 
     def client_payload(self, state: GlobalState) -> Arrays:
@@ -95,9 +99,14 @@ class Scaffold(Strategy):
         if population <= 0:
             raise ValueError(f"SCAFFOLD needs the client population N > 0, got {population}")
         moved = super().finalize(state, summed, population)
-        extras = {
-            k: (v + summed[k] / population).astype(np.float32) for k, v in state.extras.items()
-        }
+        extras = dict(moved.extras)
+        extras.update(
+            {
+                k: (v + summed[k] / population).astype(np.float32)
+                for k, v in state.extras.items()
+                if k.startswith(keys.PREFIX_CONTROL)
+            }
+        )
         return GlobalState(moved.adapter, extras, moved.server_round)
 
     def client_hook(

@@ -6,11 +6,12 @@ from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
 from clients.privacy.ledger import node_ledger
-from clients.privacy.policy import requested_dp
+from clients.privacy.policy import PolicyRefusal, requested_dp
 from fedge import keys
 from fedge.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
 from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution
 from fedge.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD
+from fedge.secagg.wire import SECAGG_RECORD
 
 # Error code of a refused distributed-DP message (Flower reserves the small codes).
 ERROR_DP = 641
@@ -37,7 +38,11 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
             ),
             reply_to=msg,
         )
-    clip, std = float(config[KEY_DP_CLIP]), float(config[KEY_DP_NOISE_STD])  # type: ignore[arg-type]
+    try:
+        dp = requested_dp(config, msg.content.config_records.get(SECAGG_RECORD))
+    except PolicyRefusal as exc:
+        return Message(Error(code=ERROR_DP, reason=f"distributed_dp_mod: {exc}"), reply_to=msg)
+    clip, std = float(str(config[KEY_DP_CLIP])), float(str(config[KEY_DP_NOISE_STD]))
     reply = call_next(msg, context)
     if reply.has_error() or keys.REC_CONTRIB not in reply.content.array_records:
         return reply
@@ -49,7 +54,8 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     clipped, _ = clip_contribution(arrays, clip)
     noised = add_gaussian_noise(clipped, std, skip)
     reply.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in noised.items()})
-    dp = requested_dp(config)
-    if dp is not None:  # this node released a noised update: its own ledger counts it
+    if (
+        dp is not None and dp.noise_multiplier > 0
+    ):  # this node released a noised update: its own ledger counts it
         node_ledger(context).record_release(dp.noise_multiplier)
     return reply

@@ -10,14 +10,22 @@ refuses, with an error reply naming the rule, any train message that breaks it::
     require-dp = true       # DP-SGD or distributed DP, with
     min-noise = 1.0         #   noise multiplier z >= this
     max-clip = 0.1          #   clip norm C <= this
-    max-epsilon = 8.0       # stop contributing before this node's epsilon passes it (0: none)
+    max-epsilon = 8.0       # stop contributing before this node's epsilon passes it (0: none);
+                            #   implies require-dp, and refuses evaluate messages
+    secagg-min-neighbours = 4   # SecAgg+ neighbourhoods smaller than this are refused
+    secagg-min-threshold = 3    # SecAgg+ thresholds lower than this are refused
+    trusted-keys = "trust.txt"  # neighbours only under these Ed25519 keys (beside this file)
+    once-per-model = true       # train at most once on each global model (ledger-backed)
 
-A SecAgg+ threshold of at most half the neighbourhood is refused with or without a
-policy (``clients.secagg.engine``).
+Under require-secagg, require-dp or max-epsilon, evaluate messages are refused (their
+replies carry the node's loss in clear). Every DP number in a message must be finite and
+in range. A SecAgg+ threshold of at most half the neighbours is refused with or without
+a policy (``clients.secagg.engine``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Mapping
@@ -36,10 +44,20 @@ from fedge.privacy.wire import (
     KEY_DP_MIN_CLIENTS,
     KEY_DP_NOISE_STD,
     KEY_DPSGD_CLIP,
+    KEY_DPSGD_DELTA,
     KEY_DPSGD_NOISE,
     REFUSAL_BUDGET,
 )
-from fedge.secagg.wire import KEY_STAGE, SECAGG_RECORD, STAGE_UNMASK
+from fedge.secagg.wire import (
+    KEY_NEIGHBOURS,
+    KEY_STAGE,
+    KEY_THRESHOLD,
+    SECAGG_RECORD,
+    STAGE_COLLECT,
+    get_bytes,
+    get_number,
+    unpack_ids,
+)
 
 NODE_POLICY_KEY = "privacy-policy"  # node config: path of the policy file
 POLICY_ENV = "FEDGE_PRIVACY_POLICY"  # the same, for engines without node config
@@ -58,8 +76,12 @@ class PrivacyPolicy:
     require_dp: bool = False
     min_noise: float = 0.0  # z: least noise multiplier accepted under require-dp
     max_clip: float = math.inf  # C: largest clip norm accepted under require-dp
-    max_epsilon: float = 0.0  # 0: no cap of this node's own epsilon
+    max_epsilon: float = 0.0  # 0: no cap of this node's own epsilon (> 0 implies require-dp)
     delta: float = 1e-5  # delta of max-epsilon
+    secagg_min_neighbours: int = 1  # SecAgg+ neighbourhoods smaller than this are refused
+    secagg_min_threshold: int = 1  # SecAgg+ thresholds lower than this are refused
+    trusted_keys: str = ""  # trust list file of neighbours' Ed25519 keys ("": any signed key)
+    once_per_model: bool = False  # train at most once on each global model (no differencing)
 
     def __post_init__(self) -> None:
         """Reject a policy that cannot be enforced, naming the field."""
@@ -71,6 +93,12 @@ class PrivacyPolicy:
             raise ValueError(f"privacy policy max-epsilon={self.max_epsilon}: must be >= 0")
         if not 0 < self.delta < 1:
             raise ValueError(f"privacy policy delta={self.delta}: must be in (0, 1)")
+        if not math.isfinite(self.max_epsilon):
+            raise ValueError(f"privacy policy max-epsilon={self.max_epsilon}: must be finite")
+        if self.secagg_min_neighbours < 1 or self.secagg_min_threshold < 1:
+            raise ValueError(
+                "privacy policy secagg-min-neighbours and secagg-min-threshold must be >= 1"
+            )
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, object], source: str) -> PrivacyPolicy:
@@ -91,11 +119,16 @@ class PrivacyPolicy:
 
     @classmethod
     def load(cls, path: Path) -> PrivacyPolicy:
-        """Read a policy file; a missing or malformed file is an error, never an empty policy."""
+        """Read a policy file; a missing or malformed file is an error, never an empty policy.
+
+        A relative ``trusted-keys`` path is read beside the policy file.
+        """
         try:
             raw = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"privacy policy {path}: cannot read it ({exc})") from exc
+        if isinstance(raw.get("trusted-keys"), str) and raw["trusted-keys"]:
+            raw["trusted-keys"] = str(path.parent / Path(raw["trusted-keys"]).expanduser())
         return cls.from_mapping(raw, str(path))
 
 
@@ -114,22 +147,72 @@ class DPRequest:
     clip: float
 
 
-def requested_dp(config: Mapping[str, object]) -> DPRequest | None:
+def requested_dp(
+    config: Mapping[str, object], secagg: Mapping[str, object] | None = None
+) -> DPRequest | None:
     """What DP the message's config asks this client to apply (None: none on this node).
 
-    Distributed DP's multiplier is the one of the released sum, std sqrt(m) / C, with
-    m the contributors the server says a round needs (1 when it says nothing, the
-    conservative reading: then this client's own noise must carry the whole z).
+    Every DP number must be finite and in range, else :class:`PolicyRefusal`. Distributed
+    DP's multiplier is this client's worst case, std sqrt(m) / C, with m the contributors
+    it can verify itself (:func:`verified_contributors`), never the server's dp-min-clients.
     """
-    z_sgd = float(str(config.get(KEY_DPSGD_NOISE, 0.0)))
+    z_sgd = _number(config, KEY_DPSGD_NOISE, 0.0, low=0.0, closed=True)
     if z_sgd > 0:
-        return DPRequest("DP-SGD", z_sgd, float(str(config.get(KEY_DPSGD_CLIP, 1.0))))
-    if KEY_DP_NOISE_STD in config and KEY_DP_CLIP in config:
-        clip = float(str(config[KEY_DP_CLIP]))
-        std = float(str(config[KEY_DP_NOISE_STD]))
-        m = max(1, int(float(str(config.get(KEY_DP_MIN_CLIENTS, 1)))))
+        _number(config, KEY_DPSGD_DELTA, 1e-5, low=0.0, high=1.0)
+        return DPRequest("DP-SGD", z_sgd, _number(config, KEY_DPSGD_CLIP, 1.0, low=0.0))
+    clip = _number(config, KEY_DP_CLIP, 1.0, low=0.0)  # central DP sends C alone
+    if KEY_DP_NOISE_STD in config:
+        std = _number(config, KEY_DP_NOISE_STD, 0.0, low=0.0, closed=True)
+        if KEY_DP_CLIP not in config:
+            raise PolicyRefusal(f"config has '{KEY_DP_NOISE_STD}' without '{KEY_DP_CLIP}'")
+        _number(config, KEY_DP_MIN_CLIENTS, 1.0, low=1.0, closed=True)  # checked, not trusted
+        m = verified_contributors(secagg)
         return DPRequest("distributed DP", std * math.sqrt(m) / clip, clip)
     return None
+
+
+def _number(
+    config: Mapping[str, object],
+    key: str,
+    default: float,
+    *,
+    low: float,
+    high: float = math.inf,
+    closed: bool = False,
+) -> float:
+    """Config value ``key`` as a finite float above ``low`` (or equal, when ``closed``)."""
+    raw = config.get(key, default)
+    try:
+        value = float(str(raw)) if not isinstance(raw, bool) else math.nan
+    except ValueError:
+        value = math.nan
+    above = value >= low if closed else value > low
+    if not (math.isfinite(value) and above and value <= high):
+        bound = f"{'>=' if closed else '>'} {low}" + (f" and <= {high}" if high < math.inf else "")
+        raise PolicyRefusal(
+            f"config '{key}' must be a finite number {bound} (rule: every number from a message "
+            "is finite and in range); this node refuses the message"
+        )
+    return value
+
+
+def verified_contributors(secagg: Mapping[str, object] | None) -> int:
+    """The fewest inputs any sum that contains this client's unmasked input can hold.
+
+    In a SecAgg+ collect stage with n neighbours and threshold t (n >= t > n/2, which the
+    engine enforces) at least 2t - n neighbours' inputs share every sum with this one
+    (``clients.secagg.engine``); without SecAgg+ it is this client alone.
+    """
+    if secagg is None or secagg.get(KEY_STAGE) != STAGE_COLLECT:
+        return 1
+    try:
+        n = len(unpack_ids(get_bytes(secagg, KEY_NEIGHBOURS)))
+        t = get_number(secagg, KEY_THRESHOLD)
+    except ValueError:
+        return 1
+    if not (math.isfinite(t) and t == int(t) and n >= t and 2 * t > n):
+        return 1
+    return 1 + 2 * int(t) - n
 
 
 def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
@@ -142,12 +225,15 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
             "this node requires SecAgg+ (require-secagg) and the train message is not a SecAgg+ "
             "stage; run the server with a SecAgg+ aggregator"
         )
-    dp = requested_dp(config)
-    if policy.require_dp:
+    dp = requested_dp(config, secagg)
+    if secagg is not None and secagg.get(KEY_STAGE) != STAGE_COLLECT:
+        return  # key advertisement or unmasking: nothing is trained or released here
+    if policy.require_dp or policy.max_epsilon > 0:
         if dp is None:
             raise PolicyRefusal(
                 "this node requires differential privacy applied on the node (DP-SGD or "
-                "distributed DP, require-dp) and the train message asks for none"
+                "distributed DP; require-dp, implied by max-epsilon) and the train message asks "
+                "for none"
             )
         if dp.mechanism == "distributed DP" and secagg is None:
             raise PolicyRefusal(
@@ -155,20 +241,17 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
             )
         if dp.noise_multiplier < policy.min_noise:
             raise PolicyRefusal(
-                f"{dp.mechanism} noise multiplier {dp.noise_multiplier:.4g} is below this node's "
+                f"{dp.mechanism} noise multiplier {dp.noise_multiplier:.4g} (this node's worst "
+                "case, counting only the contributors it can verify) is below this node's "
                 f"min-noise {policy.min_noise}"
             )
         if dp.clip > policy.max_clip:
             raise PolicyRefusal(
                 f"{dp.mechanism} clip norm {dp.clip:.4g} is above this node's max-clip {policy.max_clip}"
             )
-    unmask = secagg is not None and secagg.get(KEY_STAGE) == STAGE_UNMASK
-    if (
-        policy.max_epsilon > 0
-        and dp is not None
-        and dp.mechanism == "distributed DP"
-        and not unmask
-    ):
+    if policy.once_per_model:
+        node_ledger(context).claim_model(model_digest(content))
+    if policy.max_epsilon > 0 and dp is not None and dp.mechanism == "distributed DP":
         ledger = node_ledger(context)
         projected = gaussian_epsilon([*ledger.releases(), dp.noise_multiplier], policy.delta, "rdp")
         if projected > policy.max_epsilon:
@@ -176,6 +259,28 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
                 f"{REFUSAL_BUDGET}: one more distributed-DP round would bring this node's "
                 f"epsilon to {projected:.3f}, above its max-epsilon {policy.max_epsilon}"
             )
+
+
+def model_digest(content: RecordDict) -> str:
+    """SHA-256 of the message's array records (the global model it asks this node to train)."""
+    h = hashlib.sha256(b"fedge global model v1")
+    for name, record in sorted(content.array_records.items()):
+        for key in sorted(record):
+            arr = record[key]
+            h.update(f"{name}/{key}|{arr.dtype}|{tuple(arr.shape)}|".encode())
+            h.update(arr.data)
+    return h.hexdigest()
+
+
+def check_evaluate(policy: PrivacyPolicy) -> None:
+    """Refuse evaluate messages under a strict policy: their replies carry this node's loss
+    and example count in clear, for any adapter the server sends (a loss oracle)."""
+    if policy.require_secagg or policy.require_dp or policy.max_epsilon > 0:
+        raise PolicyRefusal(
+            "this node requires SecAgg+ or DP (require-secagg, require-dp or max-epsilon) and an "
+            "evaluate reply would carry its own loss in clear; evaluate on the server instead "
+            "(client-eval = false)"
+        )
 
 
 def dpsgd_budget(policy: PrivacyPolicy, config: Mapping[str, object]) -> float:

@@ -1,14 +1,28 @@
 """Client half of SecAgg+ as a state machine whose state lives in a Flower ConfigRecord.
 
 Keys are agreed once per server session: two X25519 key pairs, advertised when the
-server asks; the X25519 secret with each neighbour is computed once per session and kept
+server asks and signed with the node's long-term Ed25519 identity
+(:mod:`fedge.secagg.identity`); a neighbour's keys are accepted only with a valid
+signature, under a key of the node's trust list when it holds one, and a node id's
+identity is pinned for good (a new session never replaces it). The X25519 secret with each neighbour is computed once per session and kept
 in the state beside the private keys. Each round is then two exchanges. *Collect*: the client trains, masks
 its quantized input with a fresh self mask and one pairwise mask per neighbour
-(seeded by HKDF from the pair's X25519 secret, both node ids and the round id),
-and sends it with its self-mask seed Shamir-shared among its neighbours, each share
-encrypted to its holder (AES-GCM under a per-round HKDF key). *Unmask*: it reveals the self-mask shares of live
-neighbours and, for dropped ones, this round's pairwise seed, never both for one
-node and never a long-term key. A round id is accepted once, so masks never repeat.
+(seeded by HKDF from the pair's X25519 secret, both node ids, the round id and a
+digest of the train content, :mod:`fedge.secagg.binding`), and sends it with its
+self-mask seed Shamir-shared among its neighbours only (it keeps no share itself),
+each share encrypted to its holder (AES-GCM under a per-round HKDF key). *Unmask*: it
+reveals the self-mask shares of live neighbours and, for dropped ones, this round's
+pairwise seed, never both for one node and never a long-term key. A round id is
+accepted once, so masks never repeat.
+
+Why no active server unmasks one input (docs/privacy.md): a client accepts only a
+threshold t with n >= t > n/2 of its n neighbours, and unmasks only when the server's
+live and dropped lists split its neighbourhood with at least t neighbours live. The
+victim's self-mask seed needs t neighbours told "v is live" (they keep their pair seeds
+with v); its pair masks with the >= t neighbours the victim was told are live need those
+neighbours told "v dropped". Both groups lie among the n neighbours and cannot overlap,
+so 2t <= n: refused. Hence any sum that contains the victim's unmasked input also
+contains at least 2t - n of its neighbours' inputs.
 """
 
 from __future__ import annotations
@@ -17,15 +31,23 @@ import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedge.errors import FedgeError
+from clients.secagg.rules import (
+    ClientRules,
+    SecAggProtocolError,
+    check_neighbourhood,
+    check_numbers,
+)
+from fedge.secagg import identity as ident
 from fedge.secagg import wire
+from fedge.secagg.binding import content_digest
 from fedge.secagg.crypto import (
-    MASK_PURPOSE,
     SHARE_PURPOSE,
     derive,
     generate_keypair,
+    mask_info,
     pair_info,
     seal,
     shared_secrets,
@@ -52,8 +74,16 @@ _S_ROUND = "round"
 _S_STAGE = "stage"
 _S_NEIGHBOURS = "neighbours"
 _S_THRESHOLD = "threshold"
-_S_OWN_SHARE = "own-share"
+_S_DIGEST = "content-digest"  # binds this round's pair seeds to the content sent
+_S_ID_KEY = "identity-key"  # an engine without a key file signs with one kept here
+_S_ID_PINS = "identity-pins"  # packed ids, parallel to _S_ID_PIN_KEYS: never cleared
+_S_ID_PIN_KEYS = "identity-pin-keys"
+_KEPT = (_S_ID_KEY, _S_ID_PINS, _S_ID_PIN_KEYS)  # survive a new key session
 _SETTINGS = (
+    wire.KEY_PEER_PK1,
+    wire.KEY_PEER_PK2,
+    wire.KEY_PEER_IDENTITY,
+    wire.KEY_PEER_SIGNATURE,
     wire.KEY_THRESHOLD,
     wire.KEY_NEIGHBOURS,
     wire.KEY_CLIPPING_RANGE,
@@ -65,10 +95,6 @@ _SETTINGS = (
 )
 
 
-class SecAggProtocolError(FedgeError):
-    """A SecAgg+ stage message was out of order, malformed or unsafe; the client refuses it."""
-
-
 class SecAggClientEngine:
     """Answer SecAgg+ stage messages for node ``node_id``, keeping secrets in ``state``.
 
@@ -76,9 +102,17 @@ class SecAggClientEngine:
     same record across a session's messages (Flower's ``context.state`` provides that).
     """
 
-    def __init__(self, node_id: int, state: ConfigRecord) -> None:
+    def __init__(
+        self,
+        node_id: int,
+        state: ConfigRecord,
+        identity: Ed25519PrivateKey | None = None,
+        rules: ClientRules | None = None,
+    ) -> None:
         self.node_id = node_id
         self.state = state
+        self.identity = identity if identity is not None else self._state_identity()
+        self.rules = rules if rules is not None else ClientRules()
 
     def handle(self, content: RecordDict, contribute: Contribute) -> RecordDict:
         """Run the stage named in ``content`` and return the reply content."""
@@ -97,7 +131,7 @@ class SecAggClientEngine:
                 f"session {self.state.get(_S_SESSION)!r}; the server must ask it to advertise keys"
             )
         elif stage == wire.STAGE_COLLECT:
-            out = self._collect(rec, contribute)
+            out = self._collect(rec, contribute, content_digest(content))
         elif stage == wire.STAGE_UNMASK:
             out = self._unmask(rec)
         else:
@@ -118,15 +152,27 @@ class SecAggClientEngine:
         if not session:
             raise SecAggProtocolError("advertise-keys message has no session id")
         if self.state.get(_S_SESSION) != session:
+            kept = {k: self.state[k] for k in _KEPT if k in self.state}
             self.state.clear()
+            self.state.update(kept)
             self.state[_S_SESSION] = session
             self.state[_S_SK1], self.state[_S_PK1] = generate_keypair()
             self.state[_S_SK2], self.state[_S_PK2] = generate_keypair()
             self.state[_S_USED] = []
-        out = ConfigRecord({wire.KEY_PK1: self.state[_S_PK1], wire.KEY_PK2: self.state[_S_PK2]})
+        pk1, pk2 = wire.get_bytes(self.state, _S_PK1), wire.get_bytes(self.state, _S_PK2)
+        out = ConfigRecord(
+            {
+                wire.KEY_PK1: pk1,
+                wire.KEY_PK2: pk2,
+                wire.KEY_IDENTITY: ident.public_bytes(self.identity),
+                wire.KEY_SIGNATURE: ident.sign_advert(
+                    self.identity, session, self.node_id, pk1, pk2
+                ),
+            }
+        )
         return RecordDict({wire.SECAGG_RECORD: out})
 
-    def _collect(self, rec: ConfigRecord, contribute: Contribute) -> RecordDict:
+    def _collect(self, rec: ConfigRecord, contribute: Contribute, digest: bytes) -> RecordDict:
         """Check the round, train, mask; return the masked input and the encrypted seed shares."""
         round_id = str(rec.get(wire.KEY_ROUND, ""))
         used = wire.get_str_list(self.state, _S_USED)
@@ -139,11 +185,17 @@ class SecAggClientEngine:
             if key not in rec:
                 raise SecAggProtocolError(f"collect message lacks field {key!r}")
         neighbours = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_NEIGHBOURS))
-        pk1s = wire.get_bytes_list(rec, wire.KEY_PEER_PK1)
-        pk2s = wire.get_bytes_list(rec, wire.KEY_PEER_PK2)
-        threshold = int(wire.get_number(rec, wire.KEY_THRESHOLD))
-        self._check_neighbourhood(neighbours, pk1s, pk2s, threshold)
+        threshold, clip, levels, modulus = check_numbers(rec)
+        check_neighbourhood(self.node_id, neighbours, threshold, self.rules)
+        self._check_keys(
+            neighbours,
+            wire.get_bytes_list(rec, wire.KEY_PEER_PK1),
+            wire.get_bytes_list(rec, wire.KEY_PEER_PK2),
+            wire.get_bytes_list(rec, wire.KEY_PEER_IDENTITY),
+            wire.get_bytes_list(rec, wire.KEY_PEER_SIGNATURE),
+        )
         self.state[_S_USED] = [*used, round_id]
+        self.state[_S_DIGEST] = digest
         self.state[_S_ROUND] = round_id
         self.state[_S_STAGE] = wire.STAGE_COLLECT
         self.state[_S_NEIGHBOURS] = wire.pack_ids(neighbours)
@@ -157,13 +209,7 @@ class SecAggClientEngine:
                     "freeze it (dp-ffa-lora) or turn FFA-LoRA off on the server"
                 )
         layout = Layout.of(arrays, wire.get_scales(rec))
-        modulus = int(wire.get_number(rec, wire.KEY_MODULUS_RANGE))
-        q = quantize(
-            layout.flatten(arrays),
-            wire.get_number(rec, wire.KEY_CLIPPING_RANGE),
-            int(wire.get_number(rec, wire.KEY_QUANTIZATION_RANGE)),
-            np.random.default_rng(),
-        )
+        q = quantize(layout.flatten(arrays), clip, levels, np.random.default_rng())
         seed = os.urandom(32)  # fresh self mask every round
         # uint32 arithmetic wraps mod 2**32, a multiple of m: reduce mod m once at the end
         masked = q + prg_mask(seed, layout.size, modulus)
@@ -176,13 +222,12 @@ class SecAggClientEngine:
                 masked -= mask
         masked &= np.uint32(modulus - 1)
 
-        shares = split_secret(seed, threshold, len(neighbours) + 1)
-        self.state[_S_OWN_SHARE] = shares[-1]
+        shares = split_secret(seed, threshold, len(neighbours))  # none kept: see the module doc
         cts = [
             seal(
                 self._share_key(peer, s2[peer], round_id), share, _share_context(self.node_id, peer)
             )
-            for peer, share in zip(neighbours, shares, strict=False)
+            for peer, share in zip(neighbours, shares, strict=True)
         ]
         out = ConfigRecord(
             {wire.KEY_DESTINATIONS: wire.pack_ids(neighbours), wire.KEY_CIPHERTEXTS: cts}
@@ -214,14 +259,19 @@ class SecAggClientEngine:
             )
         if self.node_id not in active:
             raise SecAggProtocolError("unmask message lists this node as not live; refusing")
-        if (set(active) | set(dropped)) - set(neighbours) - {self.node_id}:
+        if len(active) + len(dropped) != len(set(active) | set(dropped)) or (
+            set(active) | set(dropped)
+        ) != set(neighbours) | {self.node_id}:
             raise SecAggProtocolError(
-                "unmask message asks about nodes outside this node's neighbourhood"
+                "unmask message does not split this node's neighbourhood into live and dropped "
+                "nodes (rule: every neighbour exactly once); refusing"
             )
-        if len(set(active)) < threshold:
+        live = len(set(active) - {self.node_id})
+        if live < threshold:
             raise SecAggProtocolError(
-                f"only {len(set(active))} live nodes in this neighbourhood, below the threshold "
-                f"{threshold}; unmasking now could expose an input, so this node refuses"
+                f"only {live} live neighbours, below the threshold {threshold} (rule: unmask only "
+                "with at least threshold live neighbours, so no server holds both secrets of a "
+                "node); refusing"
             )
         sources = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_SOURCES))
         cts = wire.get_bytes_list(rec, wire.KEY_CIPHERTEXTS)
@@ -230,7 +280,8 @@ class SecAggClientEngine:
                 "unmask message forwards shares that do not match live neighbours"
             )
         s1, s2 = self._secrets(neighbours)
-        owners, shares = [self.node_id], [wire.get_bytes(self.state, _S_OWN_SHARE)]
+        owners: list[int] = []
+        shares: list[bytes] = []
         for src, ct in zip(sources, cts, strict=True):
             key = self._share_key(src, s2[src], round_id)
             try:  # the context binds sender and receiver: a share forwarded elsewhere fails
@@ -253,50 +304,93 @@ class SecAggClientEngine:
         return RecordDict({wire.SECAGG_RECORD: out})
 
     # ------------------------------------------------------------------ helpers
-    def _check_neighbourhood(
-        self, neighbours: list[int], pk1s: list[bytes], pk2s: list[bytes], threshold: int
+    def _check_keys(
+        self,
+        ids: list[int],
+        pk1s: list[bytes],
+        pk2s: list[bytes],
+        idents: list[bytes],
+        sigs: list[bytes],
     ) -> None:
-        """Refuse an unsafe neighbourhood: low threshold, repeated or swapped public keys."""
-        k = len(neighbours) + 1
-        if 2 * threshold <= k:
+        """Refuse repeated, unsigned, untrusted or replaced keys; pin the rest for the session."""
+        n = len(ids)
+        if not len(pk1s) == len(pk2s) == len(idents) == len(sigs) == n:
             raise SecAggProtocolError(
-                f"threshold {threshold} is not more than half of this node's neighbourhood of {k}; "
-                "with it the server could rebuild both secrets of a node, so it refuses"
+                "collect message: neighbours, public keys and signatures do not match (rule: "
+                "every neighbour's keys come signed by its identity)"
             )
-        if threshold > k or len(pk1s) != len(neighbours) or len(pk2s) != len(neighbours):
-            raise SecAggProtocolError(
-                "collect message: neighbours, keys and threshold do not match"
-            )
-        if self.node_id in neighbours or len(set(neighbours)) != len(neighbours):
-            raise SecAggProtocolError(
-                "collect message lists this node or a node twice as neighbour"
-            )
-        own = (self.state[_S_PK1], self.state[_S_PK2])
-        if len(set(pk1s) | {own[0]}) != k or len(set(pk2s) | {own[1]}) != k:
-            raise SecAggProtocolError(
-                "collect message repeats a public key (or this node's own); refusing"
-            )
-        self._pin(neighbours, pk1s, pk2s)
-
-    def _pin(self, ids: list[int], pk1s: list[bytes], pk2s: list[bytes]) -> None:
-        """Bind public keys to node ids for the session (a key that changes is refused), and
-        compute the X25519 secrets with newly pinned nodes once."""
+        own = (self.state[_S_PK1], self.state[_S_PK2], ident.public_bytes(self.identity))
+        for mine, theirs in zip(own, (pk1s, pk2s, idents), strict=True):
+            if len(set(theirs) | {mine}) != n + 1:
+                raise SecAggProtocolError(
+                    "collect message repeats a public key or identity (or this node's own); "
+                    "refusing"
+                )
         pinned = self._pinned_ids()
         p1 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK1), strict=True))
         p2 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK2), strict=True))
-        fresh = [u for u in ids if u not in p1]
+        fresh = [i for i, u in enumerate(ids) if u not in p1]
         for u, a, b in zip(ids, pk1s, pk2s, strict=True):
-            if p1.setdefault(u, a) != a or p2.setdefault(u, b) != b:
+            if u in p1 and (p1[u] != a or p2[u] != b):
                 raise SecAggProtocolError(
                     f"the public keys of node {u} changed within key session "
                     f"{self.state.get(_S_SESSION)!r}; refusing (a server may be impersonating it)"
                 )
-        if not fresh:  # steady state: every neighbour pinned, nothing to compute or store
+        if not fresh:  # steady state: every neighbour verified and pinned, nothing to do
             return
+        self._check_identities([(ids[i], pk1s[i], pk2s[i], idents[i], sigs[i]) for i in fresh])
+        self._pin([ids[i] for i in fresh], [pk1s[i] for i in fresh], [pk2s[i] for i in fresh])
+
+    def _check_identities(self, adverts: list[tuple[int, bytes, bytes, bytes, bytes]]) -> None:
+        """Verify each advertisement's signature, its identity against the trust list and the
+        identity pinned for that node id; pin new ones (a pin is never replaced)."""
+        session = str(self.state.get(_S_SESSION, ""))
+        pins = self._identity_pins()
+        for u, pk1, pk2, key, sig in adverts:
+            if self.rules.trusted is not None and key not in self.rules.trusted:
+                raise SecAggProtocolError(
+                    f"node {u}'s identity key is not in this node's trust list (rule: neighbours "
+                    "only under operator-distributed keys); refusing"
+                )
+            if pins.setdefault(u, key) != key:
+                raise SecAggProtocolError(
+                    f"node {u} advertises a different identity key than the one pinned for it "
+                    "(rule: an identity pin is never replaced); refusing"
+                )
+            if not ident.verify_advert(key, sig, session, u, pk1, pk2):
+                raise SecAggProtocolError(
+                    f"node {u}'s public keys do not carry a valid signature of its identity "
+                    "(rule: key advertisements are signed); refusing"
+                )
+        order = sorted(pins)
+        self.state[_S_ID_PINS] = wire.pack_ids(order)
+        self.state[_S_ID_PIN_KEYS] = [pins[u] for u in order]
+
+    def _identity_pins(self) -> dict[int, bytes]:
+        """Node id -> identity key, as first seen; kept across key sessions."""
+        if _S_ID_PINS not in self.state:
+            return {}
+        ids = wire.unpack_ids(wire.get_bytes(self.state, _S_ID_PINS))
+        return dict(zip(ids, wire.get_bytes_list(self.state, _S_ID_PIN_KEYS), strict=True))
+
+    def _state_identity(self) -> Ed25519PrivateKey:
+        """A signing key kept in the state: for engines given no key file (tests, one run)."""
+        if _S_ID_KEY not in self.state:
+            self.state[_S_ID_KEY] = ident.private_bytes(Ed25519PrivateKey.generate())
+        return Ed25519PrivateKey.from_private_bytes(wire.get_bytes(self.state, _S_ID_KEY))
+
+    def _pin(self, fresh: list[int], pk1s: list[bytes], pk2s: list[bytes]) -> None:
+        """Bind the verified keys of ``fresh`` node ids for the session and compute their
+        X25519 secrets once."""
+        pinned = self._pinned_ids()
+        p1 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK1), strict=True))
+        p2 = dict(zip(pinned, wire.get_bytes_list(self.state, _S_PINNED_PK2), strict=True))
+        p1.update(zip(fresh, pk1s, strict=True))
+        p2.update(zip(fresh, pk2s, strict=True))
         s1, s2 = self._secrets(pinned)
         sk1, sk2 = wire.get_bytes(self.state, _S_SK1), wire.get_bytes(self.state, _S_SK2)
-        s1.update(zip(fresh, shared_secrets(sk1, [p1[u] for u in fresh]), strict=True))
-        s2.update(zip(fresh, shared_secrets(sk2, [p2[u] for u in fresh]), strict=True))
+        s1.update(zip(fresh, shared_secrets(sk1, pk1s), strict=True))
+        s2.update(zip(fresh, shared_secrets(sk2, pk2s), strict=True))
         order = sorted(p1)
         self.state[_S_PINNED] = wire.pack_ids(order)
         self.state[_S_PINNED_PK1] = [p1[u] for u in order]
@@ -317,8 +411,10 @@ class SecAggClientEngine:
         return {u: s1[u] for u in ids}, {u: s2[u] for u in ids}
 
     def _pair_seed(self, peer: int, secret: bytes, round_id: str) -> bytes:
-        """This round's pairwise mask seed with ``peer``: HKDF over the pair's X25519 secret."""
-        return derive(secret, pair_info(MASK_PURPOSE, self.node_id, peer, round_id))
+        """This round's pairwise mask seed with ``peer``: HKDF over the pair's X25519 secret,
+        bound to the digest of the content this node was sent (:mod:`fedge.secagg.binding`)."""
+        digest = wire.get_bytes(self.state, _S_DIGEST)
+        return derive(secret, mask_info(self.node_id, peer, round_id, digest))
 
     def _share_key(self, peer: int, secret: bytes, round_id: str) -> bytes:
         """This round's key for the shares exchanged with ``peer``."""

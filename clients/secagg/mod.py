@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
+from clients.privacy.ledger import ledger_root
+from clients.privacy.policy import node_policy
+from clients.secagg.engine import ClientRules, SecAggClientEngine, SecAggProtocolError
 from fedge import keys
 from fedge.privacy.wire import MET_DPSGD_EPSILON
+from fedge.secagg import identity as ident
 from fedge.secagg import wire
 from fedge.secagg.vectors import scale_for
 
@@ -39,8 +46,14 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     states = context.state.config_records
     if wire.SECAGG_STATE_RECORD not in states:
         states[wire.SECAGG_STATE_RECORD] = ConfigRecord()
-    engine = SecAggClientEngine(msg.metadata.dst_node_id, states[wire.SECAGG_STATE_RECORD])
     rec = msg.content.config_records[wire.SECAGG_RECORD]
+    try:
+        key, rules = node_identity(context), node_rules(context)
+    except ValueError as exc:
+        return Message(Error(code=ERROR_SECAGG, reason=f"SecAgg+: {exc}"), reply_to=msg)
+    engine = SecAggClientEngine(
+        msg.metadata.dst_node_id, states[wire.SECAGG_STATE_RECORD], key, rules
+    )
 
     def contribute() -> dict[str, np.ndarray]:
         reply = call_next(msg, context)
@@ -58,6 +71,33 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     except (SecAggProtocolError, ValueError) as exc:
         return Message(Error(code=ERROR_SECAGG, reason=f"SecAgg+: {exc}"), reply_to=msg)
     return Message(out, reply_to=msg)
+
+
+def identity_path(context: Context) -> Path:
+    """Where this node's SecAgg+ signing key lives: under its own state root, per partition."""
+    pid = int(str(context.node_config.get(keys.NODE_PARTITION_ID, context.node_id)))
+    return ledger_root(context.node_config) / "secagg-identity" / f"partition-{pid:05d}.key"
+
+
+def node_identity(context: Context) -> Ed25519PrivateKey:
+    """This node's long-term signing key, read once per process (created on first use)."""
+    return _load_identity(identity_path(context))
+
+
+@functools.lru_cache(maxsize=64)
+def _load_identity(path: Path) -> Ed25519PrivateKey:
+    return ident.load_or_create(path)
+
+
+def node_rules(context: Context) -> ClientRules:
+    """The SecAgg+ rules of this node's privacy policy (minimum neighbourhood, trust list)."""
+    policy = node_policy(context.node_config)
+    trusted = ident.load_trust_list(Path(policy.trusted_keys)) if policy.trusted_keys else None
+    return ClientRules(
+        min_neighbours=policy.secagg_min_neighbours,
+        min_threshold=policy.secagg_min_threshold,
+        trusted=trusted,
+    )
 
 
 def _metric_arrays(content: RecordDict, rec: ConfigRecord) -> dict[str, np.ndarray]:

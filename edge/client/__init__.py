@@ -2,7 +2,8 @@
 
 Modules, one job each:
 
-- `config`: `ClientConfig` and the failures (`VerifierUnreachable`, `RateLimited`);
+- `config`: `ClientConfig` and the failures (`VerifierUnreachable`, `RateLimited`,
+  `TokenizerMismatch`);
 - `transport`: the channel, round-trip and byte accounting, overload retries, health;
 - `verifier`: `VerifierClient`, sessions that survive retries and restarts, cloud-only streams;
 - `routes`: decoding one request on one route, recording what it cost;
@@ -11,7 +12,7 @@ Modules, one job each:
 - `device`: `EdgeClient`, per request: route, decode, fall back, report, learn.
 """
 
-from edge.client.config import ClientConfig, RateLimited, VerifierUnreachable
+from edge.client.config import ClientConfig, RateLimited, TokenizerMismatch, VerifierUnreachable
 from edge.client.device import EdgeClient
 from edge.client.report import RequestReport
 from edge.client.verifier import VerifierClient
@@ -21,6 +22,7 @@ __all__ = [
     "EdgeClient",
     "RateLimited",
     "RequestReport",
+    "TokenizerMismatch",
     "VerifierClient",
     "VerifierUnreachable",
 ]

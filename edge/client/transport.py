@@ -55,7 +55,8 @@ class Transport:
         self.overloads = 0  # RESOURCE_EXHAUSTED replies seen (the router reads them)
         self._in_flight: set[Any] = set()  # fire-and-forget calls not yet answered
         self.tracing = Tracing(tracer_provider)
-        metadata = [("authorization", f"Bearer {config.token}")] if config.token else []
+        token = config.bearer_token()
+        metadata = [("authorization", f"Bearer {token}")] if token else []
         if config.device_id:
             metadata.append((DEVICE_KEY, config.device_id))
         self.metadata = tuple(metadata)
@@ -167,7 +168,11 @@ def _channel(config: ClientConfig) -> grpc.Channel:
     options = list(RECONNECT_OPTIONS)
     if config.root_cert is None:
         return grpc.insecure_channel(config.target, options=options)
-    credentials = grpc.ssl_channel_credentials(config.root_cert.read_bytes())
+    credentials = grpc.ssl_channel_credentials(
+        config.root_cert.read_bytes(),
+        private_key=config.client_key.read_bytes() if config.client_key else None,
+        certificate_chain=config.client_cert.read_bytes() if config.client_cert else None,
+    )
     if config.tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.tls_server_name))
     return grpc.secure_channel(config.target, credentials, options=options)

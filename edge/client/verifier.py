@@ -15,16 +15,17 @@ import itertools
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from opentelemetry.trace import TracerProvider
 
-from edge.client.config import ClientConfig, VerifierUnreachable
+from edge.client.config import ClientConfig, TokenizerMismatch, VerifierUnreachable
 from edge.client.transport import Transport
 from edge.proto import verifier_pb2 as pb
 from edge.tracing import VERIFY_SPAN
 from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
+from edge.verifier.errors import VERSION_GONE_KEY
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # FAILED_PRECONDITION while retrying: the retry raced its own first attempt, which is still running
@@ -39,6 +40,7 @@ class EdgeSession:
     committed: list[int]  # prompt + every token the verifier has returned
     sampling: Sampling
     known: bool  # the verifier has (as far as we know) opened it
+    version: str = ""  # model_id/adapter_id it was opened on ("" = not yet known)
 
 
 class VerifierClient(Transport):
@@ -48,6 +50,7 @@ class VerifierClient(Transport):
         super().__init__(config, tracer_provider)
         self.retries = 0  # transient failures retried
         self.reopens = 0  # sessions reopened after NOT_FOUND or ABORTED
+        self.version_changes = 0  # sessions restarted on other weights after theirs were gone
         self._limits: SessionInfo | None = None  # the verifier's, from the first open
         self._sessions: dict[str, EdgeSession] = {}
 
@@ -62,15 +65,13 @@ class VerifierClient(Transport):
             info = self.open_remote(prompt_ids, sampling)
             self._limits = info
             self._sessions[info.session_id] = EdgeSession(
-                info.session_id, list(prompt_ids), sampling, known=True
+                info.session_id, list(prompt_ids), sampling, known=True, version=info.version
             )
             return info
         local_id = uuid.uuid4().hex
         self._sessions[local_id] = EdgeSession(local_id, list(prompt_ids), sampling, known=False)
         limits = self._limits
-        return SessionInfo(
-            local_id, limits.vocab_size, limits.max_draft, limits.max_context, limits.session_ttl_s
-        )
+        return replace(limits, session_id=local_id)
 
     def open_remote(self, prompt_ids: Sequence[int], sampling: Sampling) -> SessionInfo:
         """OpenSession: the verifier prefills the prompt now and picks the id."""
@@ -79,13 +80,28 @@ class VerifierClient(Transport):
             pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling)),
             pb.OpenSessionReply,
         )
-        return SessionInfo(
+        info = SessionInfo(
             reply.session_id,
             reply.vocab_size,
             reply.max_draft,
             reply.max_context,
             reply.session_ttl_s,
+            reply.model_id,
+            reply.adapter_id,
+            reply.tokenizer_id,
         )
+        self._check_tokenizer(info.tokenizer_id)
+        return info
+
+    def _check_tokenizer(self, served: str) -> None:
+        """Refuse a verifier whose tokenizer is known and is not the draft's."""
+        expected = self.config.tokenizer_id
+        if expected and served and served != expected:
+            raise TokenizerMismatch(
+                f"verifier at {self.config.target} serves tokenizer {served}, the draft uses "
+                f"{expected}: its ids would decode to other text; point the edge at a verifier "
+                "of the draft's model family"
+            )
 
     def verify(
         self,
@@ -112,6 +128,9 @@ class VerifierClient(Transport):
                 reply = self.unary(self.stub.Verify, request, pb.VerifyReply)
             else:
                 reply = self._verify_session(session, request)
+                if reply.HasField("opened"):
+                    self._check_tokenizer(reply.opened.tokenizer_id)
+                    session.version = f"{reply.opened.model_id}/{reply.opened.adapter_id}"
                 session.known = True
                 session.committed += [*draft_ids[: reply.accepted], reply.next_token]
             if span is not None:
@@ -132,6 +151,11 @@ class VerifierClient(Transport):
             except grpc.RpcError as err:
                 code = err.code()  # type: ignore[attr-defined]
                 if code == grpc.StatusCode.NOT_FOUND and not request.committed_ids:
+                    self._attach_committed(session, request)
+                    continue
+                if code == RETRY_RACE and _version_gone(err):  # its weights are gone: go on
+                    session.version = ""  # from the committed tokens on the version served now
+                    self.version_changes += 1
                     self._attach_committed(session, request)
                     continue
                 if code == grpc.StatusCode.ABORTED:  # diverged: start over under a new id
@@ -155,6 +179,7 @@ class VerifierClient(Transport):
         del request.committed_ids[:]
         request.committed_ids.extend(session.committed)
         request.sampling.CopyFrom(_sampling(session.sampling))
+        request.version = session.version
 
     def close(self, session_id: str) -> int:
         """Close a session without waiting (fire-and-forget); returns the tokens it held here."""
@@ -202,6 +227,12 @@ class VerifierClient(Transport):
         for reply in itertools.chain([] if first is None else [first], stream):
             self.bytes_down += reply.ByteSize()
             yield int(reply.token_id)
+
+
+def _version_gone(err: grpc.RpcError) -> bool:
+    """Whether a FAILED_PRECONDITION says the session's version is no longer served."""
+    trailing = err.trailing_metadata() or ()  # type: ignore[attr-defined]
+    return any(key == VERSION_GONE_KEY for key, _ in trailing)
 
 
 def _sampling(sampling: Sampling) -> pb.Sampling:

@@ -2,14 +2,16 @@
 
 Checks, in order, each failure naming the file: the directory and its
 `adapter_config.json` (peft LoRA), the weights file, the directory's fedge
-manifest when it has one (sha256 of every file), and every LoRA tensor's shape
-against the base model's module it targets (built on the meta device: no
-weights are loaded).
+manifest when it has one (sha256 of every file), every LoRA tensor's shape
+against the base model's module it targets (built on the meta device: no base
+weights are loaded) and against the config's rank (lora_A [r, in], lora_B
+[out, r]), and every value finite. All of it runs before any replica stops.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,10 @@ def check_adapter(model_dir: Path, adapter_dir: Path) -> dict[str, Any]:
                 f"{adapter_dir}: {'; '.join(problems)} (checked against {MANIFEST_NAME}); "
                 "copy the adapter again"
             )
-    _check_shapes(model_dir, weights, _tensor_shapes(weights))
+    shapes = _tensor_shapes(weights)
+    _check_shapes(model_dir, weights, shapes)
+    _check_ranks(weights, shapes, config)
+    _check_finite(weights)
     return config
 
 
@@ -115,4 +120,47 @@ def _check_shapes(model_dir: Path, weights: Path, shapes: dict[str, tuple[int, .
             raise AdapterMismatch(
                 f"{weights}: tensor {key} has shape {list(shape)}, but {module} of the base "
                 f"model needs {expected}; the adapter was trained on another base model"
+            )
+
+
+def _rank_of(module_key: str, config: dict[str, Any]) -> int:
+    """The LoRA rank the config gives a module: its `rank_pattern` entry, else `r`."""
+    for pattern, rank in (config.get("rank_pattern") or {}).items():
+        if module_key.endswith(pattern) or re.fullmatch(pattern, module_key):
+            return int(rank)
+    return int(config.get("r", 0))
+
+
+def _check_ranks(weights: Path, shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> None:
+    """lora_A is [r, in] and lora_B is [out, r] with the config's r (a mismatch cannot multiply)."""
+    for key, shape in sorted(shapes.items()):
+        part = ".lora_A." if ".lora_A." in key else ".lora_B." if ".lora_B." in key else ""
+        if not part:
+            continue
+        module = key.split(part)[0].removeprefix(PEFT_PREFIX)
+        rank = _rank_of(module, config)
+        got = shape[0] if part == ".lora_A." else shape[-1]
+        if got != rank:
+            raise AdapterMismatch(
+                f"{weights}: tensor {key} has rank {got}, but {CONFIG_FILE} gives {module} "
+                f"rank {rank}; the weights and the config come from different adapters"
+            )
+
+
+def _check_finite(weights: Path) -> None:
+    """Every value of every tensor is finite (a NaN or inf would poison every token served)."""
+    import torch
+
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights))
+    else:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    for key, tensor in sorted(state.items()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise AdapterMismatch(
+                f"{weights}: tensor {key} holds {bad} non-finite values (NaN or inf); the "
+                "training run diverged: serve an earlier round's adapter"
             )

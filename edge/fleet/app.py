@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from edge.fleet.ingress import INGRESS_SERVICE, REPLICA_DEPLOYMENT, FleetIngress, IngressSpec
+from edge.fleet.ingress import REPLICA_DEPLOYMENT, FleetIngress
+from edge.fleet.ingress_spec import INGRESS_SERVICE, IngressSpec
 from edge.fleet.replica import REPLICA_SERVICE, ReplicaSpec, VerifierReplica
 from edge.fleet.routers import policy_class, policy_path
 from edge.fleet.wire import ROUTE_PIN
@@ -46,7 +47,10 @@ class FleetConfig:
     host: str = "127.0.0.1"
     port: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
-    token: str | None = None
+    credentials_file: Path | None = None  # 'IDENTITY TOKEN' per device; the ingress reads it
+    tls_cert: Path | None = None  # PEM chain and key of the ingress's TLS listener
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA of client certificates (mTLS)
     min_replicas: int = 1  # autoscaling lower bound (used when max_replicas is set)
     max_replicas: int | None = None  # None = no autoscaling
     target_queue: float = 8.0  # autoscaling target: ongoing calls per replica
@@ -56,6 +60,9 @@ class FleetConfig:
     scaling_metrics_s: float = 10.0  # how often the ingress's handle reports its queue to Serve
     # (Serve 2.55's `metrics_interval_s`, deprecated there in favour of an environment variable)
     max_ongoing_requests: int = 64  # per replica; above it Serve queues in the ingress
+    max_queued_requests: int = 256  # queued in the ingress's handle per version; beyond it a
+    # call is refused RESOURCE_EXHAUSTED with a retry-after (Serve's BackPressureError)
+    max_inflight: int = 4096  # calls the ingress holds at once; beyond, refused at once
     health_period_s: float = 2.0  # Serve probes each replica's verifier health this often
     health_timeout_s: float = 10.0
     replica_cpus: float = 1.0  # logical CPUs each replica reserves in Ray
@@ -91,6 +98,18 @@ class FleetConfig:
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"FleetConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_queued_requests", "max_inflight", "max_ongoing_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FleetConfig.{name} must be >= 1, got {getattr(self, name)}")
+        longest_verify = self.engine.max_draft + 1
+        if (
+            self.rate_limits.verify_rate is not None
+            and self.rate_limits.verify_burst < longest_verify
+        ):
+            raise ValueError(
+                f"FleetConfig.rate_limits.verify_burst={self.rate_limits.verify_burst} is below "
+                f"the cost of the longest verify (max_draft + 1 = {longest_verify}); raise it"
+            )
         if self.replica_cpus < 0:
             raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
 
@@ -100,7 +119,6 @@ class FleetConfig:
             self.model_dir,
             adapter_dir or self.adapter_dir,
             self.engine,
-            self.token,
             self.slowdown,
             replace(self.tracing, service_name=REPLICA_SERVICE),
         )
@@ -111,9 +129,14 @@ class FleetConfig:
             stable_app,
             self.host,
             self.port,
-            pickle.dumps(self),
-            self.rate_limits,
-            replace(self.tracing, service_name=INGRESS_SERVICE),
+            self.credentials_file,
+            self.tls_cert,
+            self.tls_key,
+            self.tls_client_ca,
+            max_inflight=self.max_inflight,
+            fleet=pickle.dumps(self),
+            rate_limits=self.rate_limits,
+            tracing=replace(self.tracing, service_name=INGRESS_SERVICE),
         )
 
     def autoscaling(self) -> dict[str, Any] | None:
@@ -141,6 +164,7 @@ def replica_application(config: FleetConfig, adapter_dir: Path | None = None) ->
     options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests,
         "health_check_period_s": config.health_period_s,
         "health_check_timeout_s": config.health_timeout_s,
         "graceful_shutdown_timeout_s": 5.0,
@@ -205,9 +229,9 @@ class Fleet:
         handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=self.describe()["stable"])
         return getattr(handle, method).remote(*args, **{ROUTE_PIN: replica_id, **kwargs}).result()
 
-    def restart(self, adapter_dir: Path | None = None) -> dict[str, Any]:
+    def restart(self) -> dict[str, Any]:
         """Replace every replica of the stable version in place, one at a time (`restart_version`)."""
-        report = restart_version(self.ingress, adapter_dir)
+        report = restart_version(self.ingress)
         self.config = pickle.loads(self.ingress.fleet_config.remote().result())
         return report
 
@@ -237,9 +261,7 @@ def replica_actors(app: str) -> dict[str, str]:
     }
 
 
-def restart_version(
-    ingress: Any, adapter_dir: Path | None = None, timeout_s: float = 600.0
-) -> dict[str, Any]:
+def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     """Replace every replica of the ingress's stable version, one at a time, failing no call.
 
     This is Ray Serve's rolling update: `serve.run` gives the deployment a new code
@@ -249,13 +271,12 @@ def restart_version(
     calls it holds (`graceful_shutdown_timeout_s`); a call that still reaches it is
     handled as the replica's loss (`ReplicaStopping`), and its sessions reopen on
     another replica from the edge's committed tokens (NOT_FOUND, the proto's recovery).
-    With `adapter_dir` the new replicas serve that adapter: an upgrade, checked before
-    any replica stops (a misfit is refused naming the file). Returns the replica ids
-    before and after. Refused while a canary rollout runs.
+    The replicas keep serving the same weights: a new adapter goes through the canary
+    (`edge.fleet.rollout.run_rollout`; `fedge verifier restart --adapter` does that), so
+    one application never mixes adapters. Returns the replica ids before and after.
+    Refused while a canary rollout runs.
     """
     from ray import serve
-
-    from edge.fleet.adapters import check_adapter
 
     current = ingress.describe.remote().result()
     if current["canary"] is not None:
@@ -264,9 +285,6 @@ def restart_version(
         )
     stable = current["stable"]
     config: FleetConfig = pickle.loads(ingress.fleet_config.remote().result())
-    if adapter_dir is not None:
-        check_adapter(config.model_dir, adapter_dir)
-        config = with_adapter(config, adapter_dir)
     before = set(replica_actors(stable))
     started = time.monotonic()
     serve.run(replica_application(config), name=stable, route_prefix=None)
@@ -321,8 +339,3 @@ def running_fleet(config: FleetConfig) -> Iterator[Fleet]:
         yield fleet
     finally:
         fleet.stop()
-
-
-def with_adapter(config: FleetConfig, adapter_dir: Path | None) -> FleetConfig:
-    """The same fleet serving another adapter."""
-    return replace(config, adapter_dir=adapter_dir)

@@ -15,16 +15,23 @@ from rich.console import Console
 
 from edge.cli_options import (
     GENERATE_BURST,
+    PREFILL_BURST,
     VERIFY_BURST,
     AdapterOption,
+    CredentialsOption,
     GenerateBurstOption,
     GenerateRateOption,
     MaxBatchOption,
     MaxDraftOption,
     ModelOption,
     OtlpEndpointOption,
-    RequireTokenOption,
+    PrefillBurstOption,
+    PrefillRateOption,
+    SessionsPerDeviceOption,
     SessionTtlOption,
+    TlsCertOption,
+    TlsClientCaOption,
+    TlsKeyOption,
     TracingOption,
     VerifyBurstOption,
     VerifyRateOption,
@@ -52,7 +59,10 @@ def fleet_command(
     ] = True,
     host: Annotated[str, typer.Option(help="Ingress listen address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Ingress port; 0 = any free port (printed).")] = 50062,
-    token: RequireTokenOption = None,
+    credentials: CredentialsOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_client_ca: TlsClientCaOption = None,
     min_replicas: Annotated[int, typer.Option(help="Autoscaling lower bound.")] = 1,
     max_replicas: Annotated[
         int | None, typer.Option(help="Autoscaling upper bound; omit for a fixed count.")
@@ -64,10 +74,13 @@ def fleet_command(
     max_draft: MaxDraftOption = 16,
     max_batch: MaxBatchOption = 32,
     session_ttl_s: SessionTtlOption = 300.0,
+    max_sessions_per_device: SessionsPerDeviceOption = 0,
     verify_rate: VerifyRateOption = None,
     verify_burst: VerifyBurstOption = VERIFY_BURST,
     generate_rate: GenerateRateOption = None,
     generate_burst: GenerateBurstOption = GENERATE_BURST,
+    prefill_rate: PrefillRateOption = None,
+    prefill_burst: PrefillBurstOption = PREFILL_BURST,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
     run_dir: Annotated[
@@ -76,7 +89,8 @@ def fleet_command(
 ) -> None:
     """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM.
 
-    Per-device rate limits are enforced in the ingress, so they hold across all replicas.
+    The ingress authenticates every call (--credentials, --tls-client-ca) before anything
+    else; per-device rate limits are enforced there, so they hold across all replicas.
     """
     from edge.fleet.app import FleetConfig, running_fleet
     from edge.tracing import TracingConfig
@@ -91,13 +105,23 @@ def fleet_command(
         affinity=affinity,
         host=host,
         port=port,
-        token=token,
+        credentials_file=credentials,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
         target_queue=target_queue,
         replica_cpus=replica_cpus,
-        engine=EngineConfig(max_draft=max_draft, max_batch=max_batch, session_ttl_s=session_ttl_s),
-        rate_limits=rate_limits(verify_rate, verify_burst, generate_rate, generate_burst),
+        engine=EngineConfig(
+            max_draft=max_draft,
+            max_batch=max_batch,
+            session_ttl_s=session_ttl_s,
+            max_sessions_per_token=max_sessions_per_device,
+        ),
+        rate_limits=rate_limits(
+            verify_rate, verify_burst, generate_rate, generate_burst, prefill_rate, prefill_burst
+        ),
         tracing=TracingConfig(tracing, endpoint=otlp_endpoint),
     )
     stopping = threading.Event()
@@ -164,19 +188,30 @@ def _connect(fleet: Path) -> Any:
 
 def restart_command(
     adapter: Annotated[
-        Path | None, typer.Option(help="Upgrade: the new replicas serve this adapter dir.")
+        Path | None,
+        typer.Option(help="Upgrade to this adapter dir: through the canary, as `rollout` does."),
     ] = None,
+    canary: Annotated[float, typer.Option(help="With --adapter: its share of new sessions.")] = 0.1,
+    window: Annotated[float, typer.Option(help="With --adapter: observation window, s.")] = 60.0,
+    run_dir: Annotated[
+        Path, typer.Option(help="With --adapter: directory for rollout.json.")
+    ] = Path("runs/rollout"),
     fleet: FleetDirOption = Path("runs/fleet"),
 ) -> None:
     """Replace the running fleet's replicas one at a time (Serve's rolling update), failing no call.
 
     Sessions of a replica being replaced reopen on another from the edge's committed
-    tokens. With --adapter it is an upgrade (checked first); without a canary's figures.
+    tokens. With --adapter it is an upgrade, and it takes the canary path of `rollout`
+    (checked numerically, served to a fraction, compared, then promoted or rolled back), so
+    no application ever serves two adapters at once.
     """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if adapter is not None:
+        rollout_command(adapter, canary, window, run_dir=run_dir, fleet=fleet)
+        return
     from edge.fleet.app import restart_version
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    _console.print_json(json.dumps(restart_version(_connect(fleet), adapter)))
+    _console.print_json(json.dumps(restart_version(_connect(fleet))))
 
 
 def register(app: typer.Typer) -> None:

@@ -29,112 +29,41 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf import descriptor, message_factory
+from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry import propagate
 
+from edge.fleet.ingress_spec import SERVICE_NAME, IngressSpec, SwitchableLimits
+from edge.fleet.relay import (
+    BUSY,
+    GONE,
+    Admission,
+    caller_identity,
+    failure_kind,
+    failure_result,
+    relay_metadata,
+    resume_generate,
+    routing_tokens,
+    session_of,
+)
 from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_TOKENS
 from edge.fleet.stats import ArmStats, ReplicaFigures
-from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata, clean_metadata
+from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from edge.proto import verifier_pb2 as pb
-from edge.tracing import TracingConfig, server_interceptors, shutdown, tracer_provider
-from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
+from edge.tracing import server_interceptors, shutdown, tracer_provider
+from edge.verifier.limits import RateLimitConfig
 
 LOG = logging.getLogger("fedge.fleet")
-SERVICE_NAME = "fedge.edge.v1.Verifier"  # = edge.verifier.server.SERVICE_NAME (no torch import)
 REPLICA_DEPLOYMENT = "verifier"
-SESSION_FIELD = "session_id"
 RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id per message out
 RESUME_ATTEMPTS = 3
 CLOSE_TIMEOUT_S = 10.0  # a moved session's CloseSession on its old replica
 CLOSE_WAIT_S = 1.0  # how long a NOT_FOUND waits for that close (a reopen may land there)
 SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire on replicas anyway)
-INT_TYPES = (descriptor.FieldDescriptor.TYPE_INT32, descriptor.FieldDescriptor.TYPE_INT64)
-INGRESS_SERVICE = "fedge-fleet-ingress"  # service.name of the ingress's spans
-TRACE_KEYS = frozenset({"traceparent", "tracestate"})  # W3C context the ingress re-injects
-
-
-class SwitchableLimits(grpc.aio.ServerInterceptor):
-    """The fleet's per-device rate limits, replaceable while the ingress serves (None: off).
-
-    The ingress is the one place every call of the fleet passes, so its buckets
-    bound a device across all replicas (limits in each replica would allow N times
-    the rate).
-    """
-
-    def __init__(self, config: RateLimitConfig) -> None:
-        self.current: RateLimitInterceptor | None = None
-        self.configure(config)
-
-    def configure(self, config: RateLimitConfig) -> None:
-        """Start fresh buckets of `config` (limits off when it limits nothing)."""
-        self.config = config
-        limiter = RateLimiter(config) if config.enabled else None
-        self.current = None if limiter is None else RateLimitInterceptor(limiter, SERVICE_NAME)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        current = self.current
-        if current is None:
-            return await continuation(handler_call_details)
-        return await current.intercept_service(continuation, handler_call_details)
-
-
-def relay_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> Metadata:
-    """Caller metadata for the replica, its trace context replaced by the current span's.
-
-    The replica's server span then nests under the ingress's span rather than beside
-    it; with tracing off there is no current span and the caller's context passes on.
-    """
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    if not carrier:
-        return clean_metadata(pairs)
-    kept = tuple((k, v) for k, v in clean_metadata(pairs) if k not in TRACE_KEYS)
-    return kept + tuple(carrier.items())
-
-
-@dataclass(frozen=True)
-class IngressSpec:
-    """Where the ingress listens, which replica application serves at start, limits and tracing."""
-
-    stable_app: str
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = any free port; `port()` tells which
-    fleet: bytes = b""  # the pickled FleetConfig (opaque here: unpickling it would import torch)
-    rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
-    tracing: TracingConfig = field(
-        default_factory=lambda: TracingConfig(service_name=INGRESS_SERVICE)
-    )
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"IngressSpec.port must lie in [0, 65535], got {self.port}")
-
-
-def routing_tokens(request: Message) -> int:
-    """Tokens a call puts through the target: its token-id lists (prompt, draft), a Generate budget."""
-    tokens = 1
-    for field_desc, value in request.ListFields():
-        if field_desc.name == "max_new_tokens":
-            tokens += int(value)
-        elif field_desc.type in INT_TYPES and not isinstance(value, int):  # repeated ids
-            tokens += len(value)
-    return tokens
-
-
-def _session_of(message: Message) -> str:
-    """The message's session id, or "" when it has none."""
-    return str(getattr(message, SESSION_FIELD, "") or "")
 
 
 class FleetIngress:
@@ -146,7 +75,9 @@ class FleetIngress:
         self.fleet = spec.fleet
         self.canary: str | None = None
         self.canary_fraction = 0.0
-        self.sessions: dict[str, tuple[str, str]] = {}  # session id -> (app, replica id)
+        # (owner, session id) -> (app, replica id): a session is found only by its owner
+        self.sessions: dict[tuple[str, str], tuple[str, str]] = {}
+        self.versions: dict[str, str] = {}  # session version (model_id/adapter_id) -> app
         self.arms: dict[str, ArmStats] = {}
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
@@ -154,16 +85,20 @@ class FleetIngress:
         self._closing: set[asyncio.Task[Any]] = set()
         self._handles: dict[str, Any] = {}
         self.health = health.aio.HealthServicer()
+        self.admission = Admission(spec.max_inflight)
         self.limits = SwitchableLimits(spec.rate_limits)
         self.tracer_provider = tracer_provider(spec.tracing)
-        self.server = grpc.aio.server(
-            interceptors=[*server_interceptors(self.tracer_provider), self.limits]
-        )
+        authenticator = spec.authenticator()  # first: a stranger is traced, charged, relayed never
+        interceptors = [] if authenticator is None else [authenticator]
+        interceptors += [*server_interceptors(self.tracer_provider), self.limits]
+        limits = [
+            ("grpc.max_receive_message_length", spec.max_message_bytes),
+            ("grpc.max_send_message_length", spec.max_message_bytes),
+        ]
+        self.server = grpc.aio.server(interceptors=interceptors, options=limits)
         self.server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self._port = self.server.add_insecure_port(f"{spec.host}:{spec.port}")
-        if self._port == 0:
-            raise OSError(f"cannot bind the fleet ingress to {spec.host}:{spec.port}")
+        self._port = spec.bind(self.server)
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -230,33 +165,55 @@ class FleetIngress:
     def _live(self, app: str) -> bool:
         return app in (self.stable, self.canary)
 
-    def _target(self, session_id: str) -> tuple[str, str]:
+    def _target(self, session_id: str, owner: str = "", version: str = "") -> tuple[str, str]:
         """Application and home replica of a call: its session's, or a new session's pick.
 
         A session this ingress has not seen opens wherever the call lands (the edge
-        opens sessions with their first Verify), so it takes part in the canary split.
+        opens sessions with their first Verify), so a new session takes part in the
+        canary split; a reopen naming its version returns to the application serving
+        that version while one does (else the stable one refuses it: version gone).
         """
-        home = self.sessions.get(session_id) if session_id else None
+        home = self.sessions.get((owner, session_id)) if session_id else None
         if home is not None:
             return home if self._live(home[0]) else (self.stable, "")
+        if version:
+            app = self.versions.get(version)
+            return (app, "") if app is not None and self._live(app) else (self.stable, "")
         if self.canary and random.random() < self.canary_fraction:
             return self.canary, ""
         return self.stable, ""
 
-    def _remember(self, method: str, session_id: str, app: str, result: CallResult) -> None:
-        """Keep (or drop) the session -> replica map after a relayed unary call."""
+    def _remember(
+        self, method: str, session_id: str, app: str, result: CallResult, owner: str = ""
+    ) -> None:
+        """Keep (or drop) `owner`'s session -> replica map after a relayed unary call."""
+        key = (owner, session_id)
         if result.code != "OK":
             if result.code == "NOT_FOUND" and session_id:
-                self.sessions.pop(session_id, None)
+                self.sessions.pop(key, None)
             return
         if method == "CloseSession":
-            self.sessions.pop(session_id, None)
+            self.sessions.pop(key, None)
             return
         if not session_id:
             return
-        self.sessions[session_id] = (app, result.replica)
+        self.sessions[key] = (app, result.replica)
         while len(self.sessions) > SESSION_MAP_LIMIT:
             self.sessions.pop(next(iter(self.sessions)))
+
+    def _learn_version(self, reply: Message, app: str) -> None:
+        """Note which application serves the version an open's reply reports."""
+        fields = reply.DESCRIPTOR.fields_by_name
+        if "opened" in fields:  # a Verify: set when it opened its session
+            if not reply.HasField("opened"):
+                return
+            info: Any = reply.opened  # type: ignore[attr-defined]
+        elif "model_id" in fields:  # an OpenSession
+            info = reply
+        else:
+            return
+        if info.model_id:
+            self.versions[f"{info.model_id}/{info.adapter_id}"] = app
 
     def _handle(self, app: str) -> Any:
         """The (cached) deployment handle of `app`'s replicas: one router per application."""
@@ -294,9 +251,18 @@ class FleetIngress:
         """The relay of one unary method."""
 
         async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
+            with self.admission.admit() as refused:
+                if refused is not None:
+                    await context.abort(
+                        grpc.StatusCode[refused.code], refused.details, refused.trailing
+                    )
+                return await relay(request, context)
+
+        async def relay(request: Message, context: grpc.aio.ServicerContext) -> Message:
             started = time.perf_counter()
-            session_id = _session_of(request)
-            app, home = self._target(session_id)
+            session_id = session_of(request)
+            owner = caller_identity(context.invocation_metadata() or ())
+            app, home = self._target(session_id, owner, str(getattr(request, "version", "")))
             result = await self._relay_unary(name, request, context, app, home)
             self._count(name, request, result.replica, started, 0)
             if home and result.replica and result.replica != home:  # the session moved
@@ -305,10 +271,11 @@ class FleetIngress:
                     await asyncio.wait({closing}, timeout=CLOSE_WAIT_S)  # reopen may be closed
             if result.code == "OK":
                 reply = reply_cls.FromString(result.payload)
-                self._remember(name, session_id or _session_of(reply), app, result)
+                self._remember(name, session_id or session_of(reply), app, result, owner)
+                self._learn_version(reply, app)
                 self._observe(app, name, request, reply, result.code, started)
                 return reply
-            self._remember(name, session_id, app, result)
+            self._remember(name, session_id, app, result, owner)
             self._observe(app, name, request, None, result.code, started)
             await context.abort(grpc.StatusCode[result.code], result.details, result.trailing)
             raise AssertionError("grpc.aio context.abort returned instead of raising")
@@ -326,10 +293,12 @@ class FleetIngress:
         """Send one unary call to a replica of `app`; a replica death becomes a status, never a crash.
 
         A call not bound to a live session (OpenSession, a Verify that opens its session)
-        holds no state yet, so it is retried once on another replica; a session's call
-        whose replica died ends NOT_FOUND (the edge reopens from its committed tokens).
+        holds no state yet, so it is retried once on another replica when one died; a
+        session's call whose replica died ends NOT_FOUND (the edge reopens from its
+        committed tokens). Full queues end RESOURCE_EXHAUSTED with a retry-after, any other
+        failure UNAVAILABLE (`edge.fleet.relay`).
         """
-        session_id = _session_of(request)
+        session_id = session_of(request)
         opening = not home  # no session on a live replica yet: it may open anywhere
         attempts = 2 if opening else 1
         for attempt in range(attempts):
@@ -349,14 +318,13 @@ class FleetIngress:
                         },
                     )
                 )
-            except Exception as error:  # a replica died or was retired mid-call
-                LOG.warning("%s on %s failed (attempt %d): %s", name, app, attempt + 1, error)
-                if not opening:
-                    return CallResult(
-                        "NOT_FOUND",
-                        f"session {session_id!r} was lost with its replica; reopen it "
-                        "from the committed tokens",
-                    )
+            except Exception as error:  # the relay failed: a replica died, queues full, a bug
+                kind = failure_kind(error)
+                LOG.warning(
+                    "%s on %s failed (%s, attempt %d): %r", name, app, kind, attempt + 1, error
+                )
+                if not opening or kind != GONE:
+                    return failure_result(kind, session_id)
         return CallResult("UNAVAILABLE", "no verifier replica could take the call; retry shortly")
 
     def _close_moved(
@@ -391,6 +359,17 @@ class FleetIngress:
         """The relay of one server-streaming method."""
 
         async def handle(
+            request: Message, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Message]:
+            with self.admission.admit() as refused:
+                if refused is not None:
+                    await context.abort(
+                        grpc.StatusCode[refused.code], refused.details, refused.trailing
+                    )
+                async for reply in relay(request, context):
+                    yield reply
+
+        async def relay(
             request: Message, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Message]:
             started = time.perf_counter()
@@ -435,11 +414,17 @@ class FleetIngress:
                         streamed.append(pb.GenerateReply.FromString(result.payload).token_id)
                     yield result
                 return
-            except Exception as error:  # the replica died mid-stream
-                LOG.warning("%s stream on %s cut (attempt %d): %s", name, app, attempt + 1, error)
+            except Exception as error:  # the replica died mid-stream, or queues are full
+                kind = failure_kind(error)
+                LOG.warning(
+                    "%s stream on %s cut (%s, attempt %d): %r", name, app, kind, attempt + 1, error
+                )
+                if kind == BUSY:
+                    yield failure_result(kind, "")
+                    return
                 if not isinstance(current, pb.GenerateRequest):
                     break
-                resumed = _resume_generate(current, streamed)
+                resumed = resume_generate(current, streamed)
                 if resumed is None:  # nothing left to generate
                     return
                 current = resumed
@@ -473,18 +458,4 @@ class FleetIngress:
         drafted = len(getattr(request, "draft_ids", ()))
         accepted = int(getattr(reply, "accepted", 0)) if reply is not None else 0
         elapsed = time.perf_counter() - started
-        stats.record(method, code, elapsed, drafted, accepted, _session_of(request))
-
-
-def _resume_generate(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest | None:
-    """The Generate request that continues after `streamed` tokens; None when none remain."""
-    remaining = request.max_new_tokens - len(streamed)
-    stopped = request.HasField("stop_token_id") and streamed[-1:] == [request.stop_token_id]
-    if stopped or remaining <= 0:
-        return None
-    resumed = pb.GenerateRequest()
-    resumed.CopyFrom(request)
-    del resumed.prompt_ids[:]
-    resumed.prompt_ids.extend([*request.prompt_ids, *streamed])
-    resumed.max_new_tokens = remaining
-    return resumed
+        stats.record(method, code, elapsed, drafted, accepted, session_of(request))

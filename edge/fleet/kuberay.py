@@ -4,9 +4,11 @@ A Serve config names an application by `import_path` and hands it `args`; these
 builders turn those args into the same applications `fedge verifier fleet` deploys
 imperatively (`edge.fleet.app`): `replicas_app` is one model version's `verifier`
 deployment of N replicas behind the chosen request router, `ingress_app` the gRPC
-front door speaking `fedge.edge.v1.Verifier` on `host:port`. The bearer token is
-read from $FEDGE_VERIFIER_TOKEN of the process that builds the application, so it
-comes from a Kubernetes Secret and never sits in the config (deploy/k8s).
+front door speaking `fedge.edge.v1.Verifier` on `host:port`. The ingress's
+secrets (the devices' credentials file, the TLS key) are named by path: Kubernetes
+mounts them from Secrets as files and the ingress reads them when it starts, so
+no secret sits in the config, in an environment variable or in a pickled argument
+(deploy/k8s).
 
 On KubeRay the config is declarative: a new adapter version is rolled out by adding
 its application (and moving the ingress's `stable`) in the RayService, not by
@@ -16,18 +18,23 @@ remove on its next reconcile.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edge.cli_options import TOKEN_ENV
 from edge.fleet.app import FleetConfig, ingress_application, replica_application
-from edge.fleet.ingress import IngressSpec
+from edge.fleet.ingress_spec import IngressSpec
 from edge.verifier.engine import EngineConfig
 from edge.verifier.limits import RateLimitConfig
 
-LIMIT_ARGS = ("verify_rate", "verify_burst", "generate_rate", "generate_burst")  # RateLimitConfig
+LIMIT_ARGS = (  # RateLimitConfig
+    "verify_rate",
+    "verify_burst",
+    "generate_rate",
+    "generate_burst",
+    "prefill_rate",
+    "prefill_burst",
+)
 VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine.)
     "model": "model_dir",
     "adapter": "adapter_dir",
@@ -41,8 +48,10 @@ VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine
     "max_draft": "engine.max_draft",
     "max_batch": "engine.max_batch",
     "session_ttl_s": "engine.session_ttl_s",
+    "max_sessions_per_device": "engine.max_sessions_per_token",
 }
-INGRESS_ARGS = ("stable", "host", "port", *LIMIT_ARGS)  # limits: per device, fleet-wide
+SECRET_FILE_ARGS = ("credentials_file", "tls_cert", "tls_key", "tls_client_ca")  # paths
+INGRESS_ARGS = ("stable", "host", "port", *SECRET_FILE_ARGS, *LIMIT_ARGS)  # limits: fleet-wide
 
 
 def _check(args: Mapping[str, Any], known: Any, app: str) -> None:
@@ -59,7 +68,7 @@ def fleet_config(args: Mapping[str, Any]) -> FleetConfig:
     _check(args, VERSION_ARGS, "version")
     if "model" not in args:
         raise ValueError("version application: args.model (the base model directory) is required")
-    fleet: dict[str, Any] = {"token": os.environ.get(TOKEN_ENV) or None}
+    fleet: dict[str, Any] = {}
     engine: dict[str, Any] = {}
     for arg, value in args.items():
         field = VERSION_ARGS[arg]
@@ -82,10 +91,15 @@ def ingress_app(args: dict[str, Any]) -> Any:
     _check(args, INGRESS_ARGS, "ingress")
     if "stable" not in args:
         raise ValueError("ingress application: args.stable (the version application) is required")
+    files = {k: Path(args[k]) if args.get(k) is not None else None for k in SECRET_FILE_ARGS}
     spec = IngressSpec(
         str(args["stable"]),
         str(args.get("host", "0.0.0.0")),
         int(args.get("port", 50061)),
+        credentials_file=files["credentials_file"],
+        tls_cert=files["tls_cert"],
+        tls_key=files["tls_key"],
+        tls_client_ca=files["tls_client_ca"],
         rate_limits=RateLimitConfig(**{k: v for k, v in args.items() if k in LIMIT_ARGS}),
     )
     return ingress_application(spec)

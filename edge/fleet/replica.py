@@ -11,6 +11,7 @@ never needs to know the verifier's internals. Failures come back as values
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,8 +21,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edge.fleet.wire import ROUTE_PIN, SERVING, CallResult, Metadata, clean_metadata
+from edge.fleet.wire import (
+    ROUTE_PIN,
+    SERVING,
+    CallResult,
+    Metadata,
+    ReplicaStopping,
+    clean_metadata,
+)
 from edge.tracing import TracingConfig, tracer_provider
+from edge.verifier.auth import AUTH_HEADER
 from edge.verifier.engine import EngineConfig
 from edge.verifier.server import (
     SERVICE_NAME,
@@ -42,7 +51,6 @@ class ReplicaSpec:
     model_dir: Path
     adapter_dir: Path | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
-    token: str | None = None  # bearer token the replica's verifier requires (relayed from the edge)
     slowdown: float = 1.0  # the rank-0 replica's forward passes take this many times as long
     tracing: TracingConfig = field(
         default_factory=lambda: TracingConfig(service_name=REPLICA_SERVICE)
@@ -67,10 +75,6 @@ def _slow_down(model: Any, factor: float) -> None:
     model.register_forward_hook(after)
 
 
-class ReplicaStopping(RuntimeError):
-    """A call reached a replica that Serve is stopping; the ingress handles it as the replica's loss."""
-
-
 class VerifierReplica:
     """Ray Serve deployment class: loads the model once, serves it through a private verifier."""
 
@@ -82,11 +86,15 @@ class VerifierReplica:
         model = load_verifier_model(spec.model_dir, spec.adapter_dir)
         if spec.slowdown > 1.0 and context.rank.rank == 0:
             _slow_down(model, spec.slowdown)
+        # the private verifier answers only this replica's relay, which names the caller the
+        # ingress authenticated; the secret is made here and never leaves the process
+        self._relay_secret = secrets.token_hex(32)
+        self._relay_auth = (AUTH_HEADER, f"Bearer {self._relay_secret}")
         config = ServerConfig(
             spec.model_dir,
             spec.adapter_dir,
             engine=spec.engine,
-            token=spec.token,
+            relay_secret=self._relay_secret,
             drain_notice_s=0.0,
             grace_s=1.0,
         )
@@ -135,6 +143,10 @@ class VerifierReplica:
             raise ReplicaStopping(f"replica {self.replica_id} is stopping")
         return None
 
+    def _vouch(self, metadata: Metadata) -> Metadata:
+        """The relayed metadata (with the ingress's `fedge-identity`) plus this replica's secret."""
+        return (*((k, v) for k, v in metadata if k != AUTH_HEADER), self._relay_auth)
+
     async def unary(
         self,
         method: str,
@@ -149,7 +161,7 @@ class VerifierReplica:
             return refused
         call = self._open_channel().unary_unary(SERVICE_PATH + method)
         try:
-            reply = await call(payload, metadata=metadata, timeout=timeout_s)
+            reply = await call(payload, metadata=self._vouch(metadata), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             return self._fail(error)
         return CallResult("OK", "", reply, self.replica_id)
@@ -169,7 +181,7 @@ class VerifierReplica:
             return
         call = self._open_channel().unary_stream(SERVICE_PATH + method)
         try:
-            async for reply in call(payload, metadata=metadata, timeout=timeout_s):
+            async for reply in call(payload, metadata=self._vouch(metadata), timeout=timeout_s):
                 yield CallResult("OK", "", reply, self.replica_id)
         except grpc.aio.AioRpcError as error:
             yield self._fail(error)

@@ -21,6 +21,9 @@ SESSION_WINDOW = 20_000  # most recent sessions kept for the per-session accepta
 class ArmStats:
     """Running figures of one application (the stable adapter or the canary).
 
+    Latency is of successful calls only: fast refusals (UNAUTHENTICATED, INVALID_ARGUMENT)
+    would otherwise dilute an arm's percentiles and hide a slower adapter.
+
     Acceptance is kept per session too: a session's drafts share its prompt and its
     draft's luck, so its tokens are not independent trials. The session is the unit
     (`session_acceptance`: the mean of the sessions' accepted / drafted, with its
@@ -59,7 +62,7 @@ class ArmStats:
                 self.sessions.move_to_end(session_id)
                 if len(self.sessions) > SESSION_WINDOW:
                     self.sessions.popitem(last=False)
-        if method in LATENCY_METHODS:
+        if code == "OK" and method in LATENCY_METHODS:  # a fast refusal is no serving time
             self.latencies.append(seconds)
 
     def summary(self) -> dict[str, float]:

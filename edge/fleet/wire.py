@@ -10,6 +10,10 @@ SERVING = "serving"  # routing stat a replica reports: its verifier says SERVING
 ROUTE_PIN = "route_pin"  # kwarg: the call must run on this replica (unique id), or nowhere
 
 
+class ReplicaStopping(RuntimeError):
+    """A call reached a replica that Serve is stopping; the ingress handles it as the replica's loss."""
+
+
 @dataclass(frozen=True)
 class CallResult:
     """One relayed reply (or streamed message): status code name, details, payload, replica.

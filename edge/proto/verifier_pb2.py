@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\rfedge.edge.v1\"-\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"`\n\x0bSessionInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x11\n\tmax_draft\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x15\n\rsession_ttl_s\x18\x04 \x01(\x02\"S\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12)\n\x08sampling\x18\x02 \x01(\x0b\x32\x17.fedge.edge.v1.Sampling\"y\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x11\n\tmax_draft\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\rsession_ttl_s\x18\x05 \x01(\x02\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xdd\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tdraft_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x12\x35\n\x0b\x64raft_dists\x18\x04 \x03(\x0b\x32 .fedge.edge.v1.DraftDistribution\x12\x17\n\x0f\x65xpected_length\x18\x05 \x01(\x05\x12\x15\n\rcommitted_ids\x18\x06 \x03(\x05\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.fedge.edge.v1.Sampling\"w\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x16\n\x0esession_length\x18\x03 \x01(\x05\x12*\n\x06opened\x18\x04 \x01(\x0b\x32\x1a.fedge.edge.v1.SessionInfo\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x11\x43loseSessionReply\x12\x16\n\x0esession_length\x18\x01 \x01(\x05\"\x96\x01\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.fedge.edge.v1.Sampling\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"!\n\rGenerateReply\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x32\xc3\x02\n\x08Verifier\x12Q\n\x0bOpenSession\x12!.fedge.edge.v1.OpenSessionRequest\x1a\x1f.fedge.edge.v1.OpenSessionReply\x12\x42\n\x06Verify\x12\x1c.fedge.edge.v1.VerifyRequest\x1a\x1a.fedge.edge.v1.VerifyReply\x12T\n\x0c\x43loseSession\x12\".fedge.edge.v1.CloseSessionRequest\x1a .fedge.edge.v1.CloseSessionReply\x12J\n\x08Generate\x12\x1e.fedge.edge.v1.GenerateRequest\x1a\x1c.fedge.edge.v1.GenerateReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\rfedge.edge.v1\"-\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"\x9c\x01\n\x0bSessionInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x11\n\tmax_draft\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x15\n\rsession_ttl_s\x18\x04 \x01(\x02\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x12\n\nadapter_id\x18\x06 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x07 \x01(\t\"S\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12)\n\x08sampling\x18\x02 \x01(\x0b\x32\x17.fedge.edge.v1.Sampling\"\xb5\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x11\n\tmax_draft\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\rsession_ttl_s\x18\x05 \x01(\x02\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x12\n\nadapter_id\x18\x07 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x08 \x01(\t\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xee\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tdraft_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x12\x35\n\x0b\x64raft_dists\x18\x04 \x03(\x0b\x32 .fedge.edge.v1.DraftDistribution\x12\x17\n\x0f\x65xpected_length\x18\x05 \x01(\x05\x12\x15\n\rcommitted_ids\x18\x06 \x03(\x05\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.fedge.edge.v1.Sampling\x12\x0f\n\x07version\x18\x08 \x01(\t\"w\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x16\n\x0esession_length\x18\x03 \x01(\x05\x12*\n\x06opened\x18\x04 \x01(\x0b\x32\x1a.fedge.edge.v1.SessionInfo\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x11\x43loseSessionReply\x12\x16\n\x0esession_length\x18\x01 \x01(\x05\"\x96\x01\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.fedge.edge.v1.Sampling\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"!\n\rGenerateReply\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x32\xc3\x02\n\x08Verifier\x12Q\n\x0bOpenSession\x12!.fedge.edge.v1.OpenSessionRequest\x1a\x1f.fedge.edge.v1.OpenSessionReply\x12\x42\n\x06Verify\x12\x1c.fedge.edge.v1.VerifyRequest\x1a\x1a.fedge.edge.v1.VerifyReply\x12T\n\x0c\x43loseSession\x12\".fedge.edge.v1.CloseSessionRequest\x1a .fedge.edge.v1.CloseSessionReply\x12J\n\x08Generate\x12\x1e.fedge.edge.v1.GenerateRequest\x1a\x1c.fedge.edge.v1.GenerateReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLING']._serialized_start=33
   _globals['_SAMPLING']._serialized_end=78
-  _globals['_SESSIONINFO']._serialized_start=80
-  _globals['_SESSIONINFO']._serialized_end=176
-  _globals['_OPENSESSIONREQUEST']._serialized_start=178
-  _globals['_OPENSESSIONREQUEST']._serialized_end=261
-  _globals['_OPENSESSIONREPLY']._serialized_start=263
-  _globals['_OPENSESSIONREPLY']._serialized_end=384
-  _globals['_DRAFTDISTRIBUTION']._serialized_start=386
-  _globals['_DRAFTDISTRIBUTION']._serialized_end=439
-  _globals['_VERIFYREQUEST']._serialized_start=442
-  _globals['_VERIFYREQUEST']._serialized_end=663
-  _globals['_VERIFYREPLY']._serialized_start=665
-  _globals['_VERIFYREPLY']._serialized_end=784
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=786
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=827
-  _globals['_CLOSESESSIONREPLY']._serialized_start=829
-  _globals['_CLOSESESSIONREPLY']._serialized_end=872
-  _globals['_GENERATEREQUEST']._serialized_start=875
-  _globals['_GENERATEREQUEST']._serialized_end=1025
-  _globals['_GENERATEREPLY']._serialized_start=1027
-  _globals['_GENERATEREPLY']._serialized_end=1060
-  _globals['_VERIFIER']._serialized_start=1063
-  _globals['_VERIFIER']._serialized_end=1386
+  _globals['_SESSIONINFO']._serialized_start=81
+  _globals['_SESSIONINFO']._serialized_end=237
+  _globals['_OPENSESSIONREQUEST']._serialized_start=239
+  _globals['_OPENSESSIONREQUEST']._serialized_end=322
+  _globals['_OPENSESSIONREPLY']._serialized_start=325
+  _globals['_OPENSESSIONREPLY']._serialized_end=506
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=508
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=561
+  _globals['_VERIFYREQUEST']._serialized_start=564
+  _globals['_VERIFYREQUEST']._serialized_end=802
+  _globals['_VERIFYREPLY']._serialized_start=804
+  _globals['_VERIFYREPLY']._serialized_end=923
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=925
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=966
+  _globals['_CLOSESESSIONREPLY']._serialized_start=968
+  _globals['_CLOSESESSIONREPLY']._serialized_end=1011
+  _globals['_GENERATEREQUEST']._serialized_start=1014
+  _globals['_GENERATEREQUEST']._serialized_end=1164
+  _globals['_GENERATEREPLY']._serialized_start=1166
+  _globals['_GENERATEREPLY']._serialized_end=1199
+  _globals['_VERIFIER']._serialized_start=1202
+  _globals['_VERIFIER']._serialized_end=1525
 # @@protoc_insertion_point(module_scope)

@@ -15,16 +15,22 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("vocab_size", "max_draft", "max_context", "session_ttl_s")
+    __slots__ = ("vocab_size", "max_draft", "max_context", "session_ttl_s", "model_id", "adapter_id", "tokenizer_id")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     max_draft: int
     max_context: int
     session_ttl_s: float
-    def __init__(self, vocab_size: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_context: _Optional[int] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+    model_id: str
+    adapter_id: str
+    tokenizer_id: str
+    def __init__(self, vocab_size: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_context: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., model_id: _Optional[str] = ..., adapter_id: _Optional[str] = ..., tokenizer_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("prompt_ids", "sampling")
@@ -35,18 +41,24 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "vocab_size", "max_draft", "max_context", "session_ttl_s")
+    __slots__ = ("session_id", "vocab_size", "max_draft", "max_context", "session_ttl_s", "model_id", "adapter_id", "tokenizer_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     vocab_size: int
     max_draft: int
     max_context: int
     session_ttl_s: float
-    def __init__(self, session_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_context: _Optional[int] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+    model_id: str
+    adapter_id: str
+    tokenizer_id: str
+    def __init__(self, session_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_context: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., model_id: _Optional[str] = ..., adapter_id: _Optional[str] = ..., tokenizer_id: _Optional[str] = ...) -> None: ...
 
 class DraftDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -57,7 +69,7 @@ class DraftDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft_ids", "draft_probs", "draft_dists", "expected_length", "committed_ids", "sampling")
+    __slots__ = ("session_id", "draft_ids", "draft_probs", "draft_dists", "expected_length", "committed_ids", "sampling", "version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +77,7 @@ class VerifyRequest(_message.Message):
     EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedScalarFieldContainer[float]
@@ -72,7 +85,8 @@ class VerifyRequest(_message.Message):
     expected_length: int
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
-    def __init__(self, session_id: _Optional[str] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_dists: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., expected_length: _Optional[int] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    version: str
+    def __init__(self, session_id: _Optional[str] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_dists: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., expected_length: _Optional[int] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("accepted", "next_token", "session_length", "opened")

@@ -33,7 +33,9 @@ from edge.verifier.errors import (
     NotReady,
     Overloaded,
     SessionBusy,
+    VersionGone,
 )
+from edge.verifier.identity import ServingIdentity
 from edge.verifier.jobs import (
     EngineObserver,
     GenerateJob,
@@ -58,6 +60,7 @@ from edge.verifier.sessions import Session, SessionStore
 from edge.verifier.worker import Worker
 
 LOG = logging.getLogger("fedge.verifier")
+QUEUE_FULL_RETRY_S = 0.05  # retry-after of a full queue: the worker drains a batch in ms
 
 __all__ = [
     "EngineConfig",
@@ -122,8 +125,10 @@ class VerifierEngine:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing = NO_TRACING,
+        identity: ServingIdentity | None = None,
     ) -> None:
         self.model = model.eval()
+        self.identity = identity or ServingIdentity()
         self.config = config or EngineConfig()
         self.observer: EngineObserver = observer or NullObserver()
         self.tracing = tracing
@@ -219,8 +224,15 @@ class VerifierEngine:
         session_id: str | None = None,
         owner: str = "",
         field: str = "prompt_ids",
+        version: str = "",
     ) -> Future[SessionInfo]:
-        """Queue a session open (prompt prefill) under `session_id` (default: a fresh id)."""
+        """Queue a session open (prompt prefill) under `session_id` (default: a fresh id).
+
+        A `version` other than the one served (a reopen of a session opened on weights
+        that are gone) is refused VersionGone.
+        """
+        if version and version != self.identity.version:
+            raise VersionGone(version, self.identity.version)
         sid = uuid.uuid4().hex if session_id is None else check_session_id(session_id)
         prompt = self._check_prompt(field, prompt_ids)
         check_sampling(sampling)
@@ -343,6 +355,9 @@ class VerifierEngine:
             self.config.max_draft,
             self.max_context,
             self.config.session_ttl_s,
+            self.identity.model_id,
+            self.identity.adapter_id,
+            self.identity.tokenizer_id,
         )
 
     def _check_draft(
@@ -386,7 +401,8 @@ class VerifierEngine:
             self._queue.put_nowait(job)
         except queue.Full:
             raise Overloaded(
-                f"verify queue is full ({self.config.max_queue} requests); back off and retry"
+                f"verify queue is full ({self.config.max_queue} requests); back off and retry",
+                QUEUE_FULL_RETRY_S,
             ) from None
 
     # ------------------------------------------------------------------ worker

@@ -1,10 +1,13 @@
-"""Per-device rate limits: a token bucket per device for verify tokens and for Generate tokens.
+"""Per-device rate limits: token buckets per device for verify, prefill and Generate tokens.
 
-A device is named by the `fedge-device` request metadata when it sends one, else
-by its bearer token (hashed), else by its peer address. Each device has one
-bucket per kind: a Verify costs `len(draft_ids) + 1` verify tokens (the target
-positions it computes), a Generate costs `max_new_tokens` generate tokens up
-front, and what a stop token leaves unused is refunded when the stream ends.
+A device is its authenticated identity (`edge.verifier.auth`) when the server
+authenticates callers; only on a server that does not is it named by the
+self-asserted `fedge-device` metadata, else its bearer token (hashed), else its
+peer address. Each device has one bucket per kind: a Verify costs
+`len(draft_ids) + 1` verify tokens (the target positions it computes), an open
+(OpenSession's `prompt_ids`, a Verify's `committed_ids`) the prefill tokens it
+puts through the target, a Generate `max_new_tokens` generate tokens up front,
+and what a stop token leaves unused is refunded when the stream ends.
 Over the limit the call ends RESOURCE_EXHAUSTED with trailing metadata
 `fedge-retry-after-ms`: whole milliseconds until the bucket holds the cost.
 
@@ -27,11 +30,12 @@ from typing import Any
 
 import grpc
 
+from edge.verifier.auth import CALLER
 from edge.verifier.rate_config import RateLimitConfig
 
 DEVICE_KEY = "fedge-device"  # request metadata: the device's id (asserted by the client)
 RETRY_AFTER_KEY = "fedge-retry-after-ms"  # trailing metadata on a rate-limited call
-VERIFY, GENERATE = "verify", "generate"
+VERIFY, GENERATE, PREFILL = "verify", "generate", "prefill"
 BEARER = "bearer "
 
 
@@ -61,14 +65,18 @@ class DeviceBuckets:
             bucket[1] = now
         return bucket
 
-    def take(self, device: str, cost: int) -> float:
-        """Spend `cost` tokens: 0.0 when granted, else the seconds until they would be there."""
+    def take(self, device: str, cost: int, debt: bool = False) -> float:
+        """Spend `cost` tokens: 0.0 when granted, else the seconds until they would be there.
+
+        With `debt` a cost above the burst is granted on a full bucket, leaving it negative.
+        """
         with self._lock:
             bucket = self._refill(device, self._clock())
-            if bucket[0] >= cost:
+            needed = min(cost, self.burst) if debt else cost
+            if bucket[0] >= needed:
                 bucket[0] -= cost
                 return 0.0
-            return (cost - bucket[0]) / self.rate
+            return (needed - bucket[0]) / self.rate
 
     def refund(self, device: str, amount: int) -> None:
         """Give back tokens a call reserved but did not use (never above the burst)."""
@@ -91,13 +99,18 @@ class RateLimiter:
         for kind, rate, burst in (
             (VERIFY, config.verify_rate, config.verify_burst),
             (GENERATE, config.generate_rate, config.generate_burst),
+            (PREFILL, config.prefill_rate, config.prefill_burst),
         ):
             if rate is not None:
                 self.buckets[kind] = DeviceBuckets(rate, burst, config.max_devices, clock)
 
 
 def device_of(metadata: Sequence[tuple[str, Any]], peer: str) -> str:
-    """The caller's device key: `fedge-device` metadata, else its bearer token's hash, else its host."""
+    """The caller's device key: its authenticated identity; unauthenticated servers trust the
+    `fedge-device` metadata, else the bearer token's hash, else the caller's host."""
+    caller = CALLER.get()
+    if caller is not None:
+        return f"id:{caller}"
     values = {key: value for key, value in metadata}
     device = values.get(DEVICE_KEY)
     if device:
@@ -124,11 +137,13 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
 class RateLimitInterceptor(grpc.aio.ServerInterceptor):
-    """Charges Verify and Generate to the caller's buckets; over budget they end RESOURCE_EXHAUSTED."""
+    """Charges Verify, OpenSession and Generate to the caller's buckets; over budget they end
+    RESOURCE_EXHAUSTED with a retry-after."""
 
     def __init__(self, limiter: RateLimiter, service: str) -> None:
         self._limiter = limiter
         self._verify = f"/{service}/Verify"
+        self._open = f"/{service}/OpenSession"
         self._generate = f"/{service}/Generate"
         # method -> (the service's handler, its limited twin), built once rather than per call
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
@@ -140,7 +155,7 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method  # type: ignore[attr-defined]
-        if handler is None or method not in (self._verify, self._generate):
+        if handler is None or method not in (self._verify, self._open, self._generate):
             return handler
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:
@@ -148,53 +163,69 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
         return cached[1]
 
     def _limit(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """The handler with its cost charged first (as is when that kind is unlimited)."""
+        """The handler with its cost charged first (as is when its kinds are unlimited)."""
         buckets = self._limiter.buckets
-        if method == self._verify and VERIFY in buckets:
-            return grpc.unary_unary_rpc_method_handler(
-                self._limited_unary(handler.unary_unary, buckets[VERIFY]),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if method == self._generate and GENERATE in buckets:
+        if method == self._generate:
+            if GENERATE not in buckets:
+                return handler
             return grpc.unary_stream_rpc_method_handler(
                 self._limited_stream(handler.unary_stream, buckets[GENERATE]),  # type: ignore[arg-type]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        return handler
+        costs = _verify_costs if method == self._verify else _open_costs
+        if not any(kind in buckets for kind, _, _ in costs(None)):
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self._limited_unary(handler.unary_unary, costs),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
-    @staticmethod
     async def _admit(
-        context: grpc.aio.ServicerContext, buckets: DeviceBuckets, cost: int, field: str
+        self, context: grpc.aio.ServicerContext, charges: list[tuple[str, int, str]]
     ) -> str:
-        """Charge the caller `cost` tokens or end the call; returns the device key."""
+        """Charge the caller each (kind, cost, field) or end the call; returns the device key.
+
+        A refused call pays nothing: what an earlier kind took is given back. A prefill may
+        exceed its burst (a long prompt goes through on a full bucket and leaves it in debt).
+        """
         device = device_of(tuple(context.invocation_metadata() or ()), context.peer())
-        if cost > buckets.burst:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{field}: {cost} tokens exceed the per-device burst of {buckets.burst}; "
-                f"ask for at most {buckets.burst} per call",
-            )
-        wait_s = buckets.take(device, cost)
-        if wait_s > 0:
-            wait_ms = math.ceil(wait_s * 1000)
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"rate limit: {cost} tokens over this device's budget of {buckets.rate:g}/s "
-                f"(burst {buckets.burst}); retry after {wait_ms} ms",
-                trailing_metadata=((RETRY_AFTER_KEY, str(wait_ms)),),
-            )
+        taken: list[tuple[DeviceBuckets, int]] = []
+        for kind, cost, field in charges:
+            buckets = self._limiter.buckets.get(kind)
+            if buckets is None or cost <= 0:
+                continue
+            if cost > buckets.burst and kind != PREFILL:
+                _refund(device, taken)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{field}: {cost} tokens exceed the per-device burst of {buckets.burst}; "
+                    f"ask for at most {buckets.burst} per call",
+                )
+            wait_s = buckets.take(device, cost, debt=kind == PREFILL)
+            if wait_s > 0:
+                _refund(device, taken)
+                wait_ms = math.ceil(wait_s * 1000)
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"rate limit: {cost} {kind} tokens over this device's budget of "
+                    f"{buckets.rate:g}/s (burst {buckets.burst}); retry after {wait_ms} ms",
+                    trailing_metadata=((RETRY_AFTER_KEY, str(wait_ms)),),
+                )
+            taken.append((buckets, cost))
         return device
 
-    def _limited_unary(self, behavior: Handler, buckets: DeviceBuckets) -> Handler:
-        """A Verify that first pays `len(draft_ids) + 1` tokens."""
+    def _limited_unary(
+        self, behavior: Handler, costs: Callable[[Any], list[tuple[str, int, str]]]
+    ) -> Handler:
+        """A Verify or OpenSession that first pays its costs."""
 
-        async def verify(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await self._admit(context, buckets, len(request.draft_ids) + 1, "draft_ids")
+        async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._admit(context, costs(request))
             return await behavior(request, context)
 
-        return verify
+        return limited
 
     def _limited_stream(
         self,
@@ -205,7 +236,7 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
 
         async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             cost = max(1, int(request.max_new_tokens))
-            device = await self._admit(context, buckets, cost, "max_new_tokens")
+            device = await self._admit(context, [(GENERATE, cost, "max_new_tokens")])
             sent = 0
             try:
                 async for reply in behavior(request, context):
@@ -216,3 +247,26 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
                     buckets.refund(device, cost - sent)
 
         return generate
+
+
+def _verify_costs(request: Any) -> list[tuple[str, int, str]]:
+    """A Verify: `len(draft_ids) + 1` verify tokens, plus the committed tokens it would prefill."""
+    if request is None:
+        return [(VERIFY, 0, ""), (PREFILL, 0, "")]
+    return [
+        (VERIFY, len(request.draft_ids) + 1, "draft_ids"),
+        (PREFILL, len(request.committed_ids), "committed_ids"),
+    ]
+
+
+def _open_costs(request: Any) -> list[tuple[str, int, str]]:
+    """An OpenSession: the prompt tokens it prefills."""
+    if request is None:
+        return [(PREFILL, 0, "")]
+    return [(PREFILL, len(request.prompt_ids), "prompt_ids")]
+
+
+def _refund(device: str, taken: list[tuple[DeviceBuckets, int]]) -> None:
+    """Give back what a refused call had been charged."""
+    for buckets, cost in taken:
+        buckets.refund(device, cost)

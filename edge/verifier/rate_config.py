@@ -18,18 +18,20 @@ class RateLimitConfig:
     verify_burst: int = 256  # bucket size: the most verify tokens one device spends at once
     generate_rate: float | None = None  # Generate tokens (max_new_tokens) per second per device
     generate_burst: int = 512  # bucket size; also the largest max_new_tokens one call may ask
+    prefill_rate: float | None = None  # tokens opens and reopens prefill, per second per device
+    prefill_burst: int = 4096  # bucket size; a longer prompt passes on a full bucket (into debt)
     max_devices: int = 100_000  # buckets kept; the least recently used is dropped beyond it
 
     def __post_init__(self) -> None:
-        for name in ("verify_rate", "generate_rate"):
+        for name in ("verify_rate", "generate_rate", "prefill_rate"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"RateLimitConfig.{name} must be > 0 or None, got {value}")
-        for name in ("verify_burst", "generate_burst", "max_devices"):
+        for name in ("verify_burst", "generate_burst", "prefill_burst", "max_devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RateLimitConfig.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def enabled(self) -> bool:
         """Whether any kind is limited."""
-        return self.verify_rate is not None or self.generate_rate is not None
+        return any(r is not None for r in (self.verify_rate, self.generate_rate, self.prefill_rate))

@@ -34,6 +34,16 @@ class SessionInfo:
     max_draft: int
     max_context: int
     session_ttl_s: float
+    model_id: str = (
+        ""  # digests of the served weights, adapter and tokenizer (edge.verifier.identity)
+    )
+    adapter_id: str = ""
+    tokenizer_id: str = ""
+
+    @property
+    def version(self) -> str:
+        """The version the session is served on: `model_id/adapter_id`."""
+        return f"{self.model_id}/{self.adapter_id}"
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,17 @@ def check_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int]:
 def derive_seed(session_id: str) -> int:
     """A session's default sampling seed, from its id (edge-chosen ids need not be hex)."""
     return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:7], "big")
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a session's random draws at `position` (its length when they are drawn).
+
+    Draws are a function of (session seed, position), not of how many came before on
+    this replica: a session reopened elsewhere continues the same random stream, so
+    sampling stays exact across failover (re-seeding at the start replayed old draws).
+    """
+    digest = hashlib.sha256(f"{seed}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # torch seeds are < 2**64; keep it signed-safe
 
 
 def check_session_id(session_id: str) -> str:

@@ -13,11 +13,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
-import hmac
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,16 +29,16 @@ from transformers import PreTrainedModel
 
 from edge.proto import verifier_pb2_grpc as pb_grpc
 from edge.tracing import Tracing, server_interceptors
+from edge.verifier.auth import Authenticator, Credentials, server_credentials, token_identity
 from edge.verifier.engine import EngineConfig, VerifierEngine
+from edge.verifier.identity import serving_identity
 from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 from edge.verifier.metrics import VerifierMetrics
-from edge.verifier.service import AUTH_HEADER, VerifierService
+from edge.verifier.service import VerifierService
 
 T = TypeVar("T")
 LOG = logging.getLogger("fedge.verifier")
 SERVICE_NAME = "fedge.edge.v1.Verifier"
-BEARER = "Bearer "
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 EXIT_ENGINE_DIED = 3  # `serve` exits with this when the engine's worker dies, for a supervisor
 
 
@@ -52,11 +51,15 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port; create_server returns the bound one
     engine: EngineConfig = field(default_factory=EngineConfig)
-    token: str | None = None  # bearer token every Verifier call must carry
-    tokens: tuple[str, ...] = ()  # more accepted tokens (one per client); sessions are per token
+    token: str | None = None  # a bearer token every Verifier call may carry (one shared identity)
+    tokens: tuple[str, ...] = ()  # more accepted tokens, each its own identity
+    credentials_file: Path | None = None  # 'IDENTITY TOKEN' per device line, read at start
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key enables TLS
     tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA: clients must show a certificate it signed (mTLS)
+    relay_secret: str | None = None  # a fleet replica's: its relay names the caller's identity
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = any
+    health_port: int | None = None  # plaintext grpc.health.v1 only (kubelet probes cannot TLS)
     drain_notice_s: float = 1.0  # NOT_SERVING but still serving, so health checkers move traffic
     grace_s: float = 5.0  # then in-flight calls get this long to finish; new ones are refused
     rate_limits: RateLimitConfig = field(
@@ -69,6 +72,10 @@ class ServerConfig:
             raise ValueError(
                 f"ServerConfig.tls_cert and tls_key must be given together, got "
                 f"tls_cert={self.tls_cert} tls_key={self.tls_key}"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "ServerConfig.tls_client_ca needs tls_cert and tls_key (mTLS runs over TLS)"
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServerConfig.port must lie in [0, 65535], got {self.port}")
@@ -95,8 +102,22 @@ class ServerConfig:
 
     @property
     def accepted_tokens(self) -> tuple[str, ...]:
-        """Every bearer token the server accepts (empty = no auth)."""
+        """The bearer tokens given inline (each its own identity, `token:<digest>`)."""
         return ((self.token,) if self.token is not None else ()) + self.tokens
+
+    def authenticator(self) -> Authenticator | None:
+        """The interceptor that names every caller, reading the credentials file now (None: open)."""
+        inline = {token: token_identity(token) for token in self.accepted_tokens}
+        credentials = None
+        if self.credentials_file is not None:
+            credentials = Credentials.load(self.credentials_file)
+            credentials = Credentials.merged(credentials, Credentials.inline(inline))
+        elif inline:
+            credentials = Credentials.inline(inline)
+        certificates = self.tls_client_ca is not None
+        if credentials is None and not certificates and self.relay_secret is None:
+            return None
+        return Authenticator(credentials, certificates, self.relay_secret)
 
 
 def load_verifier_model(model_dir: Path, adapter_dir: Path | None = None) -> PreTrainedModel:
@@ -117,46 +138,13 @@ def load_verifier_model(model_dir: Path, adapter_dir: Path | None = None) -> Pre
     return merged.eval()  # type: ignore[no-any-return,operator]
 
 
-class _BearerAuth(grpc.aio.ServerInterceptor):
-    """Reject Verifier calls whose `authorization` metadata is not `Bearer <token>`; health stays open."""
-
-    def __init__(self, tokens: tuple[str, ...]) -> None:
-        self._expected = [(BEARER + token).encode() for token in tokens]
-
-        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'",
-            )
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)  # type: ignore[arg-type]
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method  # type: ignore[attr-defined]
-        if method.startswith(HEALTH_METHOD_PREFIX):
-            return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())  # type: ignore[attr-defined]
-        if self._accepts(str(metadata.get(AUTH_HEADER, ""))):
-            return await continuation(handler_call_details)
-        return self._deny_stream if method.endswith("/Generate") else self._deny_unary
-
-    def _accepts(self, header: str) -> bool:
-        """Constant-time comparison against every accepted token (no early exit on a match)."""
-        given = header.encode()
-        matches = [hmac.compare_digest(given, expected) for expected in self._expected]
-        return any(matches)
-
-
 class VerifierServer:
     """A bound, started grpc.aio server plus its engine, health servicer and metrics.
 
-    Interceptors, outermost first: tracing (when a tracer provider is given), bearer
-    auth (when a token is set), per-device rate limits (when a rate is set).
+    Interceptors, outermost first: authentication (when credentials, client
+    certificates or a relay secret are set), so that nothing runs for a stranger;
+    tracing (when a tracer provider is given); per-identity rate limits (when a
+    rate is set).
     """
 
     def __init__(self, config: ServerConfig, tracer_provider: TracerProvider | None = None) -> None:
@@ -165,9 +153,11 @@ class VerifierServer:
         self.engine: VerifierEngine | None = None
         self.health = health.aio.HealthServicer()
         self.tracing = Tracing(tracer_provider)
-        interceptors: list[grpc.aio.ServerInterceptor] = server_interceptors(tracer_provider)
-        if config.accepted_tokens:
-            interceptors.append(_BearerAuth(config.accepted_tokens))
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        authenticator = config.authenticator()
+        if authenticator is not None:
+            interceptors.append(authenticator)
+        interceptors += server_interceptors(tracer_provider)
         if config.rate_limits.enabled:
             limiter = RateLimiter(config.rate_limits)
             interceptors.append(RateLimitInterceptor(limiter, SERVICE_NAME))
@@ -176,6 +166,8 @@ class VerifierServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
         self.grpc = grpc.aio.server(interceptors=interceptors, options=limits)
+        self.health_grpc: grpc.aio.Server | None = None  # the plaintext health-only listener
+        self.health_port: int | None = None
         pb_grpc.add_VerifierServicer_to_server(
             VerifierService(lambda: self.engine, self.metrics), self.grpc
         )
@@ -193,8 +185,8 @@ class VerifierServer:
         """Bind the configured address (TLS when configured); returns the port."""
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls_cert is not None and self.config.tls_key is not None:
-            credentials = grpc.ssl_server_credentials(
-                [(self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())]
+            credentials = server_credentials(
+                self.config.tls_cert, self.config.tls_key, self.config.tls_client_ca
             )
             port = self.grpc.add_secure_port(address, credentials)
         else:
@@ -215,6 +207,14 @@ class VerifierServer:
         self.port = self._bind()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
+        if self.config.health_port is not None:
+            self.health_grpc = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
+            address = f"{self.config.host}:{self.config.health_port}"
+            self.health_port = self.health_grpc.add_insecure_port(address)
+            if self.health_port == 0:
+                raise OSError(f"cannot bind the verifier's health port to {address}")
+            await self.health_grpc.start()
         if self.config.metrics_port is not None:
             http, _ = start_http_server(
                 self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
@@ -235,8 +235,15 @@ class VerifierServer:
         # collector from rescanning them (a full pass stalled a stream ~0.3 s on the micro zoo)
         gc.collect()
         gc.freeze()
+        identity = await asyncio.to_thread(
+            serving_identity, self.config.model_dir, self.config.adapter_dir
+        )
         engine = VerifierEngine(
-            model, self.config.engine, observer=self.metrics, tracing=self.tracing
+            model,
+            self.config.engine,
+            observer=self.metrics,
+            tracing=self.tracing,
+            identity=identity,
         )
         engine.on_death(lambda error: _call_soon(loop, self._engine_dead))
         self.metrics.watch(engine)
@@ -281,6 +288,8 @@ class VerifierServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.sleep(self.config.drain_notice_s)
         await self.grpc.stop(self.config.grace_s if grace_s is None else grace_s)
+        if self.health_grpc is not None:
+            await self.health_grpc.stop(0)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self._metrics_http is not None:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import contextvars
 import hashlib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -22,6 +23,7 @@ import grpc
 
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
+from edge.verifier.auth import AUTH_HEADER, CALLER
 from edge.verifier.engine import (
     Sampling,
     SessionInfo,
@@ -30,6 +32,7 @@ from edge.verifier.engine import (
     VerifyResult,
 )
 from edge.verifier.errors import (
+    VERSION_GONE_KEY,
     InvalidRequest,
     LengthMismatch,
     NotReady,
@@ -37,14 +40,16 @@ from edge.verifier.errors import (
     SessionBusy,
     SessionNotFound,
     VerifierError,
+    VersionGone,
 )
+from edge.verifier.limits import RETRY_AFTER_KEY
 from edge.verifier.metrics import VerifierMetrics
 
 R = TypeVar("R")
-AUTH_HEADER = "authorization"
 VALIDATION_THREADS = 2  # request validation and densifying run here, off the event loop
 
 STATUS_OF: dict[type[VerifierError], grpc.StatusCode] = {
+    VersionGone: grpc.StatusCode.FAILED_PRECONDITION,
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
@@ -74,11 +79,17 @@ def info_message(info: SessionInfo) -> pb.SessionInfo:
         max_draft=info.max_draft,
         max_context=info.max_context,
         session_ttl_s=info.session_ttl_s,
+        model_id=info.model_id,
+        adapter_id=info.adapter_id,
+        tokenizer_id=info.tokenizer_id,
     )
 
 
 def owner_of(context: grpc.aio.ServicerContext) -> str:
-    """Session owner: a digest of the caller's bearer token ("" without one)."""
+    """Session owner: the authenticated caller; without auth, a digest of any bearer token sent."""
+    caller = CALLER.get()
+    if caller is not None:
+        return caller
     for key, value in context.invocation_metadata() or ():
         if key == AUTH_HEADER:
             return hashlib.sha256(str(value).encode()).hexdigest()[:16]
@@ -144,7 +155,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Count the failure and end the call with the mapped status (abort raises)."""
         code = status_of(error)
         self._count(method, code.name)
-        await context.abort(code, str(error))
+        await context.abort(code, str(error), trailing_metadata=_trailing(error))
         raise AssertionError("grpc.aio context.abort returned instead of raising")
 
     async def _submit(
@@ -203,6 +214,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             max_draft=info.max_draft,
             max_context=info.max_context,
             session_ttl_s=info.session_ttl_s,
+            model_id=info.model_id,
+            adapter_id=info.adapter_id,
+            tokenizer_id=info.tokenizer_id,
         )
 
     async def Verify(
@@ -236,7 +250,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             sampling = sampling_from(request.sampling)
             info = await self._submit(
                 lambda: engine.submit_open(
-                    committed, sampling, request.session_id, owner, field="committed_ids"
+                    committed,
+                    sampling,
+                    request.session_id,
+                    owner,
+                    field="committed_ids",
+                    version=request.version,
                 ),
                 lambda info: _close_quietly(engine, info.session_id, owner),
             )
@@ -307,6 +326,15 @@ class VerifierService(pb_grpc.VerifierServicer):
             for token in chunk:
                 yield pb.GenerateReply(token_id=token)
         self._ok("Generate", started)
+
+
+def _trailing(error: VerifierError) -> tuple[tuple[str, str], ...]:
+    """What an error's status carries besides its message: the version served, a retry-after."""
+    if isinstance(error, VersionGone):
+        return ((VERSION_GONE_KEY, error.served),)
+    if isinstance(error, Overloaded):
+        return ((RETRY_AFTER_KEY, str(math.ceil(error.retry_after_s * 1000))),)
+    return ()
 
 
 def _cancel_stream(handoff: Future[TokenChannel]) -> None:

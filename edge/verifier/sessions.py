@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from edge import _hf
 from edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
-from edge.verifier.requests import VerifyResult
+from edge.verifier.requests import VerifyResult, position_seed
 
 
 def session_key(owner: str, session_id: str) -> str:
@@ -42,7 +42,7 @@ class Session:
     cache: DynamicCache  # length - 1 positions
     pending: int  # last committed token; its KV is computed by the next verify
     temperature: float
-    generator: torch.Generator
+    seed: int  # its random draws at each position derive from this (see `draws`)
     last_used: float
     owner: str = ""  # digest of the bearer token that opened it ("" without auth)
     busy: bool = False
@@ -53,6 +53,10 @@ class Session:
     def length(self) -> int:
         """Committed tokens: everything in the KV cache plus the pending token."""
         return _hf.cache_length(self.cache) + 1
+
+    def draws(self, position: int) -> torch.Generator:
+        """The generator of this session's random draws at `position` (its length then)."""
+        return torch.Generator().manual_seed(position_seed(self.seed, position))
 
     @property
     def key(self) -> str:
@@ -65,8 +69,11 @@ class SessionStore:
 
     Thread-safe: the gRPC threads open, look up and close; the engine's worker
     thread grows KV caches. A busy session (verify in flight) is never evicted. An
-    owner (bearer token) holds at most `owner_quota` sessions: at its quota it evicts
-    its own least recently used idle session, never another owner's.
+    owner (the caller's authenticated identity) holds at most `owner_quota` sessions.
+    Whatever limit a new session or a growing cache meets (the quota, the session
+    count, the memory cap), it makes room only among its own owner's idle sessions,
+    least recently used first, never another owner's: when its owner has none to give
+    up, the call is refused Overloaded and the other owners' sessions stay.
     """
 
     def __init__(
@@ -107,19 +114,21 @@ class SessionStore:
                     f"session {session.session_id!r} is already open (a retry racing its first "
                     "attempt?); retry the verify without committed_ids"
                 )
+            owners = {session.owner}
             while self.owned_by(session.owner) >= self._owner_quota:
-                if not self._evict_one(keep=set(), owner=session.owner):
+                if not self._evict_one(set(), owners, "quota"):
                     raise Overloaded(
-                        f"this token's {self._owner_quota} sessions are all busy (per-token "
+                        f"this device's {self._owner_quota} sessions are all busy (per-device "
                         "quota); close some or retry later"
                     )
             while len(self._sessions) >= self._max_sessions:
-                if not self._evict_one(keep=set()):
+                if not self._evict_one(set(), owners, "lru"):
                     raise Overloaded(
-                        f"all {self._max_sessions} sessions are busy; retry later or raise max_sessions"
+                        f"all {self._max_sessions} sessions are held, none idle of this device's "
+                        "own; retry later or raise max_sessions"
                     )
             session.nbytes = _hf.cache_nbytes(session.cache)
-            self.reserve(session.nbytes, keep=set())
+            self.reserve(session.nbytes, set(), owners)
             session.last_used = self._clock()
             self._sessions[session.key] = session
             self._total_bytes += session.nbytes
@@ -168,14 +177,14 @@ class SessionStore:
                 self._total_bytes += nbytes - session.nbytes
             session.nbytes = nbytes
 
-    def reserve(self, extra_bytes: int, keep: set[str]) -> None:
-        """Evict idle LRU sessions (not in `keep`) until `extra_bytes` more fit under the cap."""
+    def reserve(self, extra_bytes: int, keep: set[str], owners: set[str]) -> None:
+        """Evict idle LRU sessions of `owners` (not in `keep`) until `extra_bytes` more fit."""
         with self.lock:
             while self._total_bytes + extra_bytes > self._cap_bytes:
-                if not self._evict_one(keep):
+                if not self._evict_one(keep, owners, "lru"):
                     raise Overloaded(
-                        f"KV memory cap of {self._cap_bytes} bytes reached by sessions in use; "
-                        "retry later or raise the cap"
+                        f"KV memory cap of {self._cap_bytes} bytes reached by sessions in use or "
+                        "of other devices; retry later or raise the cap"
                     )
 
     def expire(self) -> int:
@@ -190,12 +199,12 @@ class SessionStore:
                 self._on_evict("ttl")
             return len(stale)
 
-    def _evict_one(self, keep: set[str], owner: str | None = None) -> bool:
-        """Evict the least recently used idle session not in `keep` (of `owner`, if given)."""
+    def _evict_one(self, keep: set[str], owners: set[str], reason: str) -> bool:
+        """Evict the least recently used idle session of `owners` not in `keep`."""
         for sid, session in self._sessions.items():
-            if session.busy or sid in keep or owner not in (None, session.owner):
+            if session.busy or sid in keep or session.owner not in owners:
                 continue
             self._total_bytes -= self._sessions.pop(sid).nbytes
-            self._on_evict("lru" if owner is None else "quota")
+            self._on_evict(reason)
             return True
         return False

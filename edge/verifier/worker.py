@@ -154,7 +154,7 @@ class Worker:
 
     def _prefill(self, job: PrefillJob) -> SessionInfo:
         """Fill the KV cache with all prompt tokens but the last, which stays pending."""
-        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, keep=set())
+        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), {job.owner})
         cache = DynamicCache()
         if len(job.prompt) > 1:
             _hf.forward_on(self.model, torch.tensor([job.prompt[:-1]]), cache)
@@ -164,14 +164,14 @@ class Worker:
     def _session(
         self, session_id: str, cache: DynamicCache, pending: int, sampling: Sampling, owner: str
     ) -> Session:
-        """A new session holding `cache`, its sampling generator seeded per session."""
+        """A new session holding `cache`; its random draws derive from its seed per position."""
         seed = sampling.seed or derive_seed(session_id)
         return Session(
             session_id=session_id,
             cache=cache,
             pending=pending,
             temperature=sampling.temperature,
-            generator=torch.Generator().manual_seed(seed),
+            seed=seed,
             last_used=self.parts.clock(),
             owner=owner,
         )
@@ -188,7 +188,7 @@ class Worker:
             self.observer.on_abandoned("generate")
             return
         try:
-            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, keep=set())
+            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), {job.owner})
             cache = DynamicCache()
             logits = _hf.forward_on(self.model, torch.tensor([job.prompt]), cache)
             session = self._session(uuid.uuid4().hex, cache, -1, job.sampling, job.owner)
@@ -208,7 +208,7 @@ class Worker:
         try:
             while not (stream.finished or channel.cancelled or stop.is_set()):
                 started = time.monotonic()
-                self.sessions.reserve(self._bytes_per_position, keep)
+                self.sessions.reserve(self._bytes_per_position, keep, {session.owner})
                 logits = _hf.forward_on(
                     self.model, torch.tensor([[session.pending]]), session.cache
                 )
@@ -230,7 +230,11 @@ class Worker:
         vocab = probs.shape[1]
         empty_q = torch.zeros(0, dtype=torch.float64)
         return sampling_verdict(
-            [], empty_q, torch.zeros(0, vocab, dtype=torch.float64), probs, session.generator
+            [],
+            empty_q,
+            torch.zeros(0, vocab, dtype=torch.float64),
+            probs,
+            session.draws(session.length),
         ).next_token
 
     def _emit(self, stream: Stream, token: int) -> None:
@@ -272,7 +276,7 @@ class Worker:
         try:
             keep = {m.session.key for m in members}
             growth = sum(len(tokens) for tokens in inputs) * self._bytes_per_position
-            self.sessions.reserve(growth, keep)
+            self.sessions.reserve(growth, keep, {m.session.owner for m in members})
             times_ns.append(time.time_ns())
             logits, new_kv = self._forward(members, inputs)
             times_ns.append(time.time_ns())
@@ -359,7 +363,7 @@ class Worker:
         else:
             probs = torch.softmax(logits[: k + 1].double() / session.temperature, dim=-1)
             verdict = sampling_verdict(
-                draft.ids, draft.probs, draft.dists, probs, session.generator
+                draft.ids, draft.probs, draft.dists, probs, session.draws(start)
             )
         self._keep(session, new, verdict.accepted + 1, k + 1)  # pending plus accepted drafts
         session.pending = verdict.next_token

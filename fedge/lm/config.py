@@ -24,7 +24,9 @@ class TrainConfig:
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0  # dropout makes replayed rounds differ only via the seeded RNG
-    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # comma separated module names
+    # "auto": peft's default for the architecture, else every linear layer but the head
+    # (fedge.lm.targets); or comma separated module names
+    lora_target_modules: str = "auto"
     local_steps: int = 8
     batch_size: int = 8
     seq_len: int = 128
@@ -61,7 +63,7 @@ class TrainConfig:
 
     @property
     def target_modules(self) -> list[str]:
-        """The LoRA target module names as a list."""
+        """The LoRA target module names as a list (``["auto"]`` for the per-architecture choice)."""
         return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
 
     @classmethod

@@ -81,6 +81,7 @@ def get_lora_model(ref: str, cfg: TrainConfig, device: torch.device | None = Non
     """
     from peft import LoraConfig, get_peft_model
 
+    from fedge.lm.targets import lora_targets
     from fedge.models import load_causal_lm
 
     device = device or pick_device()
@@ -105,7 +106,7 @@ def get_lora_model(ref: str, cfg: TrainConfig, device: torch.device | None = Non
             r=cfg.lora_r,
             lora_alpha=cfg.lora_alpha,
             lora_dropout=cfg.lora_dropout,
-            target_modules=cfg.target_modules,
+            target_modules=lora_targets(cfg.lora_target_modules, base.config.model_type),
             bias="none",
             task_type="CAUSAL_LM",
         )
@@ -116,7 +117,7 @@ def get_lora_model(ref: str, cfg: TrainConfig, device: torch.device | None = Non
         if not params:
             raise ValueError(
                 f"lora-target-modules {cfg.lora_target_modules!r} matched no module of {path}; "
-                "name modules that exist, e.g. q_proj,v_proj for Llama"
+                "name modules that exist (e.g. q_proj,v_proj for Llama), or use 'auto'"
             )
         initial = {n: p.detach().to("cpu", torch.float32).numpy().copy() for n, p in params.items()}
         _MODELS[cache_key] = LoraModel(model, params, device, initial)

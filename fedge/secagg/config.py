@@ -10,16 +10,17 @@ from dataclasses import dataclass
 class SecAggConfig:
     """Settings of one SecAgg+ aggregation (Bell et al. 2020, https://eprint.iacr.org/2020/704).
 
-    Each client secret-shares its two secrets with its `num_shares - 1` graph neighbours
-    (and keeps one share itself); `reconstruction_threshold` of those shares rebuild a
-    secret. A round therefore tolerates up to `num_shares - reconstruction_threshold`
-    drop-outs per neighbourhood after the key-sharing stage.
+    Each client secret-shares its self-mask seed with its `num_shares - 1` graph
+    neighbours (it keeps no share itself); `reconstruction_threshold` of those shares
+    rebuild it, and it must be more than half of the neighbours (clients refuse less,
+    docs/privacy.md says why). A round therefore tolerates up to
+    `num_shares - 1 - threshold` drop-outs per neighbourhood after the key-sharing stage.
     """
 
     num_shares: int | float | None = (
         None  # None: 2*ceil(log2 n)+1 neighbours-plus-self, capped at n
     )
-    reconstruction_threshold: int | float = 2 / 3  # fraction of num_shares, > 1/2
+    reconstruction_threshold: int | float = 2 / 3  # fraction of the neighbours, > 1/2
     clipping_range: float = (
         8.0  # values are clipped to [-R, R] (after per-key scaling) before quantizing
     )
@@ -74,13 +75,13 @@ class SecAggConfig:
             k = self.num_shares
         return max(2, min(k, num_clients))
 
-    def threshold_for(self, num_shares: int) -> int:
-        """Return the number of shares that rebuild a secret in a neighbourhood of `num_shares`."""
+    def threshold_for(self, num_neighbours: int) -> int:
+        """Return the number of neighbours' shares that rebuild a node's self-mask seed."""
         t = self.reconstruction_threshold
-        k = min(math.ceil(t * num_shares) if isinstance(t, float) else t, num_shares)
-        if 2 * k <= num_shares:
+        k = min(math.ceil(t * num_neighbours) if isinstance(t, float) else t, num_neighbours)
+        if 2 * k <= num_neighbours:
             raise ValueError(
-                f"reconstruction_threshold={t} gives {k} of a neighbourhood of {num_shares}, not "
+                f"reconstruction_threshold={t} gives {k} of {num_neighbours} neighbours, not "
                 "more than half: clients refuse it; raise secagg-threshold"
             )
         return k

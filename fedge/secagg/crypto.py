@@ -52,6 +52,11 @@ def pair_info(purpose: bytes, a: int, b: int, round_id: str) -> bytes:
     return b"|".join((purpose, lo.to_bytes(8, "big"), hi.to_bytes(8, "big"), round_id.encode()))
 
 
+def mask_info(a: int, b: int, round_id: str, digest: bytes) -> bytes:
+    """HKDF info of a pair-mask seed: the pair, the round and the digest of the content sent."""
+    return pair_info(MASK_PURPOSE, a, b, round_id) + b"|" + digest
+
+
 def shared_secrets(private: bytes, publics: list[bytes]) -> list[bytes]:
     """Return the raw X25519 secret of ``private`` with each of ``publics`` (32 bytes each).
 

@@ -21,6 +21,7 @@ from fedge.errors import FedgeError
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from fedge.secagg.crypto import check_public_key, combine_secret
+from fedge.secagg.identity import verify_advert
 from fedge.secagg.vectors import IntVec, Layout, dequantize_sum, prg_mask
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class KeyBook:
         self.session = secrets.token_hex(8)
         self.ring_seed = secrets.randbits(63)
         self.keys: dict[int, tuple[bytes, bytes]] = {}
+        self.signed: dict[int, tuple[bytes, bytes]] = {}  # node -> (identity, signature), relayed
 
     def missing(self, nodes: Sequence[int]) -> list[int]:
         """Nodes that have not advertised keys in this session."""
@@ -77,23 +79,33 @@ class KeyBook:
         """Drop keys (a node that lost them re-advertises next round)."""
         for u in nodes:
             self.keys.pop(u, None)
+            self.signed.pop(u, None)
 
     def receive(self, replies: Mapping[int, ConfigRecord]) -> None:
-        """Keep well-formed, unique public keys (a repeated key would let one node pose as two)."""
+        """Keep well-formed, unique, signed public keys (a repeated key or identity would let
+        one node pose as two; clients check the same and refuse, this only drops early)."""
         seen = {pk for pair in self.keys.values() for pk in pair}
+        identities = {key for key, _ in self.signed.values()}
         for u, rec in replies.items():
             try:
                 pk1, pk2 = wire.get_bytes(rec, wire.KEY_PK1), wire.get_bytes(rec, wire.KEY_PK2)
+                key = wire.get_bytes(rec, wire.KEY_IDENTITY)
+                sig = wire.get_bytes(rec, wire.KEY_SIGNATURE)
                 check_public_key(pk1)
                 check_public_key(pk2)
             except (KeyError, ValueError, TypeError) as exc:
                 log.warning("SecAgg+: node %d sent unusable public keys (%s); dropped", u, exc)
                 continue
-            if pk1 in seen or pk2 in seen or pk1 == pk2:
-                log.warning("SecAgg+: node %d repeats a public key; dropped", u)
+            if pk1 in seen or pk2 in seen or pk1 == pk2 or key in identities:
+                log.warning("SecAgg+: node %d repeats a public key or identity; dropped", u)
+                continue
+            if not verify_advert(key, sig, self.session, u, pk1, pk2):
+                log.warning("SecAgg+: node %d's keys carry no valid signature; dropped", u)
                 continue
             seen |= {pk1, pk2}
+            identities.add(key)
             self.keys[u] = (pk1, pk2)
+            self.signed[u] = (key, sig)
 
 
 @dataclass
@@ -185,7 +197,7 @@ class SecAggServerEngine:
         for u in keyed:
             hood = self._r.neighbours[u]
             try:
-                self._r.thresholds[u] = self.cfg.threshold_for(len(hood) + 1)
+                self._r.thresholds[u] = self.cfg.threshold_for(len(hood))
             except ValueError as exc:
                 raise SecAggRoundFailed(f"SecAgg+: {exc}; no aggregate is applied") from exc
             rec = self._record(wire.STAGE_COLLECT)
@@ -193,6 +205,8 @@ class SecAggServerEngine:
             rec[wire.KEY_NEIGHBOURS] = wire.pack_ids(hood)
             rec[wire.KEY_PEER_PK1] = [self.keys.keys[v][0] for v in hood]
             rec[wire.KEY_PEER_PK2] = [self.keys.keys[v][1] for v in hood]
+            rec[wire.KEY_PEER_IDENTITY] = [self.keys.signed[v][0] for v in hood]
+            rec[wire.KEY_PEER_SIGNATURE] = [self.keys.signed[v][1] for v in hood]
             rec[wire.KEY_CLIPPING_RANGE] = float(self.cfg.clipping_range)
             rec[wire.KEY_QUANTIZATION_RANGE] = int(self.cfg.quantization_range)
             rec[wire.KEY_MODULUS_RANGE] = int(self.cfg.modulus_range)
@@ -264,10 +278,10 @@ class SecAggServerEngine:
         alive = set(self._r.masked)
         if not self._r.asked:
             for v in sorted(alive):
-                active = (set(self._r.neighbours[v]) | {v}) & alive
+                active = set(self._r.neighbours[v]) & alive
                 if len(active) < self._r.thresholds[v]:
                     raise SecAggRoundFailed(
-                        f"SecAgg+: only {len(active)} live nodes around node {v}, below its "
+                        f"SecAgg+: only {len(active)} live neighbours of node {v}, below its "
                         f"threshold {self._r.thresholds[v]}; the round is abandoned and no "
                         "aggregate is applied"
                     )
@@ -314,7 +328,7 @@ class SecAggServerEngine:
                 continue
             hood = set(self._r.neighbours[v])
             for u, share in zip(owners, shares, strict=True):
-                if u in alive and u in hood | {v}:
+                if u in alive and u in hood:  # a node holds no share of its own seed
                     self._r.shares.setdefault(u, []).append(share)
             for u, seed in zip(seed_peers, pair_seeds, strict=True):
                 if u in hood and u not in alive:
@@ -349,7 +363,7 @@ class SecAggServerEngine:
         holds keeps ``threshold + UNMASK_SPARE`` asked holders (or all it has). Asking fewer
         clients reveals less, never more: each asked client applies its own checks.
         """
-        holders = {v: (set(self._r.neighbours[v]) | {v}) & alive for v in alive}
+        holders = {v: set(self._r.neighbours[v]) & alive for v in alive}
         need = {v: min(self._r.thresholds[v] + UNMASK_SPARE, len(holders[v])) for v in alive}
         count = {v: len(holders[v]) for v in alive}
         left_out: set[int] = set()

@@ -9,7 +9,8 @@ Nothing here sleeps or trains; it is arithmetic on simulated seconds. One client
   it reports: it drops out (its compute so far is wasted);
 * deadline: the report would arrive after ``deadline_at``. A strategy that accepts partial
   work (FedProx) runs the steps that fit and reports by the deadline; otherwise the
-  client drops out and the compute it did before the deadline is wasted;
+  client drops out and the compute it did before the deadline is wasted, or only the
+  compute until the close when the round closed earlier (at the K-th report);
 * late: more than ``target`` clients would report; the server keeps the first ``target``
   by arrival and closes the exchange at the last kept report; the others' compute until
   then is wasted (the price of over-selection).
@@ -133,9 +134,19 @@ def plan_exchange(legs: Sequence[Leg], pop: Population, rules: Rules) -> Plan:
             waits.append(rules.deadline_at)
         close, late = max(waits, default=rules.start), set()
     final = []
-    for o in outcomes:
+    for leg, o in zip(legs, outcomes, strict=True):
         if o.node in late:
             done = min(o.compute_seconds, max(0.0, close - o.begin))
             o = Outcome(o.node, o.device, LATE, o.steps, o.requested, o.begin, o.finish, done, done)
+        elif o.status != KEPT and o.finish > close:
+            o = _stopped_at_close(o, close, leg.step_seconds)
         final.append(o)
     return Plan(final, close)
+
+
+def _stopped_at_close(o: Outcome, close: float, step_seconds: float) -> Outcome:
+    """A client still computing when the round closed stops then: only its compute until the
+    close is wasted (not until the deadline, or until it would have gone offline)."""
+    done = min(o.compute_seconds, max(0.0, close - o.begin))
+    ran = math.floor(done / step_seconds + 1e-9) if step_seconds > 0 else 0
+    return Outcome(o.node, o.device, o.status, ran, o.requested, o.begin, close, done, done)

@@ -22,6 +22,7 @@ class DeviceConfig:
     fedscale_capacity: str = ""  # FedScale client_device_capacity pickle (instead of the above)
     fedscale_behaviour: str = ""  # FedScale client_behave_trace pickle (availability)
     fedscale_memory_gb: float = 4.0  # FedScale traces have no memory figure
+    fedscale_reference_gflops: float = 0.6  # forward GFLOP/sample ms_per_sample times; 0: ours
     size: int = 0  # devices; 0 = one per simulated node
     spread: float = 0.6  # log-normal sigma of per-device figures around tier medians
     horizon_h: float = 168.0  # drawn availability traces cover this long, then repeat
@@ -48,6 +49,7 @@ class DeviceConfig:
             "deadline_s",
             "machine_gflops",
             "target_perplexity",
+            "fedscale_reference_gflops",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:

@@ -241,6 +241,14 @@ class DeviceGrid(ReplyHookGrid):
             if m.metadata.dst_node_id in kept
         ]
         replies = list(self._grid.send_and_receive(outgoing, timeout=timeout)) if outgoing else []
+        if len(replies) < len(outgoing):  # an engine's wall clock, not the virtual one, cut them
+            log.warning(
+                "round %d: %d of %d clients the virtual clock kept sent no reply before the "
+                "wall-clock round-timeout; raise round-timeout",
+                server_round,
+                len(outgoing) - len(replies),
+                len(outgoing),
+            )
         training = any(leg.steps > 0 for leg in legs)
         self.sim.record(plan, training, legs[0].download_bytes, legs[0].upload_bytes)
         for reply in replies:  # the steps each client says it ran (its step budget honoured)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fedge import keys
 from simulations.devicesim.config import DeviceConfig
 from simulations.devicesim.grid import DeviceSim
 from simulations.devicesim.population import (
@@ -30,6 +31,7 @@ from simulations.devicesim.workload import (
     measure_step_seconds,
     shape_from_model,
 )
+from strategies.registry import build_strategy
 
 log = logging.getLogger(__name__)
 HOUR = 3600.0
@@ -56,6 +58,14 @@ def build_population(dcfg: DeviceConfig, nodes: int, seed: int) -> Population:
     return from_tiers(parse_shares(dcfg.tiers), size, seed, dcfg.spread, horizon)
 
 
+def device_optimizer(optimizer: str, strategy: str) -> str:
+    """The optimizer a client builds: ``optimizer``, or for "auto" the strategy's own
+    (AdamW, SGD for SCAFFOLD), so the memory model counts the optimizer state it will hold."""
+    if optimizer != "auto":
+        return optimizer
+    return build_strategy({keys.CFG_STRATEGY: strategy}).local_optimizer
+
+
 def build_workload(dcfg: DeviceConfig, run_cfg: Any, needs_machine: bool) -> Workload:
     """The run's local training as a device sees it (own model, or the timing reference)."""
     from fedge.lm import holder
@@ -78,8 +88,9 @@ def build_workload(dcfg: DeviceConfig, run_cfg: Any, needs_machine: bool) -> Wor
         train.local_steps,
         download_bytes=payloads * adapter,
         upload_bytes=payloads * adapter + META_BYTES,
-        optimizer=train.optimizer,
+        optimizer=device_optimizer(train.optimizer, run_cfg.strategy),
         weight_dtype=dcfg.weight_dtype,
+        reference_flops=dcfg.fedscale_reference_gflops * 1e9,
     )
     if dcfg.machine_gflops > 0:
         return replace(workload, machine_flops=dcfg.machine_gflops * 1e9)

@@ -9,8 +9,12 @@ Costs (per step of ``batch`` sequences of ``seq`` tokens, T = batch x seq):
 * FLOPs: the frozen base needs forward and input-gradient matmuls, 4 x matmul params x T;
   the LoRA factors forward, input and weight gradients, 6 x LoRA params x T; attention
   scores and values 12 x layers x seq x hidden x T (forward 4, backward 8).
+* Time on a FedScale device (ms per sample of a reference model, training 3x that): the
+  device's rate on the reference, 3 x reference forward FLOPs per 3 x ms, applied to this
+  workload's FLOPs, so a 0.5B LLM is not timed like a MobileNet.
 * Memory: base weights at the device dtype; LoRA parameters, gradients and optimizer
-  state in fp32 (AdamW: 2 states, SGD: none); activations per layer s.b.h.(34 + 5.a.s/h)
+  state in fp32 (AdamW: 2 states, SGD: none; ``optimizer = "auto"`` resolved to the
+  strategy's own first); activations per layer s.b.h.(34 + 5.a.s/h)
   bytes (Korthikanti et al. 2022, 16-bit activations, no recomputation); fp32 logits and
   their gradient, 8.b.s.V bytes.
 """
@@ -31,7 +35,12 @@ from simulations.devicesim.population import (
 )
 
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+OPTIMIZER_STATES = {"adamw": 2.0, "sgd": 0.0}  # fp32 states per LoRA parameter
 FEDSCALE_TRAIN_FACTOR = 3.0  # FedScale: backward ~ 2x forward, so training = 3x inference latency
+# Forward FLOPs per sample of the model FedScale's ms/sample figures time. An assumption:
+# MobileNetV2 at 224 x 224, 300M multiply-adds (Sandler et al. 2018) = 0.6 GFLOP; the
+# [devices] key fedscale-reference-gflops overrides it (0: the figures time the run's model).
+FEDSCALE_REFERENCE_FLOPS = 0.6e9
 
 
 @dataclass(frozen=True)
@@ -110,9 +119,10 @@ class Workload:
     local_steps: int
     download_bytes: int  # the train message's arrays (global adapter + strategy payload)
     upload_bytes: int  # the contribution (adapter delta, + control delta for SCAFFOLD)
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # what the client builds: "adamw" or "sgd" (resolve "auto" first)
     weight_dtype: str = "fp16"
     machine_flops: float = 0.0  # this machine's measured training FLOP/s (0: not calibrated)
+    reference_flops: float = FEDSCALE_REFERENCE_FLOPS  # ms/sample's model; 0: this workload's
 
     def __post_init__(self) -> None:
         """Refuse sizes that cannot be, naming the field."""
@@ -123,6 +133,13 @@ class Workload:
             raise ValueError(
                 f"weight-dtype must be one of {list(DTYPE_BYTES)}, got {self.weight_dtype!r}"
             )
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"workload optimizer must be one of {list(OPTIMIZER_STATES)}, got "
+                f"{self.optimizer!r} (resolve 'auto' to the strategy's own optimizer first)"
+            )
+        if self.reference_flops < 0:
+            raise ValueError(f"reference_flops must be >= 0, got {self.reference_flops}")
 
     def flops_per_step(self, batch: int | None = None) -> float:
         """Training FLOPs of one local step at ``batch`` (default: the configured batch)."""
@@ -134,7 +151,7 @@ class Workload:
     def memory_bytes(self, batch: int | None = None) -> float:
         """Peak training memory at ``batch``: weights, LoRA state, activations, logits."""
         b, s, sh = batch or self.batch, self.seq, self.shape
-        states = 2.0 if self.optimizer == "adamw" else 0.0
+        states = OPTIMIZER_STATES[self.optimizer]
         weights = sh.params * DTYPE_BYTES[self.weight_dtype]
         lora = self.lora_params * 4.0 * (2.0 + states)
         activations = sh.layers * s * b * sh.hidden * (34.0 + 5.0 * sh.heads * s / sh.hidden)
@@ -162,7 +179,11 @@ class Workload:
             sel = k == KIND_SPEED
             out[sel] = per_device[sel] / (pop.compute[sel] * self.machine_flops)
         sel = k == KIND_MS_PER_SAMPLE
-        out[sel] = FEDSCALE_TRAIN_FACTOR * b[sel] * pop.compute[sel] / 1000.0
+        ms = pop.compute[sel] / 1000.0
+        if self.reference_flops > 0:  # the device's rate on the reference model, applied to ours
+            out[sel] = per_device[sel] * ms / self.reference_flops
+        else:  # the figures time this very workload (FedScale's own semantics)
+            out[sel] = FEDSCALE_TRAIN_FACTOR * b[sel] * ms
         return out
 
     def with_machine(self, step_seconds: float, flops_per_step: float) -> Workload:

@@ -6,8 +6,11 @@ newest Kubernetes version we claim; then against what a schema cannot know:
 probe ports that name no container port, Service target ports and selectors that
 match no pod, mounts of undeclared volumes, a listen address a pod cannot be
 reached on, arguments `fedge verifier serve` would reject, a Secret other than
-the one docs/fleet.md tells you to create. Every check has a test that breaks
-the manifest on purpose and expects the check to name the fault.
+the one docs/fleet.md tells you to create, a secret in an environment variable
+rather than a mounted file, a listener without TLS or per-device credentials, Ray
+without token authentication, Ray's ports open beyond the fleet's own pods. Every
+check has a test that breaks the manifest on purpose and expects the check to name
+the fault.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import ray
 import typer
 import yaml
 
-from edge.cli import TOKEN_ENV, verifier_app
+from edge.cli import verifier_app
 from edge.proto import verifier_pb2
 from edge.verifier.server import ServerConfig
 
@@ -187,36 +190,55 @@ def verifier_problems(deployment: Obj) -> list[str]:
     grpc_ports = {p["containerPort"] for p in container["ports"] if p.get("name") == "grpc"}
     if grpc_ports != {config.port}:
         problems.append(f"--port={config.port} but the container's grpc port is {grpc_ports}")
-    if not any(probe.get("grpc", {}).get("port") == config.port for _, probe in _probes(container)):
-        problems.append(f"no gRPC probe on the verifier's port {config.port}")
+    if config.tls_cert is None or config.credentials_file is None:
+        problems.append("the verifier must serve TLS (--tls-cert/--tls-key) and --credentials")
+    probe_ports = {probe.get("grpc", {}).get("port") for _, probe in _probes(container)}
+    if config.port in probe_ports:
+        problems.append(f"a gRPC probe on the TLS port {config.port}: kubelet probes cannot TLS")
+    if config.health_port is None or probe_ports != {config.health_port}:
+        problems.append(f"gRPC probes must use --health-port, got ports {probe_ports}")
+    files = {
+        "--credentials": config.credentials_file,
+        "--tls-cert": config.tls_cert,
+        "--tls-key": config.tls_key,
+    }
+    problems += secret_problems(pod, container, files)
     readiness = container.get("readinessProbe", {}).get("grpc", {}).get("service")
     if readiness != SERVICE_NAME:
         problems.append(f"readinessProbe must check service {SERVICE_NAME!r}, got {readiness!r}")
-    problems += token_problems(container)
     drain_s = config.drain_notice_s + config.grace_s  # NOT_SERVING notice, then in-flight grace
     if pod.get("terminationGracePeriodSeconds", 30) <= drain_s:
         problems.append(f"terminationGracePeriodSeconds must exceed the {drain_s:.0f} s drain")
     return problems
 
 
-def token_problems(container: Obj) -> list[str]:
-    """The bearer token comes from the Secret the docs create."""
-    env = {e["name"]: e for e in container.get("env", [])}
-    ref = env.get(TOKEN_ENV, {}).get("valueFrom", {}).get("secretKeyRef")
-    if ref != documented_secret():
-        return [f"{TOKEN_ENV} must come from the Secret docs/fleet.md creates, got {ref}"]
-    return []
+def secret_problems(pod: Obj, container: Obj, files: dict[str, Any]) -> list[str]:
+    """No secret in the environment; each secret file lies in a volume of a documented Secret."""
+    problems = [
+        f"{container['name']} takes {e['name']} from a Secret in its environment: mount it as a file"
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    ]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    for flag, path in files.items():
+        if path is None:
+            continue
+        mount = next((m for m in mounts if str(path).startswith(m.rstrip("/") + "/")), None)
+        secret = volumes.get(mounts[mount], {}).get("secret", {}) if mount else {}
+        if secret.get("secretName") not in documented_secrets():
+            problems.append(
+                f"{flag} {path} is not in a volume of a Secret docs/fleet.md creates "
+                f"({sorted(documented_secrets())})"
+            )
+    return problems
 
 
-def documented_secret() -> dict[str, str]:
-    """Name and key of the token Secret in docs/fleet.md's `kubectl create secret` line."""
-    match = re.search(
-        r"kubectl create secret generic (\S+) --from-literal=(\w+)=", DOCS.read_text()
-    )
-    assert match, (
-        "docs/fleet.md must show `kubectl create secret generic NAME --from-literal=KEY=...`"
-    )
-    return {"name": match.group(1), "key": match.group(2)}
+def documented_secrets() -> set[str]:
+    """The Secrets docs/fleet.md tells you to create (`kubectl create secret ... NAME`)."""
+    names = set(re.findall(r"kubectl create secret (?:generic|tls) (\S+)", DOCS.read_text()))
+    assert names, "docs/fleet.md must show `kubectl create secret ...` for the fedge Secrets"
+    return names
 
 
 def all_problems(objects: list[Obj]) -> list[str]:
@@ -237,6 +259,10 @@ def verifier_shape() -> list[Obj]:
 
 # ---------------------------------------------------------------------------------- tests
 def test_verifier_manifests_pass_every_check() -> None:
+    """TLS, per-device credentials and every secret as a mounted file, probes on the health port.
+
+    Main's manifest fails it: a plaintext listener, one shared token in the environment, probes
+    on the gRPC port (checked: four problems named)."""
     objects = verifier_shape()
     assert [o["kind"] for o in objects] == ["Deployment", "Service", "PersistentVolumeClaim"]
     assert all_problems(objects) == []
@@ -280,6 +306,26 @@ BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         lambda o: _container(o)["readinessProbe"]["grpc"].update(port=50062),
         "readinessProbe.grpc.port 50062 is no containerPort",
     ),
+    "probe on the TLS port": (
+        lambda o: _container(o)["livenessProbe"]["grpc"].update(port=50061),
+        "kubelet probes cannot TLS",
+    ),
+    "plaintext listener": (
+        lambda o: _container(o)["args"].__setitem__(
+            slice(None), [a for a in _container(o)["args"] if not a.startswith("--tls-")]
+        ),
+        "must serve TLS",
+    ),
+    "no per-device credentials": (
+        lambda o: _container(o)["args"].__setitem__(
+            slice(None), [a for a in _container(o)["args"] if not a.startswith("--credentials")]
+        ),
+        "--credentials",
+    ),
+    "credentials file outside a Secret volume": (
+        _set_arg("--credentials", "/models/devices"),
+        "--credentials /models/devices is not in a volume of a Secret",
+    ),
     "probe port given by name": (
         lambda o: _container(o)["livenessProbe"]["grpc"].update(port="grpc"),
         "'grpc' is not of type 'integer'",
@@ -320,9 +366,14 @@ BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         lambda o: _container(o)["volumeMounts"][0].update(name="model"),
         "mounts volume 'model'",
     ),
-    "token from another Secret": (
-        lambda o: _container(o)["env"][0]["valueFrom"]["secretKeyRef"].update(name="token"),
-        "must come from the Secret",
+    "a secret in the environment": (
+        lambda o: _container(o)["env"].append(
+            {
+                "name": "FEDGE_VERIFIER_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": "t", "key": "t"}},
+            }
+        ),
+        "from a Secret in its environment",
     ),
     "root user allowed": (
         lambda o: o[0]["spec"]["template"]["spec"]["securityContext"].pop("runAsNonRoot"),
@@ -449,18 +500,37 @@ def serve_config_problems(config: Obj) -> list[str]:
 
 def fleet_problems(objects: list[Obj]) -> list[str]:
     """The fleet shape: schemas, Serve config, and what ties the ingress, head pod and Service."""
-    rayservice, service = objects
-    problems = crd_problems(rayservice) + schema_problems(service)
+    kinds = {o["kind"]: o for o in objects}
+    if "NetworkPolicy" not in kinds:
+        return ["no NetworkPolicy: Ray's ports are open to every pod in the cluster"]
+    rayservice, service, policy = kinds["RayService"], kinds["Service"], kinds["NetworkPolicy"]
+    problems = crd_problems(rayservice) + schema_problems(service) + schema_problems(policy)
     if problems:
         return problems
     cluster = rayservice["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]
     templates = [head["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    if cluster.get("authOptions", {}).get("mode") != "token":
+        problems.append("rayClusterConfig.authOptions.mode must be token (Ray token auth)")
     for template in templates:
         problems += pod_problems(template)
-        problems += [p for c in template["spec"]["containers"] for p in token_problems(c)]
+        for container in template["spec"]["containers"]:
+            problems += secret_problems(template["spec"], container, {})
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            if env.get("RAY_AUTH_MODE") != "token":
+                problems.append(f"{container['name']}: RAY_AUTH_MODE must be token")
     config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
     problems += serve_config_problems(config)
+    ingress_args = next(
+        (a.get("args") or {} for a in config["applications"] if "stable" in (a.get("args") or {})),
+        {},
+    )
+    if not all(ingress_args.get(k) for k in ("credentials_file", "tls_cert", "tls_key")):
+        problems.append("the ingress must serve TLS (tls_cert, tls_key) and credentials_file")
+    (head_container,) = head["template"]["spec"]["containers"]
+    files = {k: ingress_args.get(k) for k in ("credentials_file", "tls_cert", "tls_key")}
+    problems += secret_problems(head["template"]["spec"], head_container, files)
+    problems += network_policy_problems(policy, templates, int(ingress_args.get("port", 50061)))
     head_template = {
         "metadata": {"labels": {**head["template"]["metadata"]["labels"], **KUBERAY_HEAD_LABELS}},
         "spec": head["template"]["spec"],
@@ -489,18 +559,52 @@ def fleet_problems(objects: list[Obj]) -> list[str]:
     return problems
 
 
+def network_policy_problems(policy: Obj, templates: list[Obj], ingress_port: int) -> list[str]:
+    """The policy covers every Ray pod; only fleet pods (and the operator, the dashboard) reach
+    Ray's ports; everyone else reaches the ingress port alone."""
+    spec = policy["spec"]
+    selector = spec["podSelector"].get("matchLabels", {})
+    problems = []
+    for template in templates:
+        labels = template["metadata"].get("labels", {})
+        if not selector or any(labels.get(k) != v for k, v in selector.items()):
+            problems.append(f"NetworkPolicy selector {selector} misses Ray pods labelled {labels}")
+    if "Ingress" not in spec.get("policyTypes", []):
+        problems.append("NetworkPolicy must restrict Ingress")
+    for rule in spec.get("ingress", []):
+        peers = rule.get("from", [])
+        ports = {p.get("port") for p in rule.get("ports", [])}
+        own = peers and all(p.get("podSelector", {}).get("matchLabels") == selector for p in peers)
+        if own and "namespaceSelector" not in str(peers):
+            continue  # the fleet's own pods: any port
+        if not ports:
+            problems.append(f"NetworkPolicy rule {rule} admits other peers to every port")
+        operator = peers and all("kuberay-operator" in str(p) for p in peers)
+        allowed = {ingress_port} | ({8265} if operator else set())
+        if ports - allowed:
+            problems.append(
+                f"NetworkPolicy admits {peers or 'everyone'} to Ray ports {ports - allowed}"
+            )
+    return problems
+
+
 def fleet_shape() -> list[Obj]:
     return load("fleet-rayservice.yaml")
 
 
 def test_fleet_manifests_pass_every_check() -> None:
+    """Ray token auth, a NetworkPolicy admitting only the fleet to Ray's ports, an ingress on TLS
+    with per-device credentials read from Secret files.
+
+    Main's manifest fails it: no NetworkPolicy (any pod could submit a Ray job or call
+    `promote`), no Ray token auth, the shared token in every pod's environment (checked)."""
     objects = fleet_shape()
-    assert [o["kind"] for o in objects] == ["RayService", "Service"]
+    assert [o["kind"] for o in objects] == ["RayService", "Service", "NetworkPolicy"]
     assert fleet_problems(objects) == []
 
 
 def test_fleet_image_carries_the_clusters_ray() -> None:
-    (rayservice, _) = fleet_shape()
+    (rayservice, *_) = fleet_shape()
     version = rayservice["spec"]["rayClusterConfig"]["rayVersion"]
     assert f"rayproject/ray:{version}-" in (REPO / "deploy" / "Dockerfile").read_text()
 
@@ -522,6 +626,10 @@ def _serve(mutate: Callable[[Obj], object]) -> Callable[[list[Obj]], None]:
 
 def _head(objects: list[Obj]) -> Obj:
     return _cluster(objects)["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _worker(objects: list[Obj]) -> Obj:
+    return _cluster(objects)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
 
 
 FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
@@ -589,11 +697,43 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         lambda o: _cluster(o).update(rayVersion="2.9.0"),
         "rayVersion 2.9.0",
     ),
-    "worker token from another Secret": (
-        lambda o: _cluster(o)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(
-            env=[{"name": TOKEN_ENV, "value": "inline"}]
+    "a secret in a worker's environment": (
+        lambda o: _worker(o)["env"].append(
+            {
+                "name": "FEDGE_VERIFIER_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": "t", "key": "t"}},
+            }
         ),
-        "must come from the Secret",
+        "from a Secret in its environment",
+    ),
+    "Ray without token authentication": (
+        lambda o: _cluster(o).pop("authOptions"),
+        "authOptions.mode must be token",
+    ),
+    "a Ray container without RAY_AUTH_MODE": (
+        lambda o: _worker(o).update(
+            env=[e for e in _worker(o)["env"] if e["name"] != "RAY_AUTH_MODE"]
+        ),
+        "ray-worker: RAY_AUTH_MODE must be token",
+    ),
+    "no NetworkPolicy": (lambda o: o.pop(2), "no NetworkPolicy"),
+    "Ray's GCS open to everyone": (
+        lambda o: o[2]["spec"]["ingress"][2]["ports"].append({"port": 6379, "protocol": "TCP"}),
+        "to Ray ports {6379}",
+    ),
+    "NetworkPolicy missing the worker pods": (
+        lambda o: _cluster(o)["workerGroupSpecs"][0]["template"]["metadata"]["labels"].pop(
+            "fedge.io/fleet"
+        ),
+        "misses Ray pods",
+    ),
+    "ingress without TLS": (
+        _serve(lambda c: [c["applications"][1]["args"].pop(k) for k in ("tls_cert", "tls_key")]),
+        "the ingress must serve TLS",
+    ),
+    "ingress credentials outside a Secret volume": (
+        _serve(lambda c: c["applications"][1]["args"].update(credentials_file="/models/devices")),
+        "credentials_file /models/devices is not in a volume of a Secret",
     ),
 }
 

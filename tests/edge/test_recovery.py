@@ -31,7 +31,7 @@ class VerifierProcess:
 
     def __init__(self, model_dir: Path) -> None:
         command = [
-            *(sys.executable, "-m", "fedge.cli", "verifier", "serve", "--model", str(model_dir)),
+            *(sys.executable, "-m", "edge.verifier", "--model", str(model_dir)),
             *("--port", "0", "--torch-threads", "1", "--grace-s", "0"),
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -131,7 +131,7 @@ def test_killed_build_resumes_to_the_same_weights(micro_zoo: ZooPaths, tmp_path:
     command = [
         sys.executable,
         "-m",
-        "fedge.cli",
+        "cli",
         "models",
         "build",
         "--preset",

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.fleet.kuberay import TOKEN_ENV, fleet_config, ingress_app, replicas_app
+from edge.fleet.kuberay import fleet_config, ingress_app, replicas_app
 
 
-def test_args_map_onto_the_fleet_and_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, "from-a-secret")
+def test_args_map_onto_the_fleet_and_engine() -> None:
     config = fleet_config(
         {
             "model": "/models/target",
@@ -28,12 +27,14 @@ def test_args_map_onto_the_fleet_and_engine(monkeypatch: pytest.MonkeyPatch) -> 
     )
     assert (config.replicas, config.max_replicas, config.policy) == (3, 5, "least-outstanding")
     assert (config.engine.max_draft, config.engine.session_ttl_s) == (12, 60.0)
-    assert config.token == "from-a-secret"
 
 
-def test_no_token_in_the_environment_means_no_auth(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    assert fleet_config({"model": "/m"}).token is None
+def test_ingress_secrets_are_paths_read_at_start_never_arguments() -> None:
+    args = {"stable": "fedge-v1", "credentials_file": "/run/c", "tls_cert": "/run/t.crt"}
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        ingress_app(args)
+    spec = ingress_app({**args, "tls_key": "/run/t.key"})._bound_deployment.init_args[0]
+    assert (spec.credentials_file, spec.tls_key) == (Path("/run/c"), Path("/run/t.key"))
 
 
 @pytest.mark.parametrize(

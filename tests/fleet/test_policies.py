@@ -420,14 +420,16 @@ def test_ingress_relays_its_own_span_as_the_replicas_parent() -> None:
     from opentelemetry.trace import format_span_id, format_trace_id
 
     from edge.fleet.ingress import relay_metadata
+    from edge.verifier.auth import IDENTITY_KEY, token_identity
 
     edge_context = ("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
     caller = [edge_context, ("authorization", "Bearer t"), ("grpc-accept-encoding", "gzip")]
-    assert relay_metadata(caller) == (edge_context, ("authorization", "Bearer t"))  # tracing off
+    identity = (IDENTITY_KEY, token_identity("t"))  # the token itself stays in the ingress
+    assert relay_metadata(caller) == (edge_context, identity)  # tracing off
     tracer = TracerProvider().get_tracer("test")
     with tracer.start_as_current_span("ingress") as span:
         relayed = dict(relay_metadata(caller))
     ids = span.get_span_context()
-    assert relayed["authorization"] == "Bearer t"
+    assert "authorization" not in relayed and relayed[IDENTITY_KEY] == identity[1]
     _, trace_id, parent_id, _ = relayed["traceparent"].split("-")
     assert (trace_id, parent_id) == (format_trace_id(ids.trace_id), format_span_id(ids.span_id))

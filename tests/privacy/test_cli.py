@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from fedge.cli import app
+from cli.main import app
 from fedge.privacy.accounting import gaussian_epsilon
 
 

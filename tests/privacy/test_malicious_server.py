@@ -17,6 +17,7 @@ import pytest
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from clients.privacy.ledger import STATE_DIR_ENV
 from clients.privacy.policy import POLICY_ENV
 from fedge import keys
 from fedge.secagg import wire
@@ -97,10 +98,10 @@ def tampered_round(grid: Grid, nodes: list[int], tamper: Tamper) -> dict[int, st
 
 
 def half_threshold(stage: str, requests: dict[int, RecordDict]) -> None:
-    """Send threshold 2 in a neighbourhood of 4: not more than half."""
+    """Send threshold 1 to nodes of 3 neighbours each: not more than half."""
     if stage == wire.STAGE_COLLECT:
         for req in requests.values():
-            req[wire.SECAGG_RECORD][wire.KEY_THRESHOLD] = 2
+            req[wire.SECAGG_RECORD][wire.KEY_THRESHOLD] = 1
 
 
 def both_secrets(stage: str, requests: dict[int, RecordDict]) -> None:
@@ -122,7 +123,8 @@ def main(grid: Grid) -> None:
     )
     RESULTS["half-threshold"] = tampered_round(grid, nodes, half_threshold)
     RESULTS["both-shares"] = tampered_round(grid, nodes, both_secrets)
-    RESULTS["honest"] = ddp(1.2).aggregate(grid, 4, nodes, train_content(), SPEC, WAIT)
+    # z = 1.5 over 4 clients; each client counts only the 2 it can verify: 1.5 sqrt(2/4) >= 1
+    RESULTS["honest"] = ddp(1.5).aggregate(grid, 4, nodes, train_content(), SPEC, WAIT)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +140,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     mp = pytest.MonkeyPatch()
     mp.setenv(POLICY_ENV, str(policy))
+    mp.setenv(STATE_DIR_ENV, str(root / "node-state"))
     mp.syspath_prepend(str(root))
     try:
         simulate(main, known_client_app(contribution, train_loss), NUM_NODES)

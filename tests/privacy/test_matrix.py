@@ -20,6 +20,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
+from clients.privacy.ledger import STATE_DIR_ENV
 from server.checkpoint import latest_round, load_checkpoint
 from server.config import RunConfig
 from server.loop import ServerModel, run_federation
@@ -98,6 +99,7 @@ def outcomes(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FEDGE_CONCURRENCY", "1")  # clients run one at a time, in this thread
+        patch.setenv(STATE_DIR_ENV, str(tmp_path_factory.mktemp("node-state")))  # ledgers span runs
         for name in ("_task_id", "_run_id", "_node_id"):  # run_inprocess sets the identity
             patch.setattr(TaskIdentity, name, getattr(TaskIdentity, name))
         nodes = tmp_path_factory.mktemp("nodes")

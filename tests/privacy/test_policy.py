@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clients.privacy.policy import PrivacyPolicy, dpsgd_budget, node_policy, requested_dp
@@ -25,13 +27,20 @@ def test_a_policy_file_is_read_and_a_bad_one_is_never_an_empty_policy(tmp_path: 
 
 
 def test_requested_dp_reads_the_released_sums_multiplier() -> None:
-    # distributed DP: std 0.05 per client, 4 contributors, clip 0.1 -> z = 0.05 * 2 / 0.1 = 1
-    ddp = requested_dp({"dp-clip-norm": 0.1, "dp-noise-std": 0.05, "dp-min-clients": 4})
-    assert ddp is not None and ddp.mechanism == "distributed DP"
-    assert ddp.noise_multiplier == pytest.approx(1.0) and ddp.clip == 0.1
-    # without a declared m the client assumes its own noise must carry z alone
-    alone = requested_dp({"dp-clip-norm": 0.1, "dp-noise-std": 0.05})
-    assert alone is not None and alone.noise_multiplier == pytest.approx(0.5)
+    # distributed DP: std 0.05 per client, clip 0.1; the server's m = 4 is not trusted
+    config = {"dp-clip-norm": 0.1, "dp-noise-std": 0.05, "dp-min-clients": 4}
+    alone = requested_dp(config)
+    assert alone is not None and alone.mechanism == "distributed DP"
+    assert alone.noise_multiplier == pytest.approx(0.5) and alone.clip == 0.1
+    # in a SecAgg+ collect with 4 neighbours and threshold 4, 2t - n = 4 neighbours share
+    # every sum that holds this input: m = 5 -> z = 0.05 * sqrt(5) / 0.1
+    secagg = {
+        "stage": "collect-masked-input",
+        "neighbours": np.arange(1, 5, dtype="<u8").tobytes(),
+        "threshold": 4,
+    }
+    ddp = requested_dp(config, secagg)
+    assert ddp is not None and ddp.noise_multiplier == pytest.approx(0.5 * math.sqrt(5))
     sgd = requested_dp({"dp-sgd-noise-multiplier": 1.2, "dp-sgd-max-grad-norm": 0.5})
     assert sgd is not None and (sgd.mechanism, sgd.noise_multiplier, sgd.clip) == (
         "DP-SGD",

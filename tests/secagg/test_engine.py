@@ -62,10 +62,10 @@ def test_key_scales_carry_large_weights(make_federation: Callable) -> None:
 
 
 def test_dropouts_at_threshold_are_recovered_exactly(make_federation: Callable) -> None:
-    # Prepare: 6 clients, everyone a neighbour of everyone, 4 of 6 shares rebuild a secret,
-    # so 2 clients may vanish after sharing their keys
+    # Prepare: 6 clients, everyone a neighbour of everyone, 3 of a node's 5 neighbours'
+    # shares rebuild its seed, so 2 clients may vanish after sharing their keys
     fed = make_federation(6, seed=4)
-    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=4)
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=3)
     nodes = sorted(fed.contributions)
     fed.silent[wire.STAGE_COLLECT] = {nodes[1], nodes[4]}
     engine = SecAggServerEngine(cfg, nodes, MASKED, seed=5)
@@ -95,15 +95,16 @@ def test_dropout_during_unmask_is_tolerated(make_federation: Callable) -> None:
 
 
 def test_unmask_asks_only_the_holders_the_thresholds_need(make_federation: Callable) -> None:
-    # Prepare: 12 clients, everyone a neighbour, threshold 8 (+1 spare) of 12 holders
+    # Prepare: 12 clients, everyone a neighbour, threshold 8 (+1 spare) of 11 neighbours;
+    # a node's own share does not exist, so each asked node needs 9 other asked nodes
     fed = make_federation(12, seed=19, size=200)
     cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=8)
     nodes = sorted(fed.contributions)
     # Execute
     got = run_secagg(SecAggServerEngine(cfg, nodes, MASKED), fed.exchange)
-    # Assert: 9 of the 12 are asked, in one exchange, and the sum is exact
+    # Assert: 10 of the 12 are asked, in one exchange, and the sum is exact
     asked = [node for stage, node, _ in fed.received if stage == wire.STAGE_UNMASK]
-    assert len(asked) == 9
+    assert len(asked) == 10
     want = plain_sum(fed, nodes)
     assert np.max(np.abs(got["delta/layer.lora_B"] - want["delta/layer.lora_B"])) <= (
         quantization_bound(cfg, 12)
@@ -162,7 +163,7 @@ def test_server_receives_nothing_that_reveals_an_individual_input(
     fed = make_federation(4, seed=9, size=2000)
     nodes = sorted(fed.contributions)
     fed.silent[wire.STAGE_COLLECT] = {nodes[3]}  # a drop-out makes the server rebuild its masks
-    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=3)
+    cfg = SecAggConfig(num_shares=1.0, reconstruction_threshold=2)
     # Execute
     run_secagg(SecAggServerEngine(cfg, nodes, MASKED), fed.exchange)
     # Assert: no received array correlates with any client's input; no raw float bytes appear
@@ -334,13 +335,13 @@ def test_client_refuses_a_replayed_round_and_a_swapped_key(make_federation: Call
 
 
 def test_client_refuses_a_threshold_of_half_its_neighbourhood(make_federation: Callable) -> None:
-    # Prepare: 4 clients, everyone a neighbour; the server sends threshold 2 of 4
+    # Prepare: 4 clients, everyone a neighbour; the server sends threshold 1 of 3 neighbours
     fed = make_federation(4, seed=16)
     engine = SecAggServerEngine(SecAggConfig(num_shares=1.0), sorted(fed.contributions), MASKED)
     engine.receive_public_keys(fed.exchange(wire.STAGE_ADVERTISE, engine.advertise_requests()))
     a = sorted(fed.contributions)[0]
     request = engine.collect_requests()[a]
-    request[wire.SECAGG_RECORD][wire.KEY_THRESHOLD] = 2
+    request[wire.SECAGG_RECORD][wire.KEY_THRESHOLD] = 1
     # Execute / Assert
     with pytest.raises(SecAggProtocolError, match="not more than half"):
         SecAggClientEngine(a, fed.states[a]).handle(request, lambda: fed.contributions[a])

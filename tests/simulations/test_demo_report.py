@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from server.rundir import MetricsLog
+from server.tracking import RoundScalars
 from simulations.report import write_report
-from simulations.tensorboard import RoundScalars
 
 
 def _federation(

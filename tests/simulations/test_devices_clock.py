@@ -137,3 +137,26 @@ def test_periodic_availability_wraps_into_the_next_cycle() -> None:
     assert p.available_until(0, 150.0) is None
     assert p.available_until(0, 10.0) == pytest.approx(20.0)
     assert math.isinf(pop(1).available_until(0, 1e9) or 0.0)
+
+
+def test_a_deadline_dropout_wastes_compute_only_until_the_round_closes() -> None:
+    """K = 1: node 0 (0.2 s steps) reports at 105.1 and closes the round; node 1 (0.9 s steps)
+    would miss the 107 deadline. It began at 101.1 and stops at the close: 4.0 s wasted, 4
+    steps run (on main it was charged until the deadline, 5.9 s, as if the round stayed open)."""
+    legs = [leg(0, 0.2), leg(1, 0.9)]
+    plan = plan_exchange(legs, pop(2), Rules(start=100.0, deadline_at=107.0, target=1))
+    assert plan.close == pytest.approx(105.1)
+    dropped = plan.outcomes[1]
+    assert dropped.status == DEADLINE
+    assert dropped.wasted_seconds == pytest.approx(4.0)
+    assert dropped.steps == 4 and dropped.finish == pytest.approx(105.1)
+
+
+def test_a_device_leaving_after_the_close_wastes_only_compute_until_the_close() -> None:
+    """K = 1 closes at 105.1; node 1 (eligible until 106) would vanish mid-training at 106:
+    it too stops at the close, 4.0 s wasted (the step time is 0.5 s: 8 steps)."""
+    legs = [leg(0, 0.2), leg(1, 0.5)]
+    plan = plan_exchange(legs, pop(2, [[], [(0.0, 106.0)]]), Rules(start=100.0, target=1))
+    gone = plan.outcomes[1]
+    assert gone.status == OFFLINE and gone.wasted_seconds == pytest.approx(4.0)
+    assert gone.steps == 8

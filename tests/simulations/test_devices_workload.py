@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -52,7 +54,47 @@ def test_step_seconds_for_each_kind_of_throughput() -> None:
     got = calibrated.step_seconds(pop, np.array([4, 4, 2]))
     assert got[0] == pytest.approx(32 * 5624 / 1e6)
     assert got[1] == pytest.approx(32 * 5624 / (2.0 * 2e6))
-    assert got[2] == pytest.approx(3 * 2 * 10.0 / 1000)
+    # FedScale's figures describing this very workload (reference 0): 3 x batch x ms / 1000
+    own = replace(calibrated, reference_flops=0.0).step_seconds(pop, np.array([4, 4, 2]))
+    assert own[2] == pytest.approx(3 * 2 * 10.0 / 1000)
+
+
+def test_fedscale_ms_per_sample_scales_with_the_workload_flops() -> None:
+    """A FedScale device takes 10 ms per sample of the reference (0.6 GFLOP forward), 30 ms to
+    train one (1.8 GFLOP): 60 GFLOP/s. A Qwen2.5-0.5B LoRA step (batch 2 x seq 8, about 32
+    GFLOP) then takes F / 60e9 s, 0.53 s, about 9x the reference's 3 x 2 x 10 ms (on main
+    FedScale rows ignored the model: the 0.5B LLM step was timed like the reference's, 0.06 s)."""
+    n = 1
+    pop = Population(
+        ("t",), np.zeros(n, np.int16), np.array([KIND_MS_PER_SAMPLE], np.int8), np.array([10.0]),
+        np.ones(n), np.ones(n), np.ones(n), np.zeros(n), np.zeros(n + 1, np.int64), np.empty(0),
+        np.empty(0), np.zeros(n),
+    )  # fmt: skip
+    qwen = REFERENCE_MODELS["qwen2.5-0.5b"]
+    lora = qwen.lora_params(8, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    llm = Workload(qwen, lora, batch=2, seq=8, local_steps=1, download_bytes=0, upload_bytes=0)
+    step = llm.step_seconds(pop)[0]
+    assert step == pytest.approx(llm.flops_per_step() / 60e9)
+    assert step > 5 * (3 * 2 * 10.0 / 1000)
+
+
+def test_auto_optimizer_counts_adamw_state_in_device_memory(micro_zoo) -> None:  # type: ignore[no-untyped-def]
+    """``optimizer = "auto"`` trains FedAvg with AdamW: its 2 fp32 states per LoRA parameter
+    (8 bytes each) are in the memory estimate; SCAFFOLD's SGD holds none (on main "auto"
+    matched neither name and the AdamW states were left out)."""
+    from server.config import RunConfig
+    from simulations.devicesim.config import DeviceConfig
+    from simulations.devicesim.setup import build_workload
+
+    base = {"model": str(micro_zoo.target_dir), "optimizer": "auto"}
+    fedavg = build_workload(DeviceConfig(), RunConfig.from_mapping(base), needs_machine=False)
+    scaffold = build_workload(
+        DeviceConfig(), RunConfig.from_mapping({**base, "strategy": "scaffold"}), False
+    )
+    assert (fedavg.optimizer, scaffold.optimizer) == ("adamw", "sgd")
+    assert fedavg.memory_bytes() - scaffold.memory_bytes() == pytest.approx(8 * fedavg.lora_params)
+    with pytest.raises(ValueError, match="resolve 'auto'"):
+        replace(fedavg, optimizer="auto")
 
 
 def test_reference_shape_counts_qwen25_05b() -> None:

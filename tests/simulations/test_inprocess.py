@@ -333,3 +333,36 @@ def test_a_superlink_error_reply_is_charged_to_the_node_it_answers_for(tmp_path:
     assert set(result.rejected) == {alive, dead}
     assert "Node Unavailable" in result.rejected[dead] or "not connected" in result.rejected[dead]
     assert SUPERLINK_NODE_ID not in result.rejected
+
+
+def test_under_simulated_devices_a_slow_machine_drops_no_client_the_clock_kept(
+    tmp_path: Path,
+) -> None:
+    """Each call takes 10 s of wall clock, the round timeout is 15 s. Without devices the engine
+    keeps its documented bound (1 of 4 replies: the second ends at 20 s, the third never
+    starts). With a [devices] table the virtual clock has already chosen who reports, so all
+    4 come back (on main the wall clock dropped 3 of the clients the virtual clock had
+    recorded as trained, a number set by this machine's speed)."""
+    from simulations.runner import _scenario_from_tables, inprocess_grid
+
+    now = [0.0]
+    app = _partition_app()
+
+    @app.train()
+    def slow(msg: Message, context: Context) -> Message:
+        now[0] += 10.0
+        return Message(RecordDict(), reply_to=msg)
+
+    kept = {}
+    for name, devices in (("plain", None), ("devices", {"size": 4})):
+        scenario = _scenario_from_tables(
+            name, {"num-supernodes": 4, "engine": "inprocess"}, {}, None, None, devices
+        )
+        grid = inprocess_grid(scenario, app, tmp_path / name, seed=0, clock=lambda: now[0])
+        run_inprocess_identity(grid)
+        train = [
+            Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
+            for n in grid.get_node_ids()
+        ]
+        kept[name] = len(list(grid.send_and_receive(train, timeout=15)))
+    assert kept == {"plain": 1, "devices": 4}

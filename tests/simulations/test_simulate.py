@@ -21,7 +21,7 @@ FAST = ["--set", "client-eval=false", "--set", "server-eval-batches=4"]
 
 
 def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedge.cli", "simulate", *args]
+    return [sys.executable, "-m", "cli", "simulate", *args]
 
 
 MARKER = f"fedge-test-{uuid.uuid4().hex}"  # inherited by every process a run starts (Ray included)

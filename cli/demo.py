@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fedge.tables import wrapping_table
 from fedge.zoo import PRESETS, ZooPaths, build_zoo
 
 SUMMARY_NAME = "demo_summary.json"
@@ -29,9 +30,10 @@ SUMMARY_NAME = "demo_summary.json"
 def card_table(zoo: ZooPaths) -> Table:
     """The model card's headline figures as a table."""
     card = zoo.card
-    table = Table(title=f"model zoo '{card['preset']}' ({zoo.root})")
-    for column in ("model", "parameters", "training tokens", "train s", "held-out ppl"):
-        table.add_column(column)
+    table = wrapping_table(
+        f"model zoo '{card['preset']}' ({zoo.root})",
+        ("model", "parameters", "training tokens", "train s", "held-out ppl"),
+    )
     for role in ("target", "draft"):
         row = card[role]
         own = f" ({row['own_parameters']:,} own)" if "own_parameters" in row else ""
@@ -150,7 +152,7 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
     report = write_report(summary, run_dir)
     console.print(
         f"[green]demo finished in {summary['seconds']} s; report {report}; "
-        f"`tensorboard --logdir {run_dir / 'tensorboard'}`"
+        f"`tensorboard --logdir {run_dir}`"
     )
     return summary
 

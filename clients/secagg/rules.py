@@ -1,0 +1,93 @@
+"""What a SecAgg+ client requires of a round before it sends anything: its rules and the checks.
+
+The rules come from the node's own policy (``clients.privacy.policy``), never from the
+server; the checks refuse a collect message whose numbers are not finite and in range,
+or whose neighbourhood or threshold would let a server rebuild both secrets of a node
+(the argument is in ``clients.secagg.engine``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flwr.app import ConfigRecord
+
+from fedge.errors import FedgeError
+from fedge.secagg import wire
+
+
+class SecAggProtocolError(FedgeError):
+    """A SecAgg+ stage message was out of order, malformed or unsafe; the client refuses it."""
+
+
+@dataclass(frozen=True)
+class ClientRules:
+    """What this node requires of a SecAgg+ round, from its own policy, never from the server."""
+
+    min_neighbours: int = 1  # fewer neighbours are refused (never 0: its seed would be its share)
+    min_threshold: int = 1  # a lower reconstruction threshold is refused
+    trusted: frozenset[bytes] | None = None  # Ed25519 keys of accepted neighbours (None: any)
+
+    def __post_init__(self) -> None:
+        """Reject rules that would let an empty or unmaskable neighbourhood through."""
+        if self.min_neighbours < 1 or self.min_threshold < 1:
+            raise ValueError(
+                f"SecAgg+ rules: min-neighbours={self.min_neighbours} and min-threshold="
+                f"{self.min_threshold} must be >= 1"
+            )
+
+
+def check_neighbourhood(
+    node_id: int, neighbours: list[int], threshold: int, rules: ClientRules
+) -> None:
+    """Refuse a neighbourhood this node's rules do not allow: too small, or a threshold
+    at or below half of it (then one server could hold both secrets of a node)."""
+    n = len(neighbours)
+    if node_id in neighbours or len(set(neighbours)) != n:
+        raise SecAggProtocolError("collect message lists this node or a node twice as neighbour")
+    if n < rules.min_neighbours:
+        raise SecAggProtocolError(
+            f"{n} neighbours, fewer than this node's secagg-min-neighbours "
+            f"{rules.min_neighbours} (rule: at least one neighbour, else its self-mask "
+            "seed would be its only share); refusing"
+        )
+    if not 2 * threshold > n or threshold > n:
+        raise SecAggProtocolError(
+            f"threshold {threshold} is not more than half of this node's {n} neighbours (or "
+            "exceeds them); with it the server could rebuild both secrets of a node, so it "
+            "refuses"
+        )
+    if threshold < rules.min_threshold:
+        raise SecAggProtocolError(
+            f"threshold {threshold} is below this node's secagg-min-threshold "
+            f"{rules.min_threshold}; refusing"
+        )
+
+
+def check_numbers(rec: ConfigRecord) -> tuple[int, float, int, int]:
+    """Threshold, clipping range, quantization levels and modulus, each finite and in range."""
+    t = wire.get_number(rec, wire.KEY_THRESHOLD)
+    clip = wire.get_number(rec, wire.KEY_CLIPPING_RANGE)
+    levels = wire.get_number(rec, wire.KEY_QUANTIZATION_RANGE)
+    m = wire.get_number(rec, wire.KEY_MODULUS_RANGE)
+    scales = wire.get_float_list(rec, wire.KEY_SCALE_VALUES)
+    ok = (
+        math.isfinite(t)
+        and t == int(t)
+        and t >= 1
+        and math.isfinite(clip)
+        and clip > 0
+        and m in {2.0**b for b in range(1, 33)}
+        and math.isfinite(levels)
+        and levels == int(levels)
+        and 1 <= levels < m
+        and all(math.isfinite(x) and x > 0 for x in scales)
+    )
+    if not ok:
+        raise SecAggProtocolError(
+            "collect message: threshold, clipping range, quantization range, modulus or a "
+            "scale is not a finite number in its range (rule: every number from a message is "
+            "finite and in range); refusing"
+        )
+    return int(t), clip, int(levels), int(m)

@@ -1,0 +1,105 @@
+"""The fleet ingress's settings: where it listens, who may call (credentials, TLS), its limits.
+
+Secrets are named by path and read when the ingress starts (`authenticator`, `bind`),
+so none is pickled into the deployment's arguments. Kept apart from the ingress so
+that the KubeRay builders and the CLI can build a spec without grpc.aio servers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from edge.tracing import TracingConfig
+from edge.verifier.auth import Authenticator, Credentials, server_credentials
+from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
+
+SERVICE_NAME = "fedge.edge.v1.Verifier"  # = edge.verifier.server.SERVICE_NAME (no torch import)
+INGRESS_SERVICE = "fedge-fleet-ingress"  # service.name of the ingress's spans
+
+
+class SwitchableLimits(grpc.aio.ServerInterceptor):
+    """The fleet's per-device rate limits, replaceable while the ingress serves (None: off).
+
+    The ingress is the one place every call of the fleet passes, so its buckets
+    bound a device across all replicas (limits in each replica would allow N times
+    the rate).
+    """
+
+    def __init__(self, config: RateLimitConfig) -> None:
+        self.current: RateLimitInterceptor | None = None
+        self.configure(config)
+
+    def configure(self, config: RateLimitConfig) -> None:
+        """Start fresh buckets of `config` (limits off when it limits nothing)."""
+        self.config = config
+        limiter = RateLimiter(config) if config.enabled else None
+        self.current = None if limiter is None else RateLimitInterceptor(limiter, SERVICE_NAME)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        current = self.current
+        if current is None:
+            return await continuation(handler_call_details)
+        return await current.intercept_service(continuation, handler_call_details)
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    """Where the ingress listens, which replica application serves at start, who may call, limits.
+
+    Secrets are named by path and read when the ingress starts, so none is pickled
+    into the deployment's arguments.
+    """
+
+    stable_app: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port; `port()` tells which
+    credentials_file: Path | None = None  # 'IDENTITY TOKEN' per device line; None = open
+    tls_cert: Path | None = None  # PEM chain; with tls_key every call is over TLS
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA of client certificates (mTLS)
+    max_message_bytes: int = 4 << 20  # largest request (= the single verifier's)
+    max_inflight: int = 4096  # calls held at once; beyond, RESOURCE_EXHAUSTED at once
+    fleet: bytes = b""  # the pickled FleetConfig (opaque here: unpickling it would import torch)
+    rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
+    tracing: TracingConfig = field(
+        default_factory=lambda: TracingConfig(service_name=INGRESS_SERVICE)
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"IngressSpec.port must lie in [0, 65535], got {self.port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("IngressSpec.tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("IngressSpec.tls_client_ca needs tls_cert and tls_key")
+        if self.max_inflight < 1:
+            raise ValueError(f"IngressSpec.max_inflight must be >= 1, got {self.max_inflight}")
+
+    def authenticator(self) -> Authenticator | None:
+        """The interceptor naming each caller, reading the credentials file now (None: open)."""
+        credentials = (
+            Credentials.load(self.credentials_file) if self.credentials_file is not None else None
+        )
+        if credentials is None and self.tls_client_ca is None:
+            return None
+        return Authenticator(credentials, certificates=self.tls_client_ca is not None)
+
+    def bind(self, server: grpc.aio.Server) -> int:
+        """Add the listening port (TLS when configured); returns it."""
+        address = f"{self.host}:{self.port}"
+        if self.tls_cert is not None and self.tls_key is not None:
+            credentials = server_credentials(self.tls_cert, self.tls_key, self.tls_client_ca)
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind the fleet ingress to {address}")
+        return port

@@ -1,0 +1,155 @@
+"""Robust aggregation and per-client bounds, for rounds where the server sees each contribution.
+
+Plain (non-SecAgg) rounds can defend against malicious clients in two layers:
+
+1. :func:`apply_bounds` — the server's bounds on ONE contribution: its self-reported
+   weight is capped at ``max_weight`` (the delta is rescaled with it, so the client's
+   update is unchanged and only its say shrinks), and a contribution whose update
+   norm ``||delta / weight||`` (plus its ``ctrl/`` part) exceeds ``max_update_norm``
+   is refused with a reason. One mechanism, usable wherever contributions are seen.
+2. :func:`robust_sum` — the round's combination rule. ``mean`` is the exact weighted
+   sum (:func:`~strategies.contract.sum_contributions`); ``median`` (Yin et al. 2018),
+   ``trimmed-mean`` (same paper) and ``krum`` (Blanchard et al. 2017) combine the
+   per-client UNSCALED updates ``delta / weight`` with equal say (a self-reported weight
+   is what an attacker controls) using Flower's own functions where Flower has them
+   (``trim_mean``, ``select_multikrum``). The result is written back in the shape of a
+   sum (weight = number of contributing clients, delta = that number times the robust
+   update), so every strategy's ``finalize`` and server optimizer apply unchanged.
+
+Under SecAgg+ only the sum exists: these rules cannot run there (bounds are then the
+clients' to enforce; see the privacy docs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+from flwr.serverapp.strategy.multikrum import select_multikrum
+
+from fedge import keys
+from fedge.types import Arrays
+from strategies.contract import sum_contributions
+
+AGGREGATION_RULES = ("mean", "median", "trimmed-mean", "krum")
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    """The combination rule and the per-client bounds; 0 switches a bound off."""
+
+    rule: str = "mean"
+    trim_beta: float = 0.2  # trimmed mean: fraction cut from EACH tail (Flower's default)
+    krum_malicious: int = 0  # Krum's f, the attackers it must tolerate (n - f - 2 neighbours)
+    max_weight: float = 0.0  # cap on a client's meta/weight (e.g. its true example count bound)
+    max_update_norm: float = 0.0  # refuse a client whose ||delta/weight|| exceeds this
+
+    def __post_init__(self) -> None:
+        """Refuse unknown rules and impossible bounds, naming the config key."""
+        if self.rule not in AGGREGATION_RULES:
+            raise ValueError(
+                f"aggregation rule must be one of {', '.join(AGGREGATION_RULES)}, got {self.rule!r}"
+            )
+        if not 0.0 <= self.trim_beta < 0.5:
+            raise ValueError(f"trimmed-mean-beta must be in [0, 0.5), got {self.trim_beta}")
+        if self.krum_malicious < 0:
+            raise ValueError(f"krum-malicious must be >= 0, got {self.krum_malicious}")
+        if self.max_weight < 0 or self.max_update_norm < 0:
+            raise ValueError(
+                "max-client-weight and max-update-norm must be >= 0 (0: no bound), got "
+                f"{self.max_weight} and {self.max_update_norm}"
+            )
+
+
+def update_norm(contribution: Arrays) -> float:
+    """L2 norm of the client's unscaled update: delta/weight and its ctrl/ part jointly."""
+    weight = float(contribution[keys.KEY_WEIGHT][0])
+    scale = 1.0 / weight if weight > 0 else 0.0
+    total = 0.0
+    for k, v in contribution.items():
+        if k.startswith(keys.PREFIX_DELTA):
+            total += float(np.sum((v.astype(np.float64) * scale) ** 2))
+        elif k.startswith(keys.PREFIX_CONTROL):
+            total += float(np.sum(v.astype(np.float64) ** 2))
+    return float(np.sqrt(total))
+
+
+def apply_bounds(contribution: Arrays, cfg: RobustConfig) -> tuple[Arrays, str | None]:
+    """Return (the contribution with its weight capped, None) or (it, why it is refused).
+
+    Always refused, bounds or not: a negative ``meta/weight`` (it would subtract the
+    client's update from the others') and a ``meta/count`` other than 0 or 1.
+    """
+    weight, count = float(contribution[keys.KEY_WEIGHT][0]), float(contribution[keys.KEY_COUNT][0])
+    if weight < 0 or count not in (0.0, 1.0):
+        return contribution, f"meta/weight {weight:g} or meta/count {count:g} is impossible"
+    if cfg.max_update_norm > 0:
+        norm = update_norm(contribution)
+        if norm > cfg.max_update_norm:
+            return contribution, (
+                f"update norm {norm:.4g} exceeds max-update-norm={cfg.max_update_norm:g}"
+            )
+    if cfg.max_weight > 0 and weight > cfg.max_weight:
+        ratio = np.float32(cfg.max_weight / weight)
+        capped = {
+            k: (v * ratio if k.startswith(keys.PREFIX_DELTA) else v)
+            for k, v in contribution.items()
+        }
+        capped[keys.KEY_WEIGHT] = np.array([cfg.max_weight], np.float32)
+        return capped, None
+    return contribution, None
+
+
+def robust_sum(contributions: list[Arrays], cfg: RobustConfig) -> Arrays:
+    """Combine one round's contributions by ``cfg.rule``, in the shape of their sum."""
+    if cfg.rule == "mean":
+        return sum_contributions(contributions)
+    if not contributions:
+        raise ValueError("robust_sum got no contributions: at least one client must reply")
+    live = [
+        c
+        for c in contributions
+        if float(c[keys.KEY_COUNT][0]) > 0 and float(c[keys.KEY_WEIGHT][0]) > 0
+    ]
+    if not live:  # every client's work was dropped: the plain sum says so (weight 0)
+        return sum_contributions(contributions)
+    updates = [_unscaled(c) for c in live]
+    names = [k for k in updates[0] if not k.startswith(keys.PREFIX_META)]
+    if cfg.rule == "krum":
+        chosen = _krum(updates, names, cfg.krum_malicious)
+        combined = {k: chosen[k].astype(np.float64) for k in names}
+    else:
+        combined = {k: _coordinatewise(np.stack([u[k] for u in updates]), cfg) for k in names}
+    n = float(len(live))
+    out: Arrays = {k: (v * n).astype(np.float32) for k, v in combined.items()}
+    out[keys.KEY_WEIGHT] = np.array([n], np.float32)
+    out[keys.KEY_COUNT] = np.array([n], np.float32)
+    return out
+
+
+def _unscaled(contribution: Arrays) -> Arrays:
+    """The client's own update: delta/weight (the rest unchanged)."""
+    weight = float(contribution[keys.KEY_WEIGHT][0])
+    return {
+        k: (v.astype(np.float64) / weight if k.startswith(keys.PREFIX_DELTA) else v)
+        for k, v in contribution.items()
+    }
+
+
+def _coordinatewise(stacked: np.ndarray, cfg: RobustConfig) -> np.ndarray:
+    """Median or Flower's trimmed mean along the client axis."""
+    if cfg.rule == "median":
+        return np.asarray(np.median(stacked, axis=0))
+    return np.asarray(trim_mean(stacked, cfg.trim_beta))
+
+
+def _krum(updates: list[Arrays], names: list[str], malicious: int) -> Arrays:
+    """The one update Flower's Krum selects (closest to its n - f - 2 nearest neighbours)."""
+    records = [
+        RecordDict({"u": ArrayRecord({k: Array(np.ascontiguousarray(u[k])) for k in names})})
+        for u in updates
+    ]
+    chosen = select_multikrum(records, num_malicious_nodes=malicious, num_nodes_to_select=1)[0]
+    return updates[next(i for i, r in enumerate(records) if r is chosen)]
