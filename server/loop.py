@@ -52,7 +52,7 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.config import RunConfig
-from server.membership import Roster
+from server.membership import Roster, known_population
 from server.messages import (
     NODE_WAIT_SECONDS,
     client_config,
@@ -276,14 +276,20 @@ def open_run(
     aside instead of mixing with them.
     """
     strategy, aggregator, budget = parts.strategy, parts.aggregator, parts.budget
-    # held-out data of the nodes at the start (devices beyond the partitions: their pools)
-    participants = device_pools(holder.get_corpus(client_config(cfg)), roster.partitions.values())
     last = latest_round(run_dir) if resume else None
     ckpt = load_checkpoint(run_dir, last) if last is not None else None
     if ckpt is not None:
         _check_resumable(ckpt, cfg, strategy, run_dir)
+        roster.restore(ckpt.seen)  # N as it was, whoever is connected at the restart
     elif (archived := archive_previous_run(run_dir)) is not None:
         log.info("a fresh run in %s: the earlier run's outputs moved to %s", run_dir, archived)
+    # held-out data of the nodes at the start (devices beyond the partitions: their pools);
+    # a resume keeps the first start's, whoever is connected now
+    participants = (
+        ckpt.participants
+        if ckpt is not None and ckpt.participants
+        else device_pools(holder.get_corpus(client_config(cfg)), roster.partitions.values())
+    )
     run_id = ckpt.run_id if ckpt is not None and ckpt.run_id else cfg.run_id or secrets.token_hex(8)
     cfg = cfg.with_overrides({keys.CFG_RUN_ID: run_id})
     server_model = ServerModel(cfg)
@@ -355,9 +361,16 @@ def budget_allows(fed: Federation, server_round: int) -> bool:
 def sample_cohort(fed: Federation) -> Cohort:
     """Sample K (1 + over-selection) of the nodes connected now (nodes join and leave)."""
     candidates = fed.roster.refresh(fed.grid, 0, fed.cfg.round_timeout)
-    population = fed.roster.partitions_seen  # every client seen so far
+    population = federation_size(fed.grid, fed.roster)
     target, sampled = sample_nodes(fed.rng, candidates, population, fed.cfg)
     return Cohort(candidates, population, target, sampled)
+
+
+def federation_size(grid: Grid, roster: Roster) -> int:
+    """N, the federation's client population (SCAFFOLD's 1/N, the accountant's sampling rate):
+    the engine's known population size when it has one, else every partition seen so far
+    (which grows as clients first connect, so early rounds would overstate each one's share)."""
+    return max(known_population(grid) or 0, roster.partitions_seen)
 
 
 def train_exchange(
@@ -469,10 +482,15 @@ def evaluate_round(fed: Federation, cohort: Cohort, server_round: int) -> Losses
 
 
 def checkpoint_and_report(fed: Federation, row: Mapping[str, Any]) -> None:
-    """Append the round's metrics row, write its checkpoint, then hand the row on."""
+    """Append the round's metrics row, hand it on, then write the round's checkpoint.
+
+    ``on_row`` runs first so that state kept beside the run (the device clock) is saved
+    before the checkpoint that names it: a crash between the two resumes from the previous
+    checkpoint, whose outside state is still there.
+    """
     fed.metrics.append(dict(row))
-    _checkpoint(fed)
     fed.on_row(row)
+    _checkpoint(fed)
 
 
 def finish(fed: Federation, status: str, message: str) -> LoopOutcome:
@@ -496,6 +514,8 @@ def _checkpoint(fed: Federation) -> None:
             fed.cfg.run_id,
             dict(fed.cfg.to_mapping()),
             dict(fed.committed),
+            fed.roster.seen(),
+            list(fed.participants),
         ),
     )
 
