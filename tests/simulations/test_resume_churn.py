@@ -14,28 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.clientapp import ClientApp
 
 from server.app import OutcomeBox, make_server_app
 from server.config import RunConfig
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-
-CONFIG = {
-    "model": "zoo:micro",
-    "strategy": "scaffold",
-    "num-server-rounds": 3,
-    "max-chars-per-client": 20000,
-    "local-steps": 1,
-    "batch-size": 2,
-    "seq-len": 16,
-    "lora-r": 2,
-    "lora-alpha": 4,
-    "client-eval": False,
-    "server-eval-batches": 1,
-    "save-merged": False,
-    "min-train-nodes": 2,
-    "min-available-nodes": 2,
-}
+from tests.simulations.federations import CONFIG, client_app
 
 
 class Crash(RuntimeError):
@@ -50,21 +33,11 @@ class UnsizedGrid(InProcessGrid):
         return 0
 
 
-def _client_app() -> ClientApp:
-    from clients import app as deployed
-    from clients.mods import dispatch_mods
-
-    app = ClientApp(mods=[dispatch_mods])
-    app.query()(deployed.query)
-    app.train()(deployed.train)
-    return app
-
-
 def _run(root: Path, online: list[int], crash_at: int = -1, resume: bool = False) -> OutcomeBox:
     """Run (or resume) the federation in ``root``; device 3 leaves after round 1."""
     from fedge.lm import holder
 
-    grid = UnsizedGrid(_client_app(), DeviceTable(5, online=np.array(online)), root / "state")
+    grid = UnsizedGrid(client_app(), DeviceTable(5, online=np.array(online)), root / "state")
     cfg = RunConfig.from_mapping(
         {**CONFIG, "run-dir": str(root / "run"), "client-state-dir": str(root / "cs")}
     )
@@ -145,9 +118,9 @@ def test_a_crash_while_saving_the_device_clock_leaves_a_resumable_run(
 
     monkeypatch.setattr(DeviceSim, "save", failing_save)
     with pytest.raises(OSError, match="No space left"):
-        run_simulation(scenario, tmp_path / "run", client_app=_client_app())
+        run_simulation(scenario, tmp_path / "run", client_app=client_app())
     monkeypatch.setattr(DeviceSim, "save", save)
-    outcome = run_simulation(scenario, tmp_path / "run", resume=True, client_app=_client_app())
+    outcome = run_simulation(scenario, tmp_path / "run", resume=True, client_app=client_app())
     assert outcome is not None and outcome.status == "completed"
     rounds = [json.loads(line) for line in (tmp_path / "run" / "devices" / "rounds.jsonl").open()]
     assert [r["round"] for r in rounds] == [1, 2]
