@@ -61,10 +61,12 @@ from server.messages import (
     train_content,
 )
 from server.model import ServerModel
+from server.privacy.config import DPConfig
 from server.privacy.factories import default_budget
 from server.privacy.plots import plot_privacy
 from server.rows import round_row, write_status
 from server.rundir import MetricsLog, plot_perplexity, write_config
+from server.sampling import Draw, budget_for, draw_cohort, sampling_scheme
 from strategies.base import Arrays, GlobalState, Strategy, replace_state
 from strategies.registry import build_strategy
 
@@ -130,6 +132,7 @@ class Cohort:
     population: int
     target: int
     sampled: list[int]
+    draw: Draw | None = None  # how it was drawn, under privacy-sampling
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,13 @@ def default_run_dir() -> Path:
 
 
 def build_budget(cfg: RunConfig, aggregator: Aggregator) -> PrivacyBudget:
-    """The accountant named by ``privacy-budget`` (a dotted factory), else the aggregator's own."""
+    """The accountant named by ``privacy-budget`` (a dotted factory), else the aggregator's own,
+    amplified by the cohort's sampling when ``privacy-sampling`` draws it as an accountant
+    assumes (:mod:`server.sampling`)."""
+    scheme = sampling_scheme(cfg.extra, cfg.over_selection)
+    dp = getattr(aggregator, "cfg", None)
+    if not cfg.privacy_budget and scheme and isinstance(dp, DPConfig):
+        return budget_for(dp, scheme)
     if not cfg.privacy_budget:
         return default_budget(cfg, aggregator)
     return load_dotted(cfg.privacy_budget, what="config key 'privacy-budget'")(cfg)  # type: ignore[return-value]
@@ -210,6 +219,14 @@ def _run(
             break
         t0 = time.perf_counter()
         cohort = sample_cohort(fed)
+        if not draw_allowed(fed, cohort):
+            status = "budget"
+            message = (
+                f"stopped before round {server_round}: its cohort, drawn at rate "
+                f"{cohort.draw.rate if cohort.draw else 1.0:.4f}, would exceed "
+                f"max-epsilon={fed.cfg.max_epsilon} (spent {fed.budget.epsilon():.3f})"
+            )
+            break
         result, train_phase = train_exchange(fed, cohort, server_round)
         problem = shortfall(fed, cohort, result, server_round)
         if problem is not None and _budget_spent(result.rejected):
@@ -358,12 +375,23 @@ def budget_allows(fed: Federation, server_round: int) -> bool:
     return not (fed.cfg.max_epsilon > 0 and not fed.budget.allows(server_round))
 
 
+def draw_allowed(fed: Federation, cohort: Cohort) -> bool:
+    """Whether a budget that prices each draw (:mod:`server.sampling`) lets this cohort train."""
+    allows_draw = getattr(fed.budget, "allows_draw", None)
+    return cohort.draw is None or allows_draw is None or bool(allows_draw(cohort.draw))
+
+
 def sample_cohort(fed: Federation) -> Cohort:
     """Sample K (1 + over-selection) of the nodes connected now (nodes join and leave)."""
     candidates = fed.roster.refresh(fed.grid, 0, fed.cfg.round_timeout)
     population = federation_size(fed.grid, fed.roster)
     target, sampled = sample_nodes(fed.rng, candidates, population, fed.cfg)
-    return Cohort(candidates, population, target, sampled)
+    scheme = sampling_scheme(fed.cfg.extra, fed.cfg.over_selection)
+    if not scheme:
+        return Cohort(candidates, population, target, sampled)
+    # as the accountant assumes: K of the nodes eligible now, by a secret coin (server.sampling)
+    draw = draw_cohort(scheme, candidates, target)
+    return Cohort(candidates, population, len(draw.sampled), list(draw.sampled), draw)
 
 
 def federation_size(grid: Grid, roster: Roster) -> int:
@@ -447,7 +475,11 @@ def aggregate_and_account(
     )
     if row_status == "empty":
         fed.state = replace_state(fed.state, server_round=server_round)
-    fed.budget.record(server_round, len(cohort.sampled), cohort.population)
+    record_draw = getattr(fed.budget, "record_draw", None)
+    if cohort.draw is not None and record_draw is not None:
+        record_draw(server_round, cohort.draw)
+    else:
+        fed.budget.record(server_round, len(cohort.sampled), cohort.population)
     partitions = fed.roster.partitions
     fed.committed.update({partitions[n]: server_round for n in result.accepted if n in partitions})
     return row_status
