@@ -38,13 +38,7 @@ MECHANISMS = {
     "ddp": {"aggregator": "server.privacy.factories:secagg_distributed_dp"},
     "central": {"aggregator": "server.privacy.factories:central_dp"},
 }
-SMALL = {  # what 2 shared cores afford in minutes: little local work, few rounds
-    "num-server-rounds": 4,
-    "local-steps": 6,
-    "batch-size": 8,
-    "seq-len": 64,
-    "server-eval-batches": 4,
-}
+SMALL = {"num-server-rounds": 6, "server-eval-batches": 4}  # minutes on 2 shared cores
 SECAGG_DROPOUT = "dropped out of the SecAgg+ round"
 GOAL_EPSILON, GOAL_GAP = 8.0, 0.02
 
@@ -95,6 +89,7 @@ def run_one(
         "rounds": int(last["round"]),
         "participants_perplexity": last.get("participants_perplexity"),
         "participants_perplexity_round0": rows[0].get("participants_perplexity"),
+        "participants_perplexity_by_round": [r.get("participants_perplexity") for r in rows],
         "cohort_sizes": [r["clients_sampled"] for r in rows[1:]],
         "simulated_hours": summary["simulated_hours"],
         "wasted_device_hours": summary["wasted_device_hours"],
@@ -132,12 +127,12 @@ def verdict(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for r in runs
         if r["mechanism"] == "plain"
     }
-    learnt = {  # a plain run that did not beat round 0 makes "within 2% of plain" vacuous
+    learnt = {  # a plain run that gained less than 2% makes "within 2% of plain" vacuous
         (r["population"], r["cohort"])
         for r in runs
         if r["mechanism"] == "plain"
         and r["participants_perplexity"] is not None
-        and r["participants_perplexity"] < r["participants_perplexity_round0"]
+        and r["participants_perplexity"] < (1 - GOAL_GAP) * r["participants_perplexity_round0"]
     }
     hits = []
     for r in runs:
@@ -147,13 +142,16 @@ def verdict(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             continue
         r_gap = r["participants_perplexity"] / base - 1.0  # type: ignore[index]
         r["gap_to_plain"] = r_gap  # type: ignore[index]
+        start = r["participants_perplexity_round0"]
+        if start and start != base:  # the share of the plain run's gain the DP run kept
+            r["gain_kept"] = (start - r["participants_perplexity"]) / (start - base)  # type: ignore[index]
         if key in learnt and r["epsilon_pld"] <= GOAL_EPSILON and r_gap <= GOAL_GAP:
             hits.append(
                 {k: r[k] for k in ("population", "cohort", "mechanism", "epsilon_pld")}
                 | {"gap_to_plain": r_gap}
             )
     return {
-        "goal": f"epsilon_pld <= {GOAL_EPSILON} within {GOAL_GAP:.0%} of a plain run that learnt",
+        "goal": f"epsilon_pld <= {GOAL_EPSILON} within {GOAL_GAP:.0%} of a plain run that gained > {GOAL_GAP:.0%}",
         "plain_runs_that_learnt": sorted(learnt),
         "hits": hits,
         "hit": bool(hits),
