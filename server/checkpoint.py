@@ -1,4 +1,7 @@
-"""Per-round checkpoints: global adapter, strategy state, round number, sampler RNG and budget state.
+"""Per-round checkpoints: global adapter, strategy state, round, sampler RNG, budget and roster.
+
+The roster part (partitions seen so far, the participants scored) makes a resume under
+churn exact: the nodes connected at the restart are not the ones connected before it.
 
 Layout: ``<run>/checkpoints/round_0003/{state.npz, meta.json}``, written to a temp
 directory and renamed, so a kill never leaves a half checkpoint that looks whole.
@@ -34,6 +37,8 @@ class Checkpoint:
     run_id: str = ""  # the fresh run this checkpoint belongs to
     config: dict[str, Any] = field(default_factory=dict)  # the run config it was made with
     committed: dict[int, int] = field(default_factory=dict)  # partition -> last accepted round
+    seen: list[int] = field(default_factory=list)  # partitions seen so far (N without a known size)
+    participants: list[int] = field(default_factory=list)  # whose held-out text scores the run
 
 
 # Keys a resumed run may change: they steer the run or inject drills, not what it computes.
@@ -108,6 +113,8 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
         "run_id": ckpt.run_id,
         "config": ckpt.config,
         "committed": {str(p): r for p, r in sorted(ckpt.committed.items())},
+        "seen": sorted(int(p) for p in ckpt.seen),
+        "participants": [int(p) for p in ckpt.participants],
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(final, ignore_errors=True)
@@ -144,4 +151,6 @@ def load_checkpoint(run_dir: Path, server_round: int | None = None) -> Checkpoin
         str(meta.get("run_id", "")),
         dict(meta.get("config", {})),
         {int(p): int(r) for p, r in meta.get("committed", {}).items()},
+        [int(p) for p in meta.get("seen", [])],
+        [int(p) for p in meta.get("participants", [])],
     )

@@ -52,7 +52,7 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.config import RunConfig
-from server.membership import Roster
+from server.membership import Roster, known_population
 from server.messages import (
     NODE_WAIT_SECONDS,
     client_config,
@@ -61,10 +61,12 @@ from server.messages import (
     train_content,
 )
 from server.model import ServerModel
+from server.privacy.config import DPConfig
 from server.privacy.factories import default_budget
 from server.privacy.plots import plot_privacy
 from server.rows import round_row, write_status
 from server.rundir import MetricsLog, plot_perplexity, write_config
+from server.sampling import Draw, budget_for, draw_cohort, sampling_scheme
 from strategies.base import Arrays, GlobalState, Strategy, replace_state
 from strategies.registry import build_strategy
 
@@ -130,6 +132,7 @@ class Cohort:
     population: int
     target: int
     sampled: list[int]
+    draw: Draw | None = None  # how it was drawn, under privacy-sampling
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,13 @@ def default_run_dir() -> Path:
 
 
 def build_budget(cfg: RunConfig, aggregator: Aggregator) -> PrivacyBudget:
-    """The accountant named by ``privacy-budget`` (a dotted factory), else the aggregator's own."""
+    """The accountant named by ``privacy-budget`` (a dotted factory), else the aggregator's own,
+    amplified by the cohort's sampling when ``privacy-sampling`` draws it as an accountant
+    assumes (:mod:`server.sampling`)."""
+    scheme = sampling_scheme(cfg.extra, cfg.over_selection)
+    dp = getattr(aggregator, "cfg", None)
+    if not cfg.privacy_budget and scheme and isinstance(dp, DPConfig):
+        return budget_for(dp, scheme)
     if not cfg.privacy_budget:
         return default_budget(cfg, aggregator)
     return load_dotted(cfg.privacy_budget, what="config key 'privacy-budget'")(cfg)  # type: ignore[return-value]
@@ -210,6 +219,14 @@ def _run(
             break
         t0 = time.perf_counter()
         cohort = sample_cohort(fed)
+        if not draw_allowed(fed, cohort):
+            status = "budget"
+            message = (
+                f"stopped before round {server_round}: its cohort, drawn at rate "
+                f"{cohort.draw.rate if cohort.draw else 1.0:.4f}, would exceed "
+                f"max-epsilon={fed.cfg.max_epsilon} (spent {fed.budget.epsilon():.3f})"
+            )
+            break
         result, train_phase = train_exchange(fed, cohort, server_round)
         problem = shortfall(fed, cohort, result, server_round)
         if problem is not None and _budget_spent(result.rejected):
@@ -276,14 +293,20 @@ def open_run(
     aside instead of mixing with them.
     """
     strategy, aggregator, budget = parts.strategy, parts.aggregator, parts.budget
-    # held-out data of the nodes at the start (devices beyond the partitions: their pools)
-    participants = device_pools(holder.get_corpus(client_config(cfg)), roster.partitions.values())
     last = latest_round(run_dir) if resume else None
     ckpt = load_checkpoint(run_dir, last) if last is not None else None
     if ckpt is not None:
         _check_resumable(ckpt, cfg, strategy, run_dir)
+        roster.restore(ckpt.seen)  # N as it was, whoever is connected at the restart
     elif (archived := archive_previous_run(run_dir)) is not None:
         log.info("a fresh run in %s: the earlier run's outputs moved to %s", run_dir, archived)
+    # held-out data of the nodes at the start (devices beyond the partitions: their pools);
+    # a resume keeps the first start's, whoever is connected now
+    participants = (
+        ckpt.participants
+        if ckpt is not None and ckpt.participants
+        else device_pools(holder.get_corpus(client_config(cfg)), roster.partitions.values())
+    )
     run_id = ckpt.run_id if ckpt is not None and ckpt.run_id else cfg.run_id or secrets.token_hex(8)
     cfg = cfg.with_overrides({keys.CFG_RUN_ID: run_id})
     server_model = ServerModel(cfg)
@@ -352,12 +375,30 @@ def budget_allows(fed: Federation, server_round: int) -> bool:
     return not (fed.cfg.max_epsilon > 0 and not fed.budget.allows(server_round))
 
 
+def draw_allowed(fed: Federation, cohort: Cohort) -> bool:
+    """Whether a budget that prices each draw (:mod:`server.sampling`) lets this cohort train."""
+    allows_draw = getattr(fed.budget, "allows_draw", None)
+    return cohort.draw is None or allows_draw is None or bool(allows_draw(cohort.draw))
+
+
 def sample_cohort(fed: Federation) -> Cohort:
     """Sample K (1 + over-selection) of the nodes connected now (nodes join and leave)."""
     candidates = fed.roster.refresh(fed.grid, 0, fed.cfg.round_timeout)
-    population = fed.roster.partitions_seen  # every client seen so far
+    population = federation_size(fed.grid, fed.roster)
     target, sampled = sample_nodes(fed.rng, candidates, population, fed.cfg)
-    return Cohort(candidates, population, target, sampled)
+    scheme = sampling_scheme(fed.cfg.extra, fed.cfg.over_selection)
+    if not scheme:
+        return Cohort(candidates, population, target, sampled)
+    # as the accountant assumes: K of the nodes eligible now, by a secret coin (server.sampling)
+    draw = draw_cohort(scheme, candidates, target)
+    return Cohort(candidates, population, len(draw.sampled), list(draw.sampled), draw)
+
+
+def federation_size(grid: Grid, roster: Roster) -> int:
+    """N, the federation's client population (SCAFFOLD's 1/N, the accountant's sampling rate):
+    the engine's known population size when it has one, else every partition seen so far
+    (which grows as clients first connect, so early rounds would overstate each one's share)."""
+    return max(known_population(grid) or 0, roster.partitions_seen)
 
 
 def train_exchange(
@@ -434,7 +475,11 @@ def aggregate_and_account(
     )
     if row_status == "empty":
         fed.state = replace_state(fed.state, server_round=server_round)
-    fed.budget.record(server_round, len(cohort.sampled), cohort.population)
+    record_draw = getattr(fed.budget, "record_draw", None)
+    if cohort.draw is not None and record_draw is not None:
+        record_draw(server_round, cohort.draw)
+    else:
+        fed.budget.record(server_round, len(cohort.sampled), cohort.population)
     partitions = fed.roster.partitions
     fed.committed.update({partitions[n]: server_round for n in result.accepted if n in partitions})
     return row_status
@@ -469,10 +514,15 @@ def evaluate_round(fed: Federation, cohort: Cohort, server_round: int) -> Losses
 
 
 def checkpoint_and_report(fed: Federation, row: Mapping[str, Any]) -> None:
-    """Append the round's metrics row, write its checkpoint, then hand the row on."""
+    """Append the round's metrics row, hand it on, then write the round's checkpoint.
+
+    ``on_row`` runs first so that state kept beside the run (the device clock) is saved
+    before the checkpoint that names it: a crash between the two resumes from the previous
+    checkpoint, whose outside state is still there.
+    """
     fed.metrics.append(dict(row))
-    _checkpoint(fed)
     fed.on_row(row)
+    _checkpoint(fed)
 
 
 def finish(fed: Federation, status: str, message: str) -> LoopOutcome:
@@ -496,6 +546,8 @@ def _checkpoint(fed: Federation) -> None:
             fed.cfg.run_id,
             dict(fed.cfg.to_mapping()),
             dict(fed.committed),
+            fed.roster.seen(),
+            list(fed.participants),
         ),
     )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from flwr.serverapp import Grid
@@ -63,8 +63,18 @@ class Roster:
 
     @property
     def partitions_seen(self) -> int:
-        """How many distinct partitions (clients) have connected so far: the N of SCAFFOLD and DP."""
+        """How many distinct partitions (clients) have connected so far: the N of SCAFFOLD and DP
+        when the population size is not known (:func:`known_population`)."""
         return len(self._ever)
+
+    def seen(self) -> list[int]:
+        """Every partition seen so far, sorted (what a checkpoint keeps, so N survives a resume)."""
+        return sorted(self._ever)
+
+    def restore(self, partitions: Iterable[int]) -> None:
+        """Count partitions seen before a restart as seen (they may not reconnect, yet they
+        were part of the federation whose N the strategy and the accountant use)."""
+        self._ever.update(int(p) for p in partitions)
 
     def partition(self, node_id: int) -> int:
         """The partition a connected node serves."""
@@ -100,3 +110,17 @@ class Roster:
             if part not in best or self._seen[node] > self._seen[best[part]]:
                 best[part] = node
         return sorted(best.values(), key=lambda n: (self._partition[n], n))
+
+
+def known_population(grid: Grid) -> int | None:
+    """The population size when the engine knows it (a simulation knows every device it may
+    ever connect: ``grid.population_size``), else None (the N is then the partitions seen).
+
+    Grid wrappers expose their inner grid as ``_grid``; the chain is followed to the engine.
+    """
+    while grid is not None:
+        size = getattr(grid, "population_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+        grid = getattr(grid, "_grid", None)  # type: ignore[assignment]
+    return None

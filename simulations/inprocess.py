@@ -219,6 +219,11 @@ class InProcessGrid(Grid):
         """Take devices offline (their pending and future messages fail with NODE_UNAVAILABLE)."""
         self.devices.disconnect(rows)
 
+    @property
+    def population_size(self) -> int:
+        """Every device this engine may ever connect: the federation's N (SCAFFOLD, the accountant)."""
+        return self.devices.size
+
     # ------------------------------------------------------------ Grid
     def set_run(self, run: Run) -> None:
         """Set the run whose id every message and Context carries."""

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from simulations.devicesim.availability import PATTERNS
 from simulations.devicesim.tiers import parse_shares
 from simulations.devicesim.workload import DTYPE_BYTES, REFERENCE_MODELS
 
@@ -26,6 +27,7 @@ class DeviceConfig:
     size: int = 0  # devices; 0 = one per simulated node
     spread: float = 0.6  # log-normal sigma of per-device figures around tier medians
     horizon_h: float = 168.0  # drawn availability traces cover this long, then repeat
+    availability: str = "sessions"  # tiers: "sessions" at any hour, or "diurnal" (phones at night)
     start_h: float = 0.0  # simulated time when round 1 starts (hours into the trace)
     deadline_s: float = 0.0  # a round closes this many simulated seconds after it opens; 0: none
     memory_policy: str = "exclude"  # a device that cannot fit: "exclude" it, or "shrink" its batch
@@ -56,6 +58,10 @@ class DeviceConfig:
                 raise ValueError(f"[devices] {_key(name)} must be >= 0, got {getattr(self, name)}")
         if self.horizon_h <= 0 or self.fedscale_memory_gb <= 0:
             raise ValueError("[devices] horizon-h and fedscale-memory-gb must be > 0")
+        if self.availability not in PATTERNS:
+            raise ValueError(
+                f"[devices] availability must be one of {PATTERNS}, got {self.availability!r}"
+            )
         if self.memory_policy not in MEMORY_POLICIES:
             raise ValueError(
                 f"[devices] memory-policy must be one of {MEMORY_POLICIES}, got {self.memory_policy!r}"

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from simulations.devicesim.availability import draw_availability
 from simulations.devicesim.tiers import GB, MBPS, TIERS, Tier
 
 COMPUTE_KINDS = ("gflops", "speed", "ms_per_sample")
@@ -121,11 +122,15 @@ def from_tiers(
     spread: float = 0.6,
     horizon_s: float = 7 * 24 * 3600.0,
     custom: Mapping[str, Tier] | None = None,
+    pattern: str = "sessions",
 ) -> Population:
     """Draw ``size`` devices from tiers: figures log-normal around the tier medians (sigma ``spread``).
 
-    Availability alternates exponential eligible / ineligible sessions with the tier's
-    means over ``horizon_s``, repeating after it (a trace of one week by default).
+    Availability over ``horizon_s``, repeating after it (a trace of one week by default):
+    ``sessions`` alternates exponential eligible / ineligible sessions with the tier's
+    means; ``diurnal`` gives each device one window a day around its tier's peak hour
+    (phones at night, laptops by day), as long on average as the tier's eligible share
+    (:mod:`.availability`).
     """
     if size <= 0:
         raise PopulationError(f"population size must be > 0, got {size}")
@@ -149,7 +154,7 @@ def from_tiers(
     up, down = draw("uplink_bps"), draw("downlink_bps")
     memory = np.array([t.memory_bytes for t in tiers])[idx]
     latency = np.array([t.latency_s for t in tiers])[idx]
-    starts, ends, counts = _sessions(tiers, idx, horizon_s, rng)
+    starts, ends, counts = draw_availability(pattern, tiers, idx, horizon_s, rng)
     offsets = np.zeros(size + 1, dtype=np.int64)
     offsets[1:] = np.cumsum(counts)
     always = np.array([t.always_on for t in tiers])[idx]
@@ -168,39 +173,6 @@ def from_tiers(
         ends,
         period,
     )
-
-
-def _sessions(
-    tiers: Sequence[Tier], idx: np.ndarray, horizon_s: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Alternating exponential eligible / ineligible sessions over [0, horizon) per device.
-
-    Returns flat (starts, ends) in device order and the count per device; always-on tiers
-    get no intervals. Drawn per tier as one (devices x sessions) matrix, so no Python loop
-    runs per device.
-    """
-    per_device: list[tuple[np.ndarray, np.ndarray]] = [(np.empty(0), np.empty(0))] * len(idx)
-    for k, t in enumerate(tiers):
-        members = np.flatnonzero(idx == k)
-        if t.always_on or not len(members):
-            continue
-        cycles = int(np.ceil(horizon_s / (t.mean_online_s + t.mean_offline_s) * 3)) + 4
-        on = rng.exponential(t.mean_online_s, (len(members), cycles))
-        off = rng.exponential(t.mean_offline_s, (len(members), cycles))
-        first_on = rng.random(len(members)) < t.mean_online_s / (t.mean_online_s + t.mean_offline_s)
-        lead = np.where(first_on, 0.0, off[:, 0])  # devices starting offline wait one gap first
-        begin = lead[:, None] + np.concatenate(
-            [np.zeros((len(members), 1)), np.cumsum(on[:, :-1] + off[:, 1:], axis=1)], axis=1
-        )
-        end = np.minimum(begin + on, horizon_s)
-        keep = begin < horizon_s
-        for row, m in enumerate(members):
-            sel = keep[row]
-            per_device[m] = (begin[row, sel], end[row, sel])
-    counts = np.array([len(s) for s, _ in per_device], dtype=np.int64)
-    starts = np.concatenate([s for s, _ in per_device]) if counts.sum() else np.empty(0)
-    ends = np.concatenate([e for _, e in per_device]) if counts.sum() else np.empty(0)
-    return starts.astype(np.float64), ends.astype(np.float64), counts
 
 
 def _columns(
@@ -245,7 +217,9 @@ def _pack(intervals: Sequence[Sequence[tuple[float, float]]]) -> tuple[np.ndarra
 
 
 # ---------------------------------------------------------------- from a file
-def load_population(path: Path, size: int, seed: int, spread: float = 0.6) -> Population:
+def load_population(
+    path: Path, size: int, seed: int, spread: float = 0.6, pattern: str = "sessions"
+) -> Population:
     """Read a population file; rows with ``share`` are tiers from which ``size`` devices are drawn."""
     rows = read_rows(path)
     if not rows:
@@ -263,7 +237,7 @@ def load_population(path: Path, size: int, seed: int, spread: float = 0.6) -> Po
             t = _tier_row(f"{path} row {i}", row)
             custom[t.name] = t
             shares[t.name] = _number(f"{path} row {i}", row, "share", positive=True)
-        return from_tiers(shares, size, seed, spread, custom=custom)
+        return from_tiers(shares, size, seed, spread, custom=custom, pattern=pattern)
     return _device_rows(path, rows)
 
 

@@ -48,14 +48,18 @@ def build_population(dcfg: DeviceConfig, nodes: int, seed: int) -> Population:
         behaviour = Path(dcfg.fedscale_behaviour) if dcfg.fedscale_behaviour else None
         return from_fedscale(Path(dcfg.fedscale_capacity), behaviour, size, dcfg.fedscale_memory_gb)
     if dcfg.population:
-        pop = load_population(Path(dcfg.population), size, seed, dcfg.spread)
+        pop = load_population(
+            Path(dcfg.population), size, seed, dcfg.spread, pattern=dcfg.availability
+        )
         if len(pop) < nodes:
             raise PopulationError(
                 f"{dcfg.population}: {len(pop)} devices for {nodes} simulated nodes; "
                 "add rows or lower num-supernodes"
             )
         return pop
-    return from_tiers(parse_shares(dcfg.tiers), size, seed, dcfg.spread, horizon)
+    return from_tiers(
+        parse_shares(dcfg.tiers), size, seed, dcfg.spread, horizon, pattern=dcfg.availability
+    )
 
 
 def device_optimizer(optimizer: str, strategy: str) -> str:

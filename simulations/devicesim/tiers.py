@@ -27,6 +27,7 @@ class Tier:
     latency_s: float  # round-trip time to the server
     mean_online_s: float  # mean eligible session (idle + charging + unmetered); 0 = always on
     mean_offline_s: float  # mean gap between eligible sessions
+    peak_hour: float = 2.0  # diurnal availability: the hour of day its window centres on
 
     def __post_init__(self) -> None:
         """Refuse impossible figures, naming the tier and field."""
@@ -36,6 +37,8 @@ class Tier:
                 raise ValueError(f"tier {self.name!r}: {name} must be > 0")
         if self.latency_s < 0 or self.mean_online_s < 0 or self.mean_offline_s < 0:
             raise ValueError(f"tier {self.name!r}: latency and session lengths must be >= 0")
+        if not 0 <= self.peak_hour < 24:
+            raise ValueError(f"tier {self.name!r}: peak_hour must be in [0, 24)")
         if (self.mean_online_s == 0) != (self.mean_offline_s == 0):
             raise ValueError(
                 f"tier {self.name!r}: set both mean_online_s and mean_offline_s, or neither"
@@ -62,8 +65,9 @@ HOUR = 3600.0
 HOME = {"uplink_bps": 48.36 * MBPS, "downlink_bps": 93.99 * MBPS, "latency_s": 0.010}
 SLOW = {"uplink_bps": 11.22 * MBPS, "downlink_bps": 35.96 * MBPS, "latency_s": 0.040}
 LAB = {"uplink_bps": 1000 * MBPS, "downlink_bps": 1000 * MBPS, "latency_s": 0.005}
-PHONE_SESSIONS = {"mean_online_s": 2 * HOUR, "mean_offline_s": 6 * HOUR}
-WORKDAY = {"mean_online_s": 8 * HOUR, "mean_offline_s": 16 * HOUR}
+# peak_hour: phones charge on Wi-Fi overnight (Bonawitz et al. 2019), laptops work by day
+PHONE_SESSIONS = {"mean_online_s": 2 * HOUR, "mean_offline_s": 6 * HOUR, "peak_hour": 2.0}
+WORKDAY = {"mean_online_s": 8 * HOUR, "mean_offline_s": 16 * HOUR, "peak_hour": 13.0}
 ALWAYS = {"mean_online_s": 0.0, "mean_offline_s": 0.0}
 
 TIERS: dict[str, Tier] = {

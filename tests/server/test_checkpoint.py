@@ -76,3 +76,22 @@ def test_a_fresh_run_archives_an_earlier_run_instead_of_mixing_with_it(tmp_path)
     assert archived is not None and latest_round(tmp_path) is None
     assert latest_round(archived) == 3 and (archived / "metrics.jsonl").is_file()
     assert archive_previous_run(tmp_path) is None  # nothing left to move
+
+
+def test_the_roster_round_trips_and_an_older_checkpoint_still_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Partitions seen and participants come back as saved (a resume under churn keeps N and
+    the participants); a checkpoint written before they existed loads with both empty."""
+    import json
+
+    state = GlobalState(ADAPTER, {}, 2)
+    save_checkpoint(
+        tmp_path, Checkpoint(state, {}, {}, "fedavg", seen=[0, 4, 9], participants=[0, 4])
+    )
+    loaded = load_checkpoint(tmp_path)
+    assert (loaded.seen, loaded.participants) == ([0, 4, 9], [0, 4])
+    meta = tmp_path / "checkpoints" / "round_0002" / "meta.json"
+    old = {
+        k: v for k, v in json.loads(meta.read_text()).items() if k not in ("seen", "participants")
+    }
+    meta.write_text(json.dumps(old))
+    assert (load_checkpoint(tmp_path).seen, load_checkpoint(tmp_path).participants) == ([], [])

@@ -196,3 +196,27 @@ def test_a_fedscale_pickle_carrying_code_is_refused(tmp_path: Path) -> None:
     good.write_bytes(pickle.dumps({1: {"computation": 1.0, "communication": 1.0}}))
     with pytest.raises(PopulationError, match="overlaps or precedes"):
         from_fedscale(good, broken, size=1)
+
+
+def test_diurnal_availability_puts_phones_online_at_night_and_laptops_by_day() -> None:
+    """``availability = "diurnal"``: phones (2 h on / 6 h off: a quarter of the day) are
+    eligible in one window a day around 02:00, laptops (8 / 16 h) around 13:00. At 02:00
+    most phones and almost no laptops are eligible, at 14:00 the other way round, and over a
+    day each tier keeps its share (on main the option did not exist: [devices] refused it)."""
+    from simulations.devicesim.config import DeviceConfig
+    from simulations.devicesim.setup import build_population
+
+    dcfg = DeviceConfig(tiers="midrange:1,laptop:1", availability="diurnal")
+    pop = build_population(dcfg, nodes=400, seed=0)
+    phone = np.array([pop.tier_of(i) == "midrange" for i in range(len(pop))])
+
+    def share(hour: float, mask: np.ndarray, day: int = 2) -> float:
+        return float(pop.available((day * 24 + hour) * 3600.0)[mask].mean())
+
+    assert share(2, phone) > 0.6 and share(2, ~phone) < 0.05
+    assert share(14, ~phone) > 0.6 and share(14, phone) < 0.05
+    daily = [share(h + 1.0, phone) for h in range(0, 24, 2)]
+    assert abs(np.mean(daily) - 0.25) < 0.04
+    assert share(2, phone, day=9) == pytest.approx(share(2, phone, day=2))  # repeats weekly
+    with pytest.raises(ValueError, match="availability must be one of"):
+        DeviceConfig(availability="weekends")

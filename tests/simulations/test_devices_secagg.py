@@ -122,7 +122,7 @@ def test_a_device_leaving_after_key_sharing_is_a_secagg_dropout() -> None:
     )
     sim = DeviceSim(
         population(),
-        Workload(shape, 64, batch=1, seq=1, local_steps=2, download_bytes=0, upload_bytes=0),
+        Workload(shape, 64, 1, 1, 2, 0, 0, reference_flops=0.0),  # ms/sample times this model,
     )
     transport = InProcessTransport()
     grid = DeviceGrid(transport, sim, lambda _g, nodes: {n: n - 101 for n in nodes})
@@ -162,7 +162,7 @@ def test_device_state_survives_a_restart(tmp_path) -> None:  # type: ignore[no-u
     shape = ModelShape(
         params=10, hidden=2, layers=1, heads=1, kv_dim=2, intermediate=4, vocab=4, tied=True
     )
-    work = Workload(shape, 64, batch=1, seq=1, local_steps=2, download_bytes=0, upload_bytes=0)
+    work = Workload(shape, 64, 1, 1, 2, 0, 0, reference_flops=0.0)  # ms/sample times this model
     sim = DeviceSim(population(), work)
     grid = DeviceGrid(InProcessTransport(), sim, lambda _g, nodes: {n: n - 101 for n in nodes})
     content = RecordDict(

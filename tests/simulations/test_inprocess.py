@@ -366,3 +366,19 @@ def test_under_simulated_devices_a_slow_machine_drops_no_client_the_clock_kept(
         ]
         kept[name] = len(list(grid.send_and_receive(train, timeout=15)))
     assert kept == {"plain": 1, "devices": 4}
+
+
+def test_n_is_the_known_population_not_the_partitions_seen_so_far(tmp_path: Path) -> None:
+    """Ten devices, four connected: SCAFFOLD's 1/N and the accountant's sampling rate use N = 10,
+    through any Grid wrapper, from the first round (on main N was the 4 partitions seen so far,
+    so the first control-variate updates were 10/4 too large). An engine that does not know
+    its population (Flower's Ray engine) still learns N from the partitions seen."""
+    from server.loop import federation_size
+
+    grid = _grid(tmp_path, 10, online=np.array([1] * 4 + [0] * 6))
+    roster = Roster(_query)
+    roster.refresh(grid, 4, 5)
+    assert federation_size(ReplyHookGrid(grid), roster) == 10
+    unsized = ReplyHookGrid(grid)
+    unsized._grid = object()  # type: ignore[assignment]  # an engine with no population_size
+    assert federation_size(unsized, roster) == 4

@@ -1,0 +1,33 @@
+"""What the small real federations of tests/simulations share: a micro-zoo config and the ClientApp."""
+
+from __future__ import annotations
+
+from flwr.clientapp import ClientApp
+
+CONFIG = {
+    "model": "zoo:micro",
+    "strategy": "scaffold",
+    "num-server-rounds": 3,
+    "max-chars-per-client": 20000,
+    "local-steps": 1,
+    "batch-size": 2,
+    "seq-len": 16,
+    "lora-r": 2,
+    "lora-alpha": 4,
+    "client-eval": False,
+    "server-eval-batches": 1,
+    "save-merged": False,
+    "min-train-nodes": 2,
+    "min-available-nodes": 2,
+}
+
+
+def client_app() -> ClientApp:
+    """The deployed ClientApp's query and train handlers behind fedge's mods, in this process."""
+    from clients import app as deployed
+    from clients.mods import dispatch_mods
+
+    app = ClientApp(mods=[dispatch_mods])
+    app.query()(deployed.query)
+    app.train()(deployed.train)
+    return app
