@@ -223,9 +223,12 @@ class SecAggClientEngine:
         masked &= np.uint32(modulus - 1)
 
         shares = split_secret(seed, threshold, len(neighbours))  # none kept: see the module doc
-        cts = [
+        session = str(self.state[_S_SESSION])
+        cts = [  # each share signed by this node, so a share that fails is attributed
             seal(
-                self._share_key(peer, s2[peer], round_id), share, _share_context(self.node_id, peer)
+                self._share_key(peer, s2[peer], round_id),
+                ident.sign_share(self.identity, session, round_id, self.node_id, peer, share),
+                _share_context(self.node_id, peer),
             )
             for peer, share in zip(neighbours, shares, strict=True)
         ]
