@@ -4,25 +4,27 @@ Keys are agreed once per server session: two X25519 key pairs, advertised when t
 server asks and signed with the node's long-term Ed25519 identity
 (:mod:`fedge.secagg.identity`); a neighbour's keys are accepted only with a valid
 signature, under a key of the node's trust list when it holds one, and a node id's
-identity is pinned for good (a new session never replaces it). The X25519 secret with each neighbour is computed once per session and kept
-in the state beside the private keys. Each round is then two exchanges. *Collect*: the client trains, masks
-its quantized input with a fresh self mask and one pairwise mask per neighbour
-(seeded by HKDF from the pair's X25519 secret, both node ids, the round id and a
-digest of the train content, :mod:`fedge.secagg.binding`), and sends it with its
-self-mask seed Shamir-shared among its neighbours only (it keeps no share itself),
-each share encrypted to its holder (AES-GCM under a per-round HKDF key). *Unmask*: it
-reveals the self-mask shares of live neighbours and, for dropped ones, this round's
-pairwise seed, never both for one node and never a long-term key. A round id is
-accepted once, so masks never repeat.
+identity is pinned for good (a new session never replaces it). The X25519 secret with
+each neighbour is computed once per session and kept in the state beside the private
+keys. Each round is then two exchanges. *Collect*: the client trains, masks its
+quantized input with a fresh self mask and one pairwise mask per neighbour (seeded by
+HKDF from the pair's X25519 secret, both node ids, the round id and a digest of the
+train content, :mod:`fedge.secagg.binding`), and sends it with its self-mask seed
+Shamir-shared among its neighbours only (it keeps no share itself), each share signed
+by this node and encrypted to its holder (AES-GCM under a per-round HKDF key).
+*Unmask*: it reveals the self-mask shares of live neighbours and, for dropped ones,
+this round's pairwise seed, never both for one node and never a long-term key. A round
+id is accepted once, so masks never repeat.
 
 Why no active server unmasks one input (docs/privacy.md): a client accepts only a
-threshold t with n >= t > n/2 of its n neighbours, and unmasks only when the server's
-live and dropped lists split its neighbourhood with at least t neighbours live. The
-victim's self-mask seed needs t neighbours told "v is live" (they keep their pair seeds
-with v); its pair masks with the >= t neighbours the victim was told are live need those
-neighbours told "v dropped". Both groups lie among the n neighbours and cannot overlap,
-so 2t <= n: refused. Hence any sum that contains the victim's unmasked input also
-contains at least 2t - n of its neighbours' inputs.
+threshold t with n >= t > n/2 of its n neighbours (:mod:`clients.secagg.rules`), and
+unmasks only when the server's live and dropped lists split its neighbourhood with at
+least t neighbours live. The victim's self-mask seed needs t neighbours told "v is
+live" (they keep their pair seeds with v); its pair masks with the >= t neighbours the
+victim was told are live need those neighbours told "v dropped" or summed with it. A
+neighbour in both groups reveals its pair seed with v to nobody, and the two groups
+share at least 2t - n > 0 members: any sum that holds the victim's unmasked input also
+holds at least 2t - n of its neighbours' inputs.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from clients.secagg.rules import (
+    PIN_FIELDS,
     ClientRules,
     SecAggProtocolError,
+    check_identities,
     check_neighbourhood,
     check_numbers,
 )
@@ -76,9 +80,7 @@ _S_NEIGHBOURS = "neighbours"
 _S_THRESHOLD = "threshold"
 _S_DIGEST = "content-digest"  # binds this round's pair seeds to the content sent
 _S_ID_KEY = "identity-key"  # an engine without a key file signs with one kept here
-_S_ID_PINS = "identity-pins"  # packed ids, parallel to _S_ID_PIN_KEYS: never cleared
-_S_ID_PIN_KEYS = "identity-pin-keys"
-_KEPT = (_S_ID_KEY, _S_ID_PINS, _S_ID_PIN_KEYS)  # survive a new key session
+_KEPT = (_S_ID_KEY, *PIN_FIELDS)  # survive a new key session
 _SETTINGS = (
     wire.KEY_PEER_PK1,
     wire.KEY_PEER_PK2,
@@ -223,9 +225,12 @@ class SecAggClientEngine:
         masked &= np.uint32(modulus - 1)
 
         shares = split_secret(seed, threshold, len(neighbours))  # none kept: see the module doc
-        cts = [
+        session = str(self.state[_S_SESSION])
+        cts = [  # each share signed by this node, so a share that fails is attributed
             seal(
-                self._share_key(peer, s2[peer], round_id), share, _share_context(self.node_id, peer)
+                self._share_key(peer, s2[peer], round_id),
+                ident.sign_share(self.identity, session, round_id, self.node_id, peer, share),
+                _share_context(self.node_id, peer),
             )
             for peer, share in zip(neighbours, shares, strict=True)
         ]
@@ -338,40 +343,9 @@ class SecAggClientEngine:
                 )
         if not fresh:  # steady state: every neighbour verified and pinned, nothing to do
             return
-        self._check_identities([(ids[i], pk1s[i], pk2s[i], idents[i], sigs[i]) for i in fresh])
+        adverts = [(ids[i], pk1s[i], pk2s[i], idents[i], sigs[i]) for i in fresh]
+        check_identities(self.state, str(self.state.get(_S_SESSION, "")), adverts, self.rules)
         self._pin([ids[i] for i in fresh], [pk1s[i] for i in fresh], [pk2s[i] for i in fresh])
-
-    def _check_identities(self, adverts: list[tuple[int, bytes, bytes, bytes, bytes]]) -> None:
-        """Verify each advertisement's signature, its identity against the trust list and the
-        identity pinned for that node id; pin new ones (a pin is never replaced)."""
-        session = str(self.state.get(_S_SESSION, ""))
-        pins = self._identity_pins()
-        for u, pk1, pk2, key, sig in adverts:
-            if self.rules.trusted is not None and key not in self.rules.trusted:
-                raise SecAggProtocolError(
-                    f"node {u}'s identity key is not in this node's trust list (rule: neighbours "
-                    "only under operator-distributed keys); refusing"
-                )
-            if pins.setdefault(u, key) != key:
-                raise SecAggProtocolError(
-                    f"node {u} advertises a different identity key than the one pinned for it "
-                    "(rule: an identity pin is never replaced); refusing"
-                )
-            if not ident.verify_advert(key, sig, session, u, pk1, pk2):
-                raise SecAggProtocolError(
-                    f"node {u}'s public keys do not carry a valid signature of its identity "
-                    "(rule: key advertisements are signed); refusing"
-                )
-        order = sorted(pins)
-        self.state[_S_ID_PINS] = wire.pack_ids(order)
-        self.state[_S_ID_PIN_KEYS] = [pins[u] for u in order]
-
-    def _identity_pins(self) -> dict[int, bytes]:
-        """Node id -> identity key, as first seen; kept across key sessions."""
-        if _S_ID_PINS not in self.state:
-            return {}
-        ids = wire.unpack_ids(wire.get_bytes(self.state, _S_ID_PINS))
-        return dict(zip(ids, wire.get_bytes_list(self.state, _S_ID_PIN_KEYS), strict=True))
 
     def _state_identity(self) -> Ed25519PrivateKey:
         """A signing key kept in the state: for engines given no key file (tests, one run)."""

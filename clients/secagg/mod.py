@@ -14,7 +14,7 @@ from clients.privacy.ledger import ledger_root
 from clients.privacy.policy import node_policy
 from clients.secagg.engine import ClientRules, SecAggClientEngine, SecAggProtocolError
 from fedge import keys
-from fedge.privacy.wire import MET_DPSGD_EPSILON
+from fedge.privacy.wire import KEY_DP_NOISE_STD, MET_DPSGD_EPSILON
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
 from fedge.secagg.vectors import scale_for
@@ -38,7 +38,7 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     In the collect stage the mod trains through ``call_next``, then replaces the reply by
     the masked form of its ``contribution`` with the summable metrics folded into the same
     masked vector, so neither the plain contribution nor any client's own metrics leave
-    the client. A refused stage becomes an error reply naming the reason; the server
+    the client. Under distributed DP the metrics stay home: their sum would carry no noise. A refused stage becomes an error reply naming the reason; the server
     counts that node as dropped. The server half is ``server.secagg.aggregator``.
     """
     if not msg.has_content() or wire.SECAGG_RECORD not in msg.content.config_records:
@@ -64,6 +64,9 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
             raise SecAggProtocolError(f"the train reply has no {keys.REC_CONTRIB!r} record to mask")
         arrays = {k: a.numpy() for k, a in record.items()}
         _check_range(arrays, rec)
+        config = msg.content.config_records.get(keys.REC_CONFIG, ConfigRecord())
+        if KEY_DP_NOISE_STD in config:  # the metrics' sum would carry none of the DP noise
+            return arrays
         return {**arrays, **_metric_arrays(reply.content, rec)}
 
     try:
@@ -130,6 +133,7 @@ def _check_range(arrays: dict[str, np.ndarray], rec: ConfigRecord) -> None:
         peak = float(np.max(np.abs(arr))) / scale_for(name, scales) if arr.size else 0.0
         if not np.isfinite(peak) or peak > clip:
             raise SecAggProtocolError(
-                f"contribution {name!r} reaches {peak:.3g} after scaling, outside the SecAgg+ "
-                f"clipping range {clip}; raise secagg-clipping-range or the key's scale"
+                f"contribution {name!r} leaves the SecAgg+ clipping range {clip} after scaling "
+                "(its value is not reported: refusals name the rule, never data); raise "
+                "secagg-clipping-range or the key's scale"
             )

@@ -2,8 +2,9 @@
 
 The rules come from the node's own policy (``clients.privacy.policy``), never from the
 server; the checks refuse a collect message whose numbers are not finite and in range,
-or whose neighbourhood or threshold would let a server rebuild both secrets of a node
-(the argument is in ``clients.secagg.engine``).
+whose neighbourhood or threshold would let a server rebuild both secrets of a node (the
+argument is in ``clients.secagg.engine``), or whose neighbours' keys are not signed by
+a trusted identity, or by the one pinned for that node id.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from dataclasses import dataclass
 from flwr.app import ConfigRecord
 
 from fedge.errors import FedgeError
+from fedge.secagg import identity as ident
 from fedge.secagg import wire
+
+# State fields of the identity pins: packed node ids and their identity keys, never cleared.
+PIN_FIELDS = ("identity-pins", "identity-pin-keys")
 
 
 class SecAggProtocolError(FedgeError):
@@ -91,3 +96,42 @@ def check_numbers(rec: ConfigRecord) -> tuple[int, float, int, int]:
             "finite and in range); refusing"
         )
     return int(t), clip, int(levels), int(m)
+
+
+def check_identities(
+    state: ConfigRecord,
+    session: str,
+    adverts: list[tuple[int, bytes, bytes, bytes, bytes]],
+    rules: ClientRules,
+) -> None:
+    """Verify each (node, pk1, pk2, identity, signature) advertisement: the identity against
+    the trust list and the one pinned for that node id, then the signature; pin new
+    identities in ``state`` (a pin is never replaced)."""
+    pins = identity_pins(state)
+    for u, pk1, pk2, key, sig in adverts:
+        if rules.trusted is not None and key not in rules.trusted:
+            raise SecAggProtocolError(
+                f"node {u}'s identity key is not in this node's trust list (rule: neighbours "
+                "only under operator-distributed keys); refusing"
+            )
+        if pins.setdefault(u, key) != key:
+            raise SecAggProtocolError(
+                f"node {u} advertises a different identity key than the one pinned for it "
+                "(rule: an identity pin is never replaced); refusing"
+            )
+        if not ident.verify_advert(key, sig, session, u, pk1, pk2):
+            raise SecAggProtocolError(
+                f"node {u}'s public keys do not carry a valid signature of its identity "
+                "(rule: key advertisements are signed); refusing"
+            )
+    order = sorted(pins)
+    state[PIN_FIELDS[0]] = wire.pack_ids(order)
+    state[PIN_FIELDS[1]] = [pins[u] for u in order]
+
+
+def identity_pins(state: ConfigRecord) -> dict[int, bytes]:
+    """Node id -> identity key, as first seen; kept across key sessions."""
+    if PIN_FIELDS[0] not in state:
+        return {}
+    ids = wire.unpack_ids(wire.get_bytes(state, PIN_FIELDS[0]))
+    return dict(zip(ids, wire.get_bytes_list(state, PIN_FIELDS[1]), strict=True))

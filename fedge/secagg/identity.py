@@ -25,7 +25,9 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 ADVERT_PURPOSE = b"fedge-secagg key advertisement v1"  # domain of an advertisement signature
+SHARE_PURPOSE = b"fedge-secagg seed share v1"  # domain of a share signature
 PUBLIC_BYTES = 32  # a raw Ed25519 public key
+SIGNATURE_BYTES = 64  # a raw Ed25519 signature
 
 
 def load_or_create(path: Path) -> Ed25519PrivateKey:
@@ -84,6 +86,41 @@ def verify_advert(
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+def share_bytes(session: str, round_id: str, owner: int, holder: int, share: bytes) -> bytes:
+    """What a share signature covers: the round, the seed's owner, the share's holder, the share."""
+    return b"|".join(
+        (
+            SHARE_PURPOSE,
+            session.encode(),
+            round_id.encode(),
+            owner.to_bytes(8, "big"),
+            holder.to_bytes(8, "big"),
+            share,
+        )
+    )
+
+
+def sign_share(
+    key: Ed25519PrivateKey, session: str, round_id: str, owner: int, holder: int, share: bytes
+) -> bytes:
+    """``share`` followed by the owner's signature: what the holder receives and later reveals."""
+    return share + key.sign(share_bytes(session, round_id, owner, holder, share))
+
+
+def verify_share(
+    identity: bytes, signed: bytes, session: str, round_id: str, owner: int, holder: int
+) -> bytes | None:
+    """The share inside ``signed`` when ``identity`` signed it for this holder, else None."""
+    share, sig = signed[:-SIGNATURE_BYTES], signed[-SIGNATURE_BYTES:]
+    try:
+        Ed25519PublicKey.from_public_bytes(identity).verify(
+            sig, share_bytes(session, round_id, owner, holder, share)
+        )
+    except (InvalidSignature, ValueError):
+        return None
+    return share
 
 
 def parse_trust_list(text: str, source: str) -> frozenset[bytes]:

@@ -46,7 +46,7 @@ KEY_CIPHERTEXTS = "ciphertexts"
 KEY_ACTIVE = "active"  # packed uint64 node ids whose self-mask shares are asked for
 KEY_DROPPED = "dropped"  # packed uint64 node ids whose round pair seeds are asked for
 KEY_SHARE_OWNERS = "share-owners"  # packed uint64 node ids, parallel to KEY_SHARES
-KEY_SHARES = "shares"
+KEY_SHARES = "shares"  # each a Shamir share followed by its owner's Ed25519 signature
 KEY_SEED_PEERS = "seed-peers"  # packed uint64 node ids, parallel to KEY_SEEDS
 KEY_SEEDS = "pair-seeds"  # this round's pairwise mask seeds with dropped neighbours
 

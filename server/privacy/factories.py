@@ -11,7 +11,7 @@ key                         default    meaning
 ``dp-accountant``           rdp        rdp | pld: how epsilon is computed (PLD is tighter)
 ``dp-min-survival``         0.8        distributed DP: fraction of sampled clients a round needs
 ``secagg-num-shares``       0          0: 2 ceil(log2 n) + 1; <= 1: fraction of n; else a count
-``secagg-threshold``        0.667      <= 1: fraction of the shares; else a count
+``secagg-threshold``        0.667      <= 1: fraction of the neighbours; else a count
 ``secagg-clipping-range``   8.0        values (after scaling) must lie in [-R, R]
 ``secagg-max-weight``       1000       with example weighting: divisor of delta/ and meta/weight
 ``secagg-stage-timeout``    60         seconds each protocol stage waits for replies

@@ -21,7 +21,7 @@ from fedge.errors import FedgeError
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from fedge.secagg.crypto import check_public_key, combine_secret
-from fedge.secagg.identity import verify_advert
+from fedge.secagg.identity import SIGNATURE_BYTES, verify_advert, verify_share
 from fedge.secagg.vectors import IntVec, Layout, dequantize_sum, prg_mask
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,9 @@ class _Round:
     layout: Layout | None = None
     extras: dict[int, RecordDict] = field(default_factory=dict)
     asked: set[int] = field(default_factory=set)  # contributors sent an unmask request
-    shares: dict[int, list[bytes]] = field(default_factory=dict)  # self-mask shares per owner
+    shares: dict[int, list[tuple[int, bytes]]] = field(
+        default_factory=dict
+    )  # owner -> (holder, signed share)
     seeds: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (dropped, live) -> seed
 
 
@@ -165,6 +167,7 @@ class SecAggServerEngine:
         self.keys = keys if keys is not None else KeyBook()
         self._seed = seed if seed is not None else self.keys.ring_seed
         self._r = _Round()
+        self.blamed: set[int] = set()  # nodes shown to have sent bad shares this round
 
     # ------------------------------------------------------------------ stage 0: keys (once)
     def advertise_requests(self) -> dict[int, RecordDict]:
@@ -329,7 +332,7 @@ class SecAggServerEngine:
             hood = set(self._r.neighbours[v])
             for u, share in zip(owners, shares, strict=True):
                 if u in alive and u in hood:  # a node holds no share of its own seed
-                    self._r.shares.setdefault(u, []).append(share)
+                    self._r.shares.setdefault(u, []).append((v, share))
             for u, seed in zip(seed_peers, pair_seeds, strict=True):
                 if u in hood and u not in alive:
                     self._r.seeds[(u, v)] = seed
@@ -380,7 +383,7 @@ class SecAggServerEngine:
     def _unmask(
         self,
         alive: set[int],
-        collected: Mapping[int, list[bytes]],
+        collected: Mapping[int, list[tuple[int, bytes]]],
         seeds: Mapping[tuple[int, int], bytes],
     ) -> dict[str, np.ndarray]:
         """Sum the masked inputs mod M, strip self masks and drop-outs' pairwise masks."""
@@ -393,7 +396,7 @@ class SecAggServerEngine:
             for name, chunk in layout.split(total).items():  # views into total
                 chunk += np.asarray(self._r.masked[v][name], dtype=np.uint32).reshape(chunk.shape)
         for v in sorted(alive):
-            seed = _combine(collected[v][: self._r.thresholds[v]], f"self-mask seed of node {v}")
+            seed = self._self_seed(v, collected[v])
             total -= prg_mask(seed, layout.size, m)
         for (u, v), seed in sorted(seeds.items()):
             mask = prg_mask(seed, layout.size, m)
@@ -407,6 +410,43 @@ class SecAggServerEngine:
             total, len(alive), self.cfg.clipping_range, self.cfg.quantization_range
         )
         return layout.unflatten(flat_sum)
+
+    def _self_seed(self, owner: int, held: list[tuple[int, bytes]]) -> bytes:
+        """Rebuild ``owner``'s self-mask seed from (holder, signed share) pairs.
+
+        Signatures are checked only when the first ``threshold`` shares fail to combine:
+        a share whose owner's signature fails was altered by its holder (blamed, dropped);
+        validly signed shares that still fail were dealt wrong by the owner (blamed).
+        """
+        t = self._r.thresholds[owner]
+        try:
+            return combine_secret([signed[:-SIGNATURE_BYTES] for _, signed in held[:t]])
+        except ValueError:
+            pass
+        identity = self.keys.signed[owner][0]
+        good = []
+        for holder, signed in held:
+            share = verify_share(identity, signed, self.keys.session, self.round_id, owner, holder)
+            if share is None:
+                self.blamed.add(holder)
+                log.warning(
+                    "SecAgg+: node %d revealed a share of node %d it altered", holder, owner
+                )
+            else:
+                good.append(share)
+        if len(good) < t:
+            raise SecAggRoundFailed(
+                f"SecAgg+ unmask: too few unaltered shares of node {owner}'s self-mask seed; "
+                f"altered by node(s) {sorted(self.blamed)}, blamed; no aggregate is applied"
+            )
+        try:
+            return combine_secret(good[:t])
+        except ValueError:
+            self.blamed.add(owner)
+            raise SecAggRoundFailed(
+                f"SecAgg+ unmask: node {owner} dealt shares of its self-mask seed that do not "
+                "combine (each signed by it): node blamed; no aggregate is applied"
+            ) from None
 
     def _scales(self) -> tuple[tuple[str, float], ...]:
         """Per-key divisors: the configured ones, plus the metrics'."""
@@ -454,10 +494,3 @@ class SecAggServerEngine:
                 f"SecAgg+: only {count} client(s) {what}, need at least {need}; the round is "
                 "abandoned and no aggregate is applied"
             )
-
-
-def _combine(shares: list[bytes], what: str) -> bytes:
-    try:
-        return combine_secret(shares)
-    except ValueError as exc:
-        raise SecAggRoundFailed(f"SecAgg+ unmask: shares of the {what} do not combine") from exc

@@ -190,4 +190,4 @@ def test_an_honest_round_under_the_same_policy_succeeds_and_hides_metrics(
     result = results["honest"]
     assert result.summed is not None and len(result.accepted) == NUM_NODES
     assert result.metrics == {}  # no client's own metrics reach the server
-    assert result.summed_metrics[keys.MET_TRAIN_LOSS] == pytest.approx(2 + 3 + 4 + 5, abs=0.01)
+    assert result.summed_metrics == {}  # under distributed DP not even their un-noised sum

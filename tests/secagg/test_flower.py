@@ -200,6 +200,7 @@ def test_distributed_dp_sum_carries_the_full_noise() -> None:
     values = np.concatenate([summed["delta/w.lora_B"], summed["ctrl/w.lora_B"]])
     assert math.isclose(float(values.std()), 0.01 * math.sqrt(5 / 3), rel_tol=0.1)
     assert abs(float(summed["meta/count"][0]) - 5.0) < bound(5)
+    assert res["ddp"].summed_metrics == {}  # metric sums would carry none of the noise
     # FFA-LoRA is on under DP: the frozen lora_A is neither noised nor uploaded
     assert not np.any(summed["delta/w.lora_A"])
     per_client_ddp = res["ddp"].bytes_up / len(res["ddp"].accepted)

@@ -17,18 +17,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from clients.privacy.ledger import STATE_DIR_ENV
 from clients.privacy.policy import POLICY_ENV
 from fedge import keys
+from fedge.secagg import identity
 from fedge.secagg.config import SecAggConfig
+from server.privacy.aggregators import DistributedDPAggregator
+from server.privacy.config import DPConfig
 from server.secagg.aggregator import SecAggPlusAggregator
 from server.secagg.engine import SecAggServerEngine
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 from tests.privacy.adversary import attacker as atk
-from tests.secagg.harness import known_client_app
+from tests.secagg.harness import CRASH_KEY, known_client_app
 
 SIZE = 64
 SPEC = {"delta/w": (SIZE,), "meta/weight": (1,), "meta/count": (1,)}
@@ -145,3 +148,83 @@ def test_attack4_a_nan_clip_norm_is_refused_and_the_ledger_stays_finite(
     for path in (tmp_path / "node-state").rglob("*.json"):
         releases = json.loads(path.read_text()).get("user-level", [])
         assert all(math.isfinite(z) for z in releases)
+
+
+def test_a_refusal_never_reports_a_data_dependent_value(
+    grid: InProcessGrid, tmp_path: Path
+) -> None:
+    """A tiny clipping range: on main every refusal carried the contribution's peak |value|
+    (its reason read "reaches <peak> after scaling": max |delta| leaked every round, read
+    from main's code, not run); now the reason names the rule only."""
+    # Prepare
+    (tmp_path / "policy.toml").write_text("require-secagg = true\n")
+    aggregator = SecAggPlusAggregator(SecAggConfig(num_shares=1.0, clipping_range=1e-3))
+    content = RecordDict({keys.REC_CONFIG: ConfigRecord({"weighting": "uniform"})})
+
+    def script(g: Grid) -> dict[str, Any]:
+        return {"result": aggregator.aggregate(g, 1, sorted(g.get_node_ids()), content, SPEC, 60)}
+
+    # Execute
+    result = drive(grid, script)["result"]
+    # Assert: refused for the range, and no partition's peak appears in any reason
+    assert result.summed is None
+    reasons = " ".join(result.rejected.values())
+    assert "clipping range" in reasons
+    for pid in range(3):
+        peak = float(np.max(np.abs(contribution(pid)["delta/w"])))  # scale 1
+        assert f"{peak:.3g}" not in reasons
+
+
+STRICTEST = """require-secagg = true
+require-dp = true
+min-noise = 1.0
+max-clip = 0.1
+max-epsilon = 50.0
+secagg-min-neighbours = 4
+secagg-min-threshold = 3
+trusted-keys = "trust.txt"
+once-per-model = true
+"""
+
+
+def test_an_honest_round_under_the_strictest_policy_completes_with_a_dropout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five nodes holding every rule above and a trust list of their identities; one crashes
+    while training. The honest SecAgg+ round with distributed DP still sums the other four."""
+    # Prepare: each node's identity key exists, the operator's trust list names them all
+    state = tmp_path / "node-state"
+    keys_ = [
+        identity.load_or_create(state / "secagg-identity" / f"partition-{pid:05d}.key")
+        for pid in range(5)
+    ]
+    (tmp_path / "trust.txt").write_text(
+        identity.format_trust_list(map(identity.public_bytes, keys_))
+    )
+    (tmp_path / "policy.toml").write_text(STRICTEST)
+    monkeypatch.setenv(POLICY_ENV, str(tmp_path / "policy.toml"))
+    monkeypatch.setenv(STATE_DIR_ENV, str(state))
+    app = known_client_app(contribution, lambda pid: 1.0 + pid)
+    grid5 = InProcessGrid(app, DeviceTable(5, seed=9), tmp_path / "context")
+    # z = 1.2 for 4 of 5; each client verifies 1 + 2*3 - 4 = 3 contributors: 1.2 sqrt(3/4) >= 1
+    dp = DPConfig(mode="distributed", clip_norm=0.05, noise_multiplier=1.2, min_survival=0.8)
+    aggregator = DistributedDPAggregator(
+        SecAggPlusAggregator(SecAggConfig(num_shares=1.0, stage_timeout_s=60)), dp
+    )
+    config = ConfigRecord({"weighting": "uniform", CRASH_KEY: "2"})
+    content = RecordDict(
+        {
+            keys.REC_CONFIG: config,
+            keys.REC_GLOBAL: ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
+        }
+    )
+
+    def script(g: Grid) -> dict[str, Any]:
+        return {"result": aggregator.aggregate(g, 1, sorted(g.get_node_ids()), content, SPEC, 60)}
+
+    # Execute
+    result = drive(grid5, script)["result"]
+    # Assert: four contributors, a sum (noised), the crashed node the only one rejected
+    assert result.summed is not None, result.rejected
+    assert len(result.accepted) == 4 and len(result.rejected) == 1
+    assert abs(float(result.summed["meta/count"][0]) - 4.0) < 0.01
