@@ -16,6 +16,19 @@ AUTO = "auto"
 ALL_LINEAR = "all-linear"  # peft's own spelling: every nn.Linear (and Conv1D) but the LM head
 
 
+def named_targets(spec: str, model_type: str, linear_names: list[str]) -> list[str]:
+    """The module names `spec` adapts on `model_type`, for cost models that never load the model.
+
+    `linear_names` are the architecture's linear layers (what "all-linear" would take).
+    """
+    chosen = lora_targets(spec, model_type)
+    if chosen is None:
+        return sorted(TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[model_type])
+    if chosen == ALL_LINEAR:
+        return list(linear_names)
+    return list(chosen)
+
+
 def lora_targets(spec: str, model_type: str) -> list[str] | str | None:
     """What to pass as peft's ``target_modules``: None lets peft apply its architecture default."""
     if spec.strip() != AUTO:

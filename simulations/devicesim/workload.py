@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from fedge.lm.targets import named_targets
 from simulations.devicesim.population import (
     KIND_FLOPS,
     KIND_MS_PER_SAMPLE,
@@ -55,6 +56,7 @@ class ModelShape:
     intermediate: int  # intermediate_size
     vocab: int  # vocab_size
     tied: bool  # tie_word_embeddings
+    model_type: str = "llama"  # config.model_type: picks the "auto" LoRA targets
 
     @property
     def matmul_params(self) -> int:
@@ -62,7 +64,11 @@ class ModelShape:
         return self.params - (0 if self.tied else self.vocab * self.hidden)
 
     def lora_params(self, r: int, targets: Sequence[str]) -> int:
-        """LoRA parameters r x (in + out) for the targeted projections of every layer."""
+        """LoRA parameters r x (in + out) for the targeted projections of every layer.
+
+        `targets` may be ``["auto"]`` (the run config's default): the architecture's own choice,
+        resolved as the trainer resolves it (:mod:`fedge.lm.targets`).
+        """
         h, kv, i = self.hidden, self.kv_dim, self.intermediate
         dims = {
             "q_proj": (h, h),
@@ -73,6 +79,7 @@ class ModelShape:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+        targets = named_targets(",".join(targets), self.model_type, list(dims))
         unknown = [t for t in targets if t not in dims]
         if unknown:
             raise ValueError(
@@ -85,7 +92,17 @@ def _qwen25_05b() -> ModelShape:
     """Qwen/Qwen2.5-0.5B (config.json: hidden 896, 24 layers, 14 heads, 2 KV heads of 64, I 4864)."""
     h, kv, i, layers, vocab = 896, 128, 4864, 24, 151936
     per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
-    return ModelShape(layers * per_layer + vocab * h + h, h, layers, 14, kv, i, vocab, tied=True)
+    return ModelShape(
+        layers * per_layer + vocab * h + h,
+        h,
+        layers,
+        14,
+        kv,
+        i,
+        vocab,
+        tied=True,
+        model_type="qwen2",
+    )
 
 
 REFERENCE_MODELS = {"qwen2.5-0.5b": _qwen25_05b()}

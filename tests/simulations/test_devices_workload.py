@@ -106,3 +106,16 @@ def test_reference_shape_counts_qwen25_05b() -> None:
     )
     with pytest.raises(ValueError, match="no shape for LoRA target"):
         shape.lora_params(8, ["c_attn"])
+
+
+def test_auto_lora_targets_resolve_on_the_timing_reference() -> None:
+    """The run config's default targets ("auto") time Qwen2's peft default, q_proj and v_proj.
+
+    Before, a timing model with the default targets stopped with "no shape for LoRA target(s)
+    ['auto']". By hand: 24 layers x r 8 x ((896 + 896) + (896 + 128)) = 540,672.
+    """
+    from simulations.devicesim.workload import REFERENCE_MODELS
+
+    reference = REFERENCE_MODELS["qwen2.5-0.5b"]
+    assert reference.lora_params(8, ["auto"]) == 24 * 8 * ((896 + 896) + (896 + 128)) == 540_672
+    assert reference.lora_params(8, ["auto"]) == reference.lora_params(8, ["q_proj", "v_proj"])
