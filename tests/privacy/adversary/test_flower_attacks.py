@@ -2,9 +2,11 @@
 
 Each node runs ``dispatch_mods`` (policy check, SecAgg+ mod, distributed-DP mod) in front
 of a ClientApp with a known contribution, under a strict policy file. The ServerApp side
-is a script. Both attacks did their damage on main (checked with ``git stash`` of the fix
-on 2026-12-02): attack 3 recovered one node's exact contribution, attack 4 got the
-un-noised sum and left NaN in every node's ledger; now the clients refuse, naming the rule.
+is a script. Both attacks did their damage on main (run against commit 23d54ee
+on 2026-12-02): attack 3 recovered one node's exact contribution, attack 4 got the sum
+back with no noise (the NaN it leaves in each ledger is read from that code, not run); now
+the clients refuse, naming the rule. Two more cases below: a refusal that named a data
+value, and the honest control under the strictest policy.
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ def test_attack3_over_flower_messages_recovers_nothing(grid: InProcessGrid, tmp_
 def test_attack4_a_nan_clip_norm_is_refused_and_the_ledger_stays_finite(
     grid: InProcessGrid, tmp_path: Path
 ) -> None:
-    """``dp-clip-norm = NaN`` with zero noise: on main every comparison was false, the sum
-    came back un-noised and every node's ledger recorded a NaN release (epsilon 0 after)."""
+    """``dp-clip-norm = NaN`` with zero noise: on main every comparison was false and the sum
+    came back un-noised (run); each ledger recorded a NaN release (read from the code)."""
     # Prepare
     evil = ConfigRecord(
         {"weighting": "uniform", "dp-clip-norm": math.nan, "dp-noise-std": 0.0, "dp-min-clients": 3}

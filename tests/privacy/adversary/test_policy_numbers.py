@@ -2,7 +2,8 @@
 
 On main ``dp-clip-norm = NaN`` passed every policy comparison, ``dp-min-clients = 1e12``
 passed a min-noise policy with a client noise of std/C = 0.002, and max-epsilon without
-require-dp accepted a message asking for no DP at all (checked on the previous commit).
+require-dp accepted a message asking for no DP at all (read from main's code; the NaN
+case was also run over Flower messages, ``test_flower_attacks.py``, and did its damage).
 """
 
 from __future__ import annotations

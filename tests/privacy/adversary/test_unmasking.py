@@ -1,9 +1,11 @@
-"""Active-server unmasking attacks on the real SecAgg+ client engine: each recovered one input on main.
+"""Active-server unmasking attacks on the real SecAgg+ client engine.
 
 A scripted server (``attacker``) sends crafted stage messages to fedge's client engines
-and computes what it can from the replies. Every test here recovered the victim's exact
-input against the code before the fix (run with ``git stash`` of the fix on 2026-12-02);
-now the victim's input stays masked and a client refuses, naming the rule it applies.
+and computes what it can from the replies. Attacks 1 (empty neighbourhood), 2 (invented
+neighbour) and 3 (inconsistent drop-out lists) recovered the victim's exact input when
+run against the code before the fix (commit 23d54ee, 2026-12-02); the new-session and
+non-finite-number cases are read from that code, not run. Now the victim's input stays
+masked and a client refuses, naming the rule it applies.
 """
 
 from __future__ import annotations
@@ -212,7 +214,8 @@ def test_attack2_an_invented_neighbour_is_refused() -> None:
 
 def test_attack2_a_new_session_cannot_replace_a_pinned_identity() -> None:
     """Attack 2 through a new key session: on main an advertise cleared every pin, so keys
-    the server made for a known neighbour were accepted and the victim's input recovered."""
+    the server made for a known neighbour were accepted (read from main's code; the
+    invented-neighbour variant above was run and recovered the input)."""
     # Prepare: an honest session in which the victim pins both neighbours' identities
     fed = {31: atk.secret_input(6), 32: atk.secret_input(7), 33: atk.secret_input(8)}
     states: dict[int, ConfigRecord] = {}
@@ -247,7 +250,8 @@ def test_attack2_a_new_session_cannot_replace_a_pinned_identity() -> None:
 
 
 def test_a_non_finite_number_in_a_collect_message_is_refused() -> None:
-    """NaN or infinite protocol numbers made comparisons false on main; now they are refused."""
+    """NaN or infinite protocol numbers made comparisons false on main (read from its code);
+    now they are refused."""
     v, states = 41, {}
     atk.engine(v, states).handle(atk.advertise_record("s"), dict)
     for key, value in (
