@@ -145,7 +145,7 @@ def verdict(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         r_gap = r["participants_perplexity"] / base - 1.0  # type: ignore[index]
         r["gap_to_plain"] = r_gap  # type: ignore[index]
         start = r["participants_perplexity_round0"]
-        if start and start != base:  # the share of the plain run's gain the DP run kept
+        if start and base < start:  # the share of the plain run's gain the DP run kept
             r["gain_kept"] = (start - r["participants_perplexity"]) / (start - base)  # type: ignore[index]
         if key in learnt and r["epsilon_pld"] <= GOAL_EPSILON and r_gap <= GOAL_GAP:
             hits.append(

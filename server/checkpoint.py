@@ -16,11 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedge import keys
 from strategies.base import GlobalState
+
+if TYPE_CHECKING:
+    from server.config import RunConfig
+    from strategies.base import Strategy
 
 _ROUND_DIR = re.compile(r"^round_(\d{4,})$")
 _ADAPTER, _EXTRAS = "adapter::", "extras::"
@@ -73,6 +78,23 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
         for k in names
         if saved.get(k) != current.get(k)
     ]
+
+
+def check_resumable(ckpt: Checkpoint, cfg: RunConfig, strategy: Strategy, run_dir: Path) -> None:
+    """Refuse to resume a checkpoint made by another strategy or config, naming the difference."""
+    saved = {k: v for k, v in ckpt.config.items() if k != keys.CFG_RUN_ID}
+    current = {k: v for k, v in cfg.to_mapping().items() if k != keys.CFG_RUN_ID}
+    differences = config_differences(saved, current) if saved else []
+    if ckpt.strategy != strategy.name and not differences:
+        differences = [
+            f"strategy: checkpoint has {ckpt.strategy!r}, this run has {strategy.name!r}"
+        ]
+    if differences:
+        raise ValueError(
+            f"--resume refused: the checkpoint of round {ckpt.state.server_round} in {run_dir} "
+            f"was made with another config ({'; '.join(differences)}). Resume with the same "
+            "config, or start a new run in another directory"
+        )
 
 
 def archive_previous_run(run_dir: Path) -> Path | None:

@@ -27,7 +27,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,13 +46,13 @@ from server.budget import PrivacyBudget
 from server.checkpoint import (
     Checkpoint,
     archive_previous_run,
-    config_differences,
+    check_resumable,
     latest_round,
     load_checkpoint,
     save_checkpoint,
 )
 from server.config import RunConfig
-from server.membership import Roster, known_population
+from server.membership import Roster, federation_size, resolve_partition_count, sample_nodes
 from server.messages import (
     NODE_WAIT_SECONDS,
     client_config,
@@ -162,33 +162,6 @@ def build_budget(cfg: RunConfig, aggregator: Aggregator) -> PrivacyBudget:
     return load_dotted(cfg.privacy_budget, what="config key 'privacy-budget'")(cfg)  # type: ignore[return-value]
 
 
-def sample_nodes(
-    rng: np.random.Generator, candidates: Sequence[int], population: int, cfg: RunConfig
-) -> tuple[int, list[int]]:
-    """Return (K, sampled): K reports wanted (``target-reports``, else max(min-train-nodes,
-    ceil(fraction-train * population))) and ceil(K * (1 + over-selection)) of the connected
-    ``candidates``, in their order."""
-    wanted = cfg.target_reports or max(
-        cfg.min_train_nodes, math.ceil(cfg.fraction_train * population)
-    )
-    target = min(len(candidates), wanted)
-    n = min(len(candidates), math.ceil(target * (1.0 + cfg.over_selection)))
-    picks = sorted(int(i) for i in rng.choice(len(candidates), size=n, replace=False))
-    return target, [candidates[i] for i in picks]
-
-
-def resolve_partition_count(cfg: RunConfig, population: int) -> RunConfig:
-    """``num-partitions = 0`` under iid or dirichlet means one partition per connected node, at
-    most one per document: more nodes than that train on shards (:mod:`fedge.data.shards`)."""
-    if cfg.partition_scheme == "natural" or cfg.num_partitions > 0:
-        return cfg
-    from fedge.data import load_documents
-
-    source = Path(cfg.data_source) if cfg.data_source else None
-    documents = len(load_documents(source, cfg.max_chars_per_client or None))
-    return cfg.with_overrides({keys.CFG_NUM_PARTITIONS: min(population, documents)})
-
-
 # ---------------------------------------------------------------- the run
 def run_federation(
     grid: Grid, cfg: RunConfig, resume: bool = False, on_row: RowCallback | None = None
@@ -296,7 +269,7 @@ def open_run(
     last = latest_round(run_dir) if resume else None
     ckpt = load_checkpoint(run_dir, last) if last is not None else None
     if ckpt is not None:
-        _check_resumable(ckpt, cfg, strategy, run_dir)
+        check_resumable(ckpt, cfg, strategy, run_dir)
         roster.restore(ckpt.seen)  # N as it was, whoever is connected at the restart
     elif (archived := archive_previous_run(run_dir)) is not None:
         log.info("a fresh run in %s: the earlier run's outputs moved to %s", run_dir, archived)
@@ -392,13 +365,6 @@ def sample_cohort(fed: Federation) -> Cohort:
     # as the accountant assumes: K of the nodes eligible now, by a secret coin (server.sampling)
     draw = draw_cohort(scheme, candidates, target)
     return Cohort(candidates, population, len(draw.sampled), list(draw.sampled), draw)
-
-
-def federation_size(grid: Grid, roster: Roster) -> int:
-    """N, the federation's client population (SCAFFOLD's 1/N, the accountant's sampling rate):
-    the engine's known population size when it has one, else every partition seen so far
-    (which grows as clients first connect, so early rounds would overstate each one's share)."""
-    return max(known_population(grid) or 0, roster.partitions_seen)
 
 
 def train_exchange(
@@ -555,23 +521,6 @@ def _checkpoint(fed: Federation) -> None:
 def _budget_spent(rejected: Mapping[int, str]) -> bool:
     """Whether every refusal of a failed round is a client's exhausted privacy budget."""
     return bool(rejected) and all(REFUSAL_BUDGET in why for why in rejected.values())
-
-
-def _check_resumable(ckpt: Checkpoint, cfg: RunConfig, strategy: Strategy, run_dir: Path) -> None:
-    """Refuse to resume a checkpoint made by another strategy or config, naming the difference."""
-    saved = {k: v for k, v in ckpt.config.items() if k != keys.CFG_RUN_ID}
-    current = {k: v for k, v in cfg.to_mapping().items() if k != keys.CFG_RUN_ID}
-    differences = config_differences(saved, current) if saved else []
-    if ckpt.strategy != strategy.name and not differences:
-        differences = [
-            f"strategy: checkpoint has {ckpt.strategy!r}, this run has {strategy.name!r}"
-        ]
-    if differences:
-        raise ValueError(
-            f"--resume refused: the checkpoint of round {ckpt.state.server_round} in {run_dir} "
-            f"was made with another config ({'; '.join(differences)}). Resume with the same "
-            "config, or start a new run in another directory"
-        )
 
 
 def _describe(rejected: Mapping[int, str]) -> str:

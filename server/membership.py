@@ -6,17 +6,24 @@ connected, asks only the newcomers for their partition, forgets the nodes that
 left, and samples from the rest. Ordering by (partition, node id) keeps sampling
 reproducible across restarts, where node ids change. When two connected nodes
 claim one partition (a SuperNode restarted before the SuperLink noticed the old
-one was gone), the newer node serves it: the old one is most likely dead.
+one was gone), the newer node serves it: the old one is most likely dead. The
+federation's size N and the round's sample (K of the connected nodes) are decided here too.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 
+import numpy as np
 from flwr.serverapp import Grid
+
+from fedge import keys
+from server.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +131,37 @@ def known_population(grid: Grid) -> int | None:
             return size
         grid = getattr(grid, "_grid", None)  # type: ignore[assignment]
     return None
+
+
+def federation_size(grid: Grid, roster: Roster) -> int:
+    """N, the federation's client population (SCAFFOLD's 1/N, the accountant's sampling rate):
+    the engine's known population size when it has one, else every partition seen so far
+    (which grows as clients first connect, so early rounds would overstate each one's share)."""
+    return max(known_population(grid) or 0, roster.partitions_seen)
+
+
+def sample_nodes(
+    rng: np.random.Generator, candidates: Sequence[int], population: int, cfg: RunConfig
+) -> tuple[int, list[int]]:
+    """Return (K, sampled): K reports wanted (``target-reports``, else max(min-train-nodes,
+    ceil(fraction-train * population))) and ceil(K * (1 + over-selection)) of the connected
+    ``candidates``, in their order."""
+    wanted = cfg.target_reports or max(
+        cfg.min_train_nodes, math.ceil(cfg.fraction_train * population)
+    )
+    target = min(len(candidates), wanted)
+    n = min(len(candidates), math.ceil(target * (1.0 + cfg.over_selection)))
+    picks = sorted(int(i) for i in rng.choice(len(candidates), size=n, replace=False))
+    return target, [candidates[i] for i in picks]
+
+
+def resolve_partition_count(cfg: RunConfig, population: int) -> RunConfig:
+    """``num-partitions = 0`` under iid or dirichlet means one partition per connected node, at
+    most one per document: more nodes than that train on shards (:mod:`fedge.data.shards`)."""
+    if cfg.partition_scheme == "natural" or cfg.num_partitions > 0:
+        return cfg
+    from fedge.data import load_documents
+
+    source = Path(cfg.data_source) if cfg.data_source else None
+    documents = len(load_documents(source, cfg.max_chars_per_client or None))
+    return cfg.with_overrides({keys.CFG_NUM_PARTITIONS: min(population, documents)})

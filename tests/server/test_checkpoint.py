@@ -51,8 +51,8 @@ def test_committed_rounds_and_config_round_trip(tmp_path) -> None:  # type: igno
 
 def test_resume_refuses_a_changed_config_and_names_the_difference(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A checkpoint made by FedAvg is not resumed as SCAFFOLD; the message names both values."""
+    from server.checkpoint import check_resumable
     from server.config import RunConfig
-    from server.loop import _check_resumable
     from strategies.registry import build_strategy
 
     saved = RunConfig.from_mapping({"strategy": "fedavg", "num-server-rounds": 2})
@@ -61,9 +61,9 @@ def test_resume_refuses_a_changed_config_and_names_the_difference(tmp_path) -> N
     with pytest.raises(
         ValueError, match="strategy: checkpoint has 'fedavg', this run has 'scaffold'"
     ):
-        _check_resumable(ckpt, changed, build_strategy(changed.to_mapping()), tmp_path)
+        check_resumable(ckpt, changed, build_strategy(changed.to_mapping()), tmp_path)
     more_rounds = saved.with_overrides({"num-server-rounds": 5})  # steering keys may change
-    _check_resumable(ckpt, more_rounds, build_strategy(more_rounds.to_mapping()), tmp_path)
+    check_resumable(ckpt, more_rounds, build_strategy(more_rounds.to_mapping()), tmp_path)
 
 
 def test_a_fresh_run_archives_an_earlier_run_instead_of_mixing_with_it(tmp_path) -> None:  # type: ignore[no-untyped-def]

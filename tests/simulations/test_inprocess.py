@@ -373,7 +373,7 @@ def test_n_is_the_known_population_not_the_partitions_seen_so_far(tmp_path: Path
     through any Grid wrapper, from the first round (on main N was the 4 partitions seen so far,
     so the first control-variate updates were 10/4 too large). An engine that does not know
     its population (Flower's Ray engine) still learns N from the partitions seen."""
-    from server.loop import federation_size
+    from server.membership import federation_size
 
     grid = _grid(tmp_path, 10, online=np.array([1] * 4 + [0] * 6))
     roster = Roster(_query)
