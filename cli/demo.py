@@ -1,7 +1,7 @@
 """`fedge demo`: the main job end to end, each stage showing progress, results in one run directory.
 
 zoo card -> federated LoRA fine-tuning (plain, then SecAgg+ with DP) -> draft realigned to the
-federated target through the same federation -> edge: the realigned 4-bit draft decoding
+federated target through the same federation -> edge: the realigned quantized draft decoding
 speculatively against the verifier serving the federated adapter -> report.md with plots,
 demo_summary.json, and TensorBoard round metrics under the run directory.
 """
@@ -140,7 +140,9 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
     }
     tick = lap("realignment", tick)
 
-    console.rule("[bold]5/5 edge: realigned 4-bit draft, speculative decoding against the verifier")
+    console.rule(
+        "[bold]5/5 edge: the realigned draft on ONNX Runtime, decoding against the verifier"
+    )
     summary["stages"]["edge"] = edge_stage(
         zoo.target_dir, realigned_dir, plain.adapter_dir, run_dir / "edge", console
     )

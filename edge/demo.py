@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
@@ -138,18 +138,18 @@ def _greedy_line(summary: dict[str, Any]) -> str:
     return "[red]greedy speculative output DIFFERS from the cloud's: see edge_metrics.json[/red]"
 
 
-def _sample_panel(sample: dict[str, Any]) -> Panel:
+def _sample_panel(sample: dict[str, Any]) -> Group:
     """The prompt (dim) and its sampled completion, highlighted as the Python it imitates."""
     code = Text(_from_line_start(sample["prompt"]), style="dim")
     code.append_text(
         Syntax(sample["completion"], "python", theme="ansi_dark").highlight(sample["completion"])
     )
-    title = (
-        f"a held-out prompt (dim) and its completion, speculative sampling at temperature "
-        f"{sample['temperature']} (exactly the target's distribution; draft acceptance "
-        f"{sample['acceptance']:.2f})"
+    caption = (
+        f"speculative sampling at temperature {sample['temperature']}: exactly the target's "
+        f"distribution; draft acceptance {sample['acceptance']:.2f}"
     )
-    return Panel(code, title=title, title_align="left")
+    panel = Panel(code, title="a held-out prompt (dim) and its completion", title_align="left")
+    return Group(panel, Text(caption, style="dim"))
 
 
 def _from_line_start(prompt: str) -> str:

@@ -102,11 +102,20 @@ def _realignment_section(clients: list[dict[str, Any]], plot: str) -> list[str]:
     ]
     keys = ("base_vs_base", "base_vs_federated", "realigned_vs_federated")
     for c in clients:
-        lines.append(f"| {c['partition']} | " + " | ".join(f"{c[k]:.1%}" for k in keys) + " |")
-    if clients:
-        means = [sum(c[k] for c in clients) / len(clients) for k in keys]
+        rates = [f"{c[k]:.1%}" if c[k] is not None else "n/a" for k in keys]
+        lines.append(f"| {c['partition']} | " + " | ".join(rates) + " |")
+    measured = _measured(clients)
+    if measured:
+        means = [sum(c[k] for c in measured) / len(measured) for k in keys]
         lines.append("| mean | " + " | ".join(f"{m:.1%}" for m in means) + " |")
+    if len(measured) < len(clients):
+        lines += ["", "n/a: the client's held-out code is too short to measure."]
     return [*lines, "", f"![acceptance per client]({plot})", ""]
+
+
+def _measured(clients: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Clients whose held-out code was long enough to measure (their rates are not null)."""
+    return [c for c in clients if c["realigned_vs_federated"] is not None]
 
 
 def _edge_section(edge: dict[str, Any]) -> list[str]:
@@ -165,6 +174,7 @@ def _plot_acceptance(clients: list[dict[str, Any]], out: Path) -> str:
     import matplotlib.pyplot as plt
 
     keys = ("base_vs_base", "base_vs_federated", "realigned_vs_federated")
+    clients = _measured(clients)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.27
     for i, key in enumerate(keys):

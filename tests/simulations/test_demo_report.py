@@ -94,3 +94,33 @@ def test_round_scalars_are_readable_by_tensorboard(tmp_path: Path) -> None:
     events.Reload()
     assert events.Tags()["scalars"] == ["round/perplexity"]
     assert [(e.step, e.value) for e in events.Scalars("round/perplexity")] == [(0, 70.0), (1, 60.0)]
+
+
+def test_report_keeps_a_client_too_short_to_measure(tmp_path: Path) -> None:
+    """A realignment row with null rates (no held-out code to measure) is listed as n/a.
+
+    The demo's first run with a row per client crashed here: the plot added None to a bar.
+    """
+    from simulations.report import _plot_acceptance, _realignment_section
+
+    clients = [
+        {
+            "partition": 0,
+            "prompt_tokens": 0,
+            "base_vs_base": None,
+            "base_vs_federated": None,
+            "realigned_vs_federated": None,
+        },
+        {
+            "partition": 1,
+            "prompt_tokens": 32,
+            "base_vs_base": 0.5,
+            "base_vs_federated": 0.4,
+            "realigned_vs_federated": 0.7,
+        },
+    ]
+    lines = _realignment_section(clients, "acceptance.png")
+    assert "| 0 | n/a | n/a | n/a |" in lines
+    assert "| mean | 50.0% | 40.0% | 70.0% |" in lines
+    assert _plot_acceptance(clients, tmp_path / "acceptance.png") == "acceptance.png"
+    assert (tmp_path / "acceptance.png").stat().st_size > 0

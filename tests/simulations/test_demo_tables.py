@@ -101,6 +101,6 @@ def test_the_sample_panel_shows_prompt_and_completion_as_text() -> None:
         "completion": "    return text.split()\n",
         "acceptance": 0.5,
     }
-    text = render(_sample_panel(sample), 100)
+    text = render(_sample_panel(sample), 60)
     assert "def parse(self, text):" in text and "return text.split()" in text
     assert "temperature 0.7" in text
