@@ -63,6 +63,13 @@ def _kill_marked(marker: str | None = None) -> None:
                 p.kill()
 
 
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float = 240) -> None:
+    """Wait until ``path`` exists, or ``proc`` ended, or ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while not path.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _rows(run: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -76,8 +83,8 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
 ) -> None:  # type: ignore[no-untyped-def]
     """Uninterrupted run A vs run B killed (SIGKILL) after round 1 and resumed: identical adapters.
 
-    A and B start together (each its own Ray cluster): most of a run is start-up waiting, which
-    overlaps on two cores; B's resume then overlaps A's last round.
+    A runs alongside B and B's resume (each its own Ray cluster): most of a run is start-up
+    waiting, which overlaps on two cores.
     """
     common = [
         "quick",
@@ -89,31 +96,35 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
         f"model={micro_zoo.target_dir}",
         *FAST,
     ]
-    # Execute: A uninterrupted, and B killed once round 1 is checkpointed, then resumed
-    with (tmp_path / "A.log").open("wb") as log:
-        run_a = subprocess.Popen(
-            _cmd(*common, "--out", str(tmp_path / "A")),
-            env=_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    # Execute: A uninterrupted, and B killed once round 1 is checkpointed, then resumed. The runs
+    # overlap, their Ray start-ups never do (Ray gives a raylet 30 s to register: two starting at
+    # once on a loaded machine timed out): each waits for the last one's round 0, which is
+    # checkpointed once the nodes answered
+    b_dir, a_dir = tmp_path / "B", tmp_path / "A"
     proc = subprocess.Popen(
-        _cmd(*common, "--out", str(tmp_path / "B")),
+        _cmd(*common, "--out", str(b_dir)),
         env=_env(f"{MARKER}-B"),  # its own marker: killing B's strays must spare A
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    marker = tmp_path / "B" / "checkpoints" / "round_0001" / "meta.json"
-    deadline = time.monotonic() + 240
+    marker = b_dir / "checkpoints" / "round_0001" / "meta.json"
     try:
-        while not marker.is_file() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_file(b_dir / "checkpoints" / "round_0000" / "meta.json", proc)
+        with (tmp_path / "A.log").open("wb") as log:
+            run_a = subprocess.Popen(
+                _cmd(*common, "--out", str(a_dir)),
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        _wait_file(marker, proc)
     finally:
         _kill_tree(proc.pid, f"{MARKER}-B")
     try:
         assert marker.is_file(), "run B never checkpointed round 1"
-        assert json.loads((tmp_path / "B" / "status.json").read_text())["status"] == "running"
-        resumed = _run(["--resume", str(tmp_path / "B")])
+        assert json.loads((b_dir / "status.json").read_text())["status"] == "running"
+        _wait_file(a_dir / "checkpoints" / "round_0000" / "meta.json", run_a)
+        resumed = _run(["--resume", str(b_dir)])
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         assert run_a.wait(timeout=300) == 0, (tmp_path / "A.log").read_text()[-3000:]
     finally:
