@@ -63,6 +63,10 @@ RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id pe
 RESUME_ATTEMPTS = 3
 CLOSE_TIMEOUT_S = 10.0  # a moved session's CloseSession on its old replica
 CLOSE_WAIT_S = 1.0  # how long a NOT_FOUND waits for that close (a reopen may land there)
+# Relay outcomes after which a session's home replica cannot serve it again: gone there, the
+# replica dead or unreachable, or its version retired. A full queue (RESOURCE_EXHAUSTED) or a bad
+# request keeps the session where it is.
+HOME_LOST = frozenset({"NOT_FOUND", "UNAVAILABLE", "FAILED_PRECONDITION"})
 SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire on replicas anyway)
 
 
@@ -188,12 +192,10 @@ class FleetIngress:
     ) -> None:
         """Keep (or drop) `owner`'s session -> replica map after a relayed unary call."""
         key = (owner, session_id)
-        if result.code != "OK":
-            if result.code == "NOT_FOUND" and session_id:
-                self.sessions.pop(key, None)
+        if method == "CloseSession" or result.code in HOME_LOST:
+            self.sessions.pop(key, None)  # closed, or its replica can no longer serve it
             return
-        if method == "CloseSession":
-            self.sessions.pop(key, None)
+        if result.code != "OK":
             return
         if not session_id:
             return

@@ -152,3 +152,21 @@ def test_the_ingress_finds_a_session_only_for_its_owner() -> None:
         front._remember("Verify", "s1", "fedge-v1", CallResult("NOT_FOUND"), "mallory")
         front._remember("CloseSession", "s1", "fedge-v1", CallResult("OK", replica="r2"), "mallory")
         assert front._target("s1", "alice") == ("fedge-v1", "r1")
+
+
+def test_the_ingress_forgets_a_session_whose_home_can_no_longer_serve_it() -> None:
+    """A session whose replica died (UNAVAILABLE), or whose close failed there, leaves the map;
+    a full queue (RESOURCE_EXHAUSTED) keeps it on its replica.
+
+    Before, only NOT_FOUND and a successful close removed an entry: once relay failures were
+    told apart, a session on a killed replica stayed mapped to it (the fleet's replica-kill test
+    failed once in CI on that leftover entry)."""
+    with running_ingress(IngressSpec("fedge-v1")) as (front, _):
+        for sid in ("dead", "closing", "busy"):
+            front._remember("Verify", sid, "fedge-v1", CallResult("OK", replica="r1"), "alice")
+        front._remember("Verify", "dead", "fedge-v1", CallResult("UNAVAILABLE"), "alice")
+        front._remember("CloseSession", "closing", "fedge-v1", CallResult("UNAVAILABLE"), "alice")
+        front._remember("Verify", "busy", "fedge-v1", CallResult("RESOURCE_EXHAUSTED"), "alice")
+        assert front.fleet_stats()["sessions"] == {"r1": 1}
+        assert front._target("busy", "alice") == ("fedge-v1", "r1")
+        assert front._target("dead", "alice") == ("fedge-v1", "")
