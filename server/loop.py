@@ -287,29 +287,16 @@ def open_run(
     metrics = MetricsLog(run_dir)
     write_status(run_dir, "running", "")
     rng = np.random.default_rng(cfg.seed)
+    resuming = ckpt is not None and last is not None
     if ckpt is not None and last is not None:
         rng.bit_generator.state = ckpt.rng_state
         budget.load_state(ckpt.budget_state)
         metrics.truncate_after(last)
         log.info("resuming %s from round %d", run_dir, last)
-        return Federation(
-            grid,
-            cfg,
-            run_dir,
-            strategy,
-            aggregator,
-            budget,
-            roster,
-            server_model,
-            metrics,
-            list(participants),
-            ckpt.state,
-            rng,
-            dict(ckpt.committed),
-            on_row,
-        )
-    adapter = server_model.initial_adapter()
-    state = GlobalState(adapter, strategy.init_extras(adapter), 0)
+        state, committed = ckpt.state, dict(ckpt.committed)
+    else:
+        adapter = server_model.initial_adapter()
+        state, committed = GlobalState(adapter, strategy.init_extras(adapter), 0), {}
     fed = Federation(
         grid,
         cfg,
@@ -323,9 +310,11 @@ def open_run(
         list(participants),
         state,
         rng,
-        {},
+        committed,
         on_row,
     )
+    if resuming:
+        return fed
     metrics.truncate_after(-1)
     row = round_row(
         0,

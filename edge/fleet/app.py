@@ -101,15 +101,7 @@ class FleetConfig:
         for name in ("max_queued_requests", "max_inflight", "max_ongoing_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FleetConfig.{name} must be >= 1, got {getattr(self, name)}")
-        longest_verify = self.engine.max_draft + 1
-        if (
-            self.rate_limits.verify_rate is not None
-            and self.rate_limits.verify_burst < longest_verify
-        ):
-            raise ValueError(
-                f"FleetConfig.rate_limits.verify_burst={self.rate_limits.verify_burst} is below "
-                f"the cost of the longest verify (max_draft + 1 = {longest_verify}); raise it"
-            )
+        self.rate_limits.check_covers_verify(self.engine.max_draft, "FleetConfig")
         if self.replica_cpus < 0:
             raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
 

@@ -31,6 +31,18 @@ class RateLimitConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RateLimitConfig.{name} must be >= 1, got {getattr(self, name)}")
 
+    def check_covers_verify(self, max_draft: int, owner: str) -> None:
+        """Refuse a verify bucket smaller than the longest verify: that call could never pass.
+
+        `owner` names the config holding these limits (``ServerConfig``, ``FleetConfig``).
+        """
+        longest_verify = max_draft + 1
+        if self.verify_rate is not None and self.verify_burst < longest_verify:
+            raise ValueError(
+                f"{owner}.rate_limits.verify_burst={self.verify_burst} is below "
+                f"the cost of the longest verify (max_draft + 1 = {longest_verify}); raise it"
+            )
+
     @property
     def enabled(self) -> bool:
         """Whether any kind is limited."""

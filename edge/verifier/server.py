@@ -90,15 +90,7 @@ class ServerConfig:
         for name in ("grace_s", "drain_notice_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
-        longest_verify = self.engine.max_draft + 1
-        if (
-            self.rate_limits.verify_rate is not None
-            and self.rate_limits.verify_burst < longest_verify
-        ):
-            raise ValueError(
-                f"ServerConfig.rate_limits.verify_burst={self.rate_limits.verify_burst} is below "
-                f"the cost of the longest verify (max_draft + 1 = {longest_verify}); raise it"
-            )
+        self.rate_limits.check_covers_verify(self.engine.max_draft, "ServerConfig")
 
     @property
     def accepted_tokens(self) -> tuple[str, ...]:
