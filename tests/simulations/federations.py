@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from flwr.clientapp import ClientApp
 
-CONFIG = {
-    "model": "zoo:micro",
-    "strategy": "scaffold",
-    "num-server-rounds": 3,
-    "max-chars-per-client": 20000,
+# One local step on tiny windows at LoRA rank 2, no client evaluation, no merged model: the
+# training part of every small real federation in the tests.
+TINY_TRAINING = {
     "local-steps": 1,
     "batch-size": 2,
     "seq-len": 16,
@@ -17,6 +15,14 @@ CONFIG = {
     "client-eval": False,
     "server-eval-batches": 1,
     "save-merged": False,
+}
+
+CONFIG = {
+    "model": "zoo:micro",
+    "strategy": "scaffold",
+    "num-server-rounds": 3,
+    "max-chars-per-client": 20000,
+    **TINY_TRAINING,
     "min-train-nodes": 2,
     "min-available-nodes": 2,
 }

@@ -19,19 +19,13 @@ from server.config import RunConfig
 from server.grid import ReplyHookGrid
 from server.membership import Roster
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from tests.simulations.federations import TINY_TRAINING
 
 FAST = {
     "model": "zoo:micro",
     "num-server-rounds": 3,
     "max-chars-per-client": 20000,
-    "local-steps": 1,
-    "batch-size": 2,
-    "seq-len": 16,
-    "lora-r": 2,
-    "lora-alpha": 4,
-    "client-eval": False,
-    "server-eval-batches": 1,
-    "save-merged": False,
+    **TINY_TRAINING,
     "min-train-nodes": 2,
     "min-available-nodes": 2,
 }

@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 from server.app import OutcomeBox, make_server_app
 from server.config import RunConfig
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from tests.simulations.federations import TINY_TRAINING
 
 SMALL = {
     "vocab_size": 1024,
@@ -95,14 +96,7 @@ def test_one_federation_round_with_auto_lora_targets(
             "model": str(model),
             "data-source": str(text_dir),
             "num-server-rounds": 1,
-            "local-steps": 1,
-            "batch-size": 2,
-            "seq-len": 16,
-            "lora-r": 2,
-            "lora-alpha": 4,
-            "client-eval": False,
-            "server-eval-batches": 1,
-            "save-merged": False,
+            **TINY_TRAINING,
             "run-dir": str(tmp_path / "run"),
             "precision": "fp32",
             "lr": 0.05,

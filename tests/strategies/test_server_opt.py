@@ -13,6 +13,7 @@ from server.config import RunConfig
 from strategies.base import ClientResult, GlobalState, build_contribution, sum_contributions
 from strategies.registry import build_strategy
 from strategies.server_opt import PREFIX_MOMENT1, PREFIX_MOMENT2, SERVER_OPTIMIZERS
+from tests.simulations.federations import TINY_TRAINING
 
 X0 = np.array([1.0, 2.0], np.float32)
 
@@ -134,14 +135,7 @@ def _federation(run_dir: Path, rounds: int, tmp_path: Path, resume: bool = False
         {
             "model": "zoo:micro",
             "num-server-rounds": rounds,
-            "local-steps": 1,
-            "batch-size": 2,
-            "seq-len": 16,
-            "lora-r": 2,
-            "lora-alpha": 4,
-            "client-eval": False,
-            "server-eval-batches": 1,
-            "save-merged": False,
+            **TINY_TRAINING,
             "run-dir": str(run_dir),
             "server-optimizer": "fedadam",
             "server-lr": 0.01,
