@@ -157,6 +157,12 @@ def test_strangers_claiming_a_device_cost_it_nothing(
     credentials: tuple[Path, dict[str, str]],
     micro_prompts: list[list[int]],
 ) -> None:
+    """Token-less, wrong-token and malformed calls naming alice's device leave her bucket full.
+
+    Authentication now runs before the limiter. The damage before the fix was seen where it
+    happened, at the fleet ingress (a stranger's call charged to device:alice and relayed,
+    `test_ingress_refuses_strangers_before_charging_or_relaying`) and with a credentialed device
+    spending another's budget (the next test); for this single-verifier case it was not run."""
     stub = secure_stub(server.port, tls[0])
     prompt = micro_prompts[8]
     generate = pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=16)

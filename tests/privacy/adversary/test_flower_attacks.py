@@ -90,7 +90,11 @@ def send(
 
 
 def test_attack3_over_flower_messages_recovers_nothing(grid: InProcessGrid, tmp_path: Path) -> None:
-    """Inconsistent drop-out lists over real messages, honest keys, default SecAggConfig."""
+    """Inconsistent drop-out lists over real messages, honest keys, default SecAggConfig.
+
+    Before the fix this script recovered the victim's exact input over these same Flower
+    messages (run against the old client engine); now the victim refuses the unmask step.
+    """
     # Prepare: SecAgg+ without DP (DP's clipping would hide what the attack recovers)
     (tmp_path / "policy.toml").write_text("require-secagg = true\n")
     config = ConfigRecord({"weighting": "uniform"})
