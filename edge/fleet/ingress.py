@@ -63,10 +63,11 @@ RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id pe
 RESUME_ATTEMPTS = 3
 CLOSE_TIMEOUT_S = 10.0  # a moved session's CloseSession on its old replica
 CLOSE_WAIT_S = 1.0  # how long a NOT_FOUND waits for that close (a reopen may land there)
-# Relay outcomes after which a session's home replica cannot serve it again: gone there, the
-# replica dead or unreachable, or its version retired. A full queue (RESOURCE_EXHAUSTED) or a bad
-# request keeps the session where it is.
-HOME_LOST = frozenset({"NOT_FOUND", "UNAVAILABLE", "FAILED_PRECONDITION"})
+# Relay outcomes after which a session's home replica cannot serve it again: gone there (a dead
+# or stopping replica is reported as NOT_FOUND by the relay) or its version retired. A transient
+# failure (UNAVAILABLE), a full queue (RESOURCE_EXHAUSTED) or a bad request keeps the session
+# where it is, so a retry returns to its replica instead of re-prefilling elsewhere.
+HOME_LOST = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
 SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire on replicas anyway)
 
 

@@ -155,8 +155,8 @@ def test_the_ingress_finds_a_session_only_for_its_owner() -> None:
 
 
 def test_the_ingress_forgets_a_session_whose_home_can_no_longer_serve_it() -> None:
-    """A session whose replica died (UNAVAILABLE), or whose close failed there, leaves the map;
-    a full queue (RESOURCE_EXHAUSTED) keeps it on its replica.
+    """A session whose replica lost it (NOT_FOUND), or whose close failed there (UNAVAILABLE), leaves
+    the map; a full queue (RESOURCE_EXHAUSTED) keeps it on its replica.
 
     Before, only NOT_FOUND and a successful close removed an entry: once relay failures were
     told apart, a session on a killed replica stayed mapped to it (the fleet's replica-kill test
@@ -164,7 +164,7 @@ def test_the_ingress_forgets_a_session_whose_home_can_no_longer_serve_it() -> No
     with running_ingress(IngressSpec("fedge-v1")) as (front, _):
         for sid in ("dead", "closing", "busy"):
             front._remember("Verify", sid, "fedge-v1", CallResult("OK", replica="r1"), "alice")
-        front._remember("Verify", "dead", "fedge-v1", CallResult("UNAVAILABLE"), "alice")
+        front._remember("Verify", "dead", "fedge-v1", CallResult("NOT_FOUND"), "alice")
         front._remember("CloseSession", "closing", "fedge-v1", CallResult("UNAVAILABLE"), "alice")
         front._remember("Verify", "busy", "fedge-v1", CallResult("RESOURCE_EXHAUSTED"), "alice")
         assert front.fleet_stats()["sessions"] == {"r1": 1}
