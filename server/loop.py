@@ -55,9 +55,9 @@ from server.config import RunConfig
 from server.membership import Roster, federation_size, resolve_partition_count, sample_nodes
 from server.messages import (
     NODE_WAIT_SECONDS,
-    client_config,
     client_evaluate,
     query_partitions,
+    server_config,
     train_content,
 )
 from server.model import ServerModel
@@ -278,7 +278,7 @@ def open_run(
     participants = (
         ckpt.participants
         if ckpt is not None and ckpt.participants
-        else device_pools(holder.get_corpus(client_config(cfg)), roster.partitions.values())
+        else device_pools(holder.get_corpus(server_config(cfg)), roster.partitions.values())
     )
     run_id = ckpt.run_id if ckpt is not None and ckpt.run_id else cfg.run_id or secrets.token_hex(8)
     cfg = cfg.with_overrides({keys.CFG_RUN_ID: run_id})
