@@ -3,9 +3,10 @@
 A scripted server (``attacker``) sends crafted stage messages to fedge's client engines
 and computes what it can from the replies. Attacks 1 (empty neighbourhood), 2 (invented
 neighbour) and 3 (inconsistent drop-out lists) recovered the victim's exact input when
-run against the code before the fix (commit 23d54ee, 2026-12-02); the new-session and
-non-finite-number cases are read from that code, not run. Now the victim's input stays
-masked and a client refuses, naming the rule it applies.
+run against the code before the fix (commit 23d54ee, 2026-12-02), and so did the new-session
+variant of attack 2 (run there by a script in a temporary worktree); the non-finite-number
+case is read from that code, not run. Now the victim's input stays masked and a client
+refuses, naming the rule it applies.
 """
 
 from __future__ import annotations
@@ -213,9 +214,14 @@ def test_attack2_an_invented_neighbour_is_refused() -> None:
 
 
 def test_attack2_a_new_session_cannot_replace_a_pinned_identity() -> None:
-    """Attack 2 through a new key session: on main an advertise cleared every pin, so keys
-    the server made for a known neighbour were accepted (read from main's code; the
-    invented-neighbour variant above was run and recovered the input)."""
+    """Attack 2 through a new key session, posing as known neighbours (k = 3, t = 2).
+
+    RUN on 23d54ee (a script in a temporary worktree, that code's own wire format): after an
+    honest session in which the victim pinned A and B, an advertise of a new session cleared
+    the pins, the victim accepted a collect naming A and B with key pairs the server made,
+    and the server opened both shares sealed to them, rebuilt the self-mask seed (t = 2),
+    derived both pair seeds and recovered the input to 3.3e-6 (one quantization level is
+    3.8e-6) without sending any unmask message. Now pinned identities span sessions."""
     # Prepare: an honest session in which the victim pins both neighbours' identities
     fed = {31: atk.secret_input(6), 32: atk.secret_input(7), 33: atk.secret_input(8)}
     states: dict[int, ConfigRecord] = {}
