@@ -58,8 +58,8 @@ class RunConfig:
     aggregator: str = "plain"  # plain | median | trimmed-mean | krum | package.module:factory
     trimmed_mean_beta: float = 0.2  # Flower's default cut per tail
     krum_malicious: int = 0  # Krum's f
-    max_client_weight: float = 0.0  # plain mode: weight cap (0: none)
-    max_update_norm: float = 0.0  # plain mode: refuse updates above this L2 norm (0: none)
+    max_client_weight: float = 0.0  # weight cap (0: none; SecAgg+: the sum is checked)
+    max_update_norm: float = 0.0  # L2 bound of ||delta/weight|| (0: none; SecAgg+: the sum)
     privacy_budget: str = ""
     max_epsilon: float = 0.0  # 0: no budget stop
     client_mods: str = ""
@@ -171,6 +171,8 @@ class RunConfig:
             keys.CFG_CLIENT_MODS,
             keys.CFG_CLIENT_STATE_DIR,
             keys.CFG_MAX_EPSILON,  # clients' DP-SGD accountants stop before passing it
+            keys.CFG_MAX_CLIENT_WEIGHT,  # under SecAgg+ each client clips itself to these
+            keys.CFG_MAX_UPDATE_NORM,
             keys.CFG_RUN_ID,
         ):
             out[key] = self.to_mapping()[key]

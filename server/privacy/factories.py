@@ -37,6 +37,7 @@ from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggrega
 from server.privacy.config import DPConfig, DPMode
 from server.secagg.aggregator import SecAggPlusAggregator
 from strategies.base import ConfigValue
+from strategies.registry import robust_config
 
 
 def _num(extra: Mapping[str, ConfigValue], key: str, default: float) -> float:
@@ -96,7 +97,7 @@ def dp_config(cfg: RunConfig, mode: DPMode) -> DPConfig:
 
 def secagg(cfg: RunConfig) -> SecAggPlusAggregator:
     """``aggregator = "server.privacy.factories:secagg"``: SecAgg+ without DP."""
-    return SecAggPlusAggregator(secagg_config(cfg))
+    return SecAggPlusAggregator(secagg_config(cfg), robust_config(cfg.to_mapping()))
 
 
 def central_dp(cfg: RunConfig) -> CentralDPAggregator:
@@ -107,7 +108,8 @@ def central_dp(cfg: RunConfig) -> CentralDPAggregator:
 def secagg_distributed_dp(cfg: RunConfig) -> DistributedDPAggregator:
     """``aggregator = "server.privacy.factories:secagg_distributed_dp"``: clients noise, SecAgg+ sums."""
     return DistributedDPAggregator(
-        SecAggPlusAggregator(secagg_config(cfg)), dp_config(cfg, "distributed")
+        SecAggPlusAggregator(secagg_config(cfg), robust_config(cfg.to_mapping())),
+        dp_config(cfg, "distributed"),
     )
 
 
