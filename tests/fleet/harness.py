@@ -119,3 +119,25 @@ def draft_agreement(target: PreTrainedModel, draft: PreTrainedModel, prompt: lis
         logits = draft(input_ids=torch.tensor([prompt + continuation])).logits  # type: ignore[operator]
     guesses = logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
     return sum(g == t for g, t in zip(guesses, continuation, strict=True)) / len(continuation)
+
+
+def calls(fleet: Any, replica: str) -> int:
+    """Calls the ingress has relayed to `replica` (its per-replica figures)."""
+    figures = fleet.ingress.fleet_stats.remote().result()["replicas"]
+    return int(figures.get(replica, {}).get("calls", 0))
+
+
+def wait_until_routed_to(fleet: Any, replica: str, prompt: list[int], timeout_s: float) -> None:
+    """Send one-token Generates through the ingress until one reaches `replica`.
+
+    A replica set back to SERVING is routed to again only once its next routing-stats
+    report reaches the routers; sessions opened before then all land on the other one, and
+    the token-aware policy later spills some of them (a reopen) to even the load.
+    """
+    before = calls(fleet, replica)
+    with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}")) as client:
+        wait_for(
+            lambda: bool(list(client.generate(prompt, 1))) and calls(fleet, replica) > before,
+            timeout_s,
+            f"the routers to send calls to {replica} again",
+        )

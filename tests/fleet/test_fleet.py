@@ -38,10 +38,12 @@ from tests.edge.test_service import self_signed_cert
 from tests.fleet.harness import (
     NEW_TOKENS,
     Load,
+    calls,
     decode_with_reopen,
     greedy,
     replaced,
     wait_for,
+    wait_until_routed_to,
 )
 
 pytestmark = pytest.mark.usefixtures("as_started")
@@ -92,6 +94,7 @@ def test_a_session_moved_off_its_replica_is_closed_there(
             assert fleet.ingress.fleet_stats.remote().result()["moved_sessions"] >= 1
         finally:
             fleet.call_replica(home, "set_serving", True)
+    wait_until_routed_to(fleet, home, prompt, 60)  # the next test starts on two routed replicas
 
 
 def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
@@ -188,10 +191,6 @@ def test_replica_reporting_not_serving_stops_receiving_traffic(
     def work(client: VerifierClient, i: int) -> None:
         decode_with_reopen(client, draft, prompts[i % len(prompts)], NEW_TOKENS)
 
-    def calls(replica: str) -> int:
-        figures = fleet.ingress.fleet_stats.remote().result()["replicas"]
-        return int(figures.get(replica, {}).get("calls", 0))
-
     wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas")
     stable = fleet.describe()["stable"]
     with Load(fleet.port, work, threads=3) as load:
@@ -200,10 +199,10 @@ def test_replica_reporting_not_serving_stops_receiving_traffic(
         victim = replicas.set_serving.remote(False).result()
         wait_for(lambda: victim not in fleet.replica_actors(), 60, "Serve to retire it")
         # its routers dropped it on its first NOT_SERVING report; no call reached it since
-        settled = calls(victim)
+        settled = calls(fleet, victim)
         done = load.done
         wait_for(lambda: load.done >= done + 6, 60, "requests after the drain")
-        assert calls(victim) == settled
+        assert calls(fleet, victim) == settled
     assert load.failures == []
 
 
