@@ -5,6 +5,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fedge import keys
+
+# With example weighting delta/ and meta/weight grow with a client's example count; this
+# divisor (the largest count expected) brings them into the clipping range before quantizing.
+DEFAULT_MAX_WEIGHT = 1000.0
+
+
+def weight_scales(
+    weighting: str, max_weight: float = DEFAULT_MAX_WEIGHT
+) -> tuple[tuple[str, float], ...]:
+    """The ``key_scales`` a strategy's weighting needs: none for uniform, ``max_weight`` for examples."""
+    if weighting != "examples":
+        return ()
+    return ((keys.PREFIX_DELTA, max_weight), (keys.KEY_WEIGHT, max_weight))
+
 
 @dataclass(frozen=True)
 class SecAggConfig:
