@@ -66,6 +66,7 @@ class RunConfig:
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
     tensorboard: bool = True  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
+    mlflow: str = ""  # "": off; "local": file store <run-dir>/mlruns; else an MLflow tracking URI
     run_id: str = ""  # "": the server draws a random id at a fresh start (namespaces client state)
     train: TrainConfig = field(default_factory=TrainConfig)
     extra: Mapping[str, ConfigValue] = field(default_factory=dict)  # keys under EXTENSION_PREFIXES
@@ -104,6 +105,11 @@ class RunConfig:
             )
         if self.max_epsilon < 0:
             raise ValueError(f"max-epsilon must be >= 0, got {self.max_epsilon}")
+        if self.mlflow not in ("", "local") and ":" not in self.mlflow:
+            raise ValueError(
+                f'mlflow must be "" (off), "local" (<run-dir>/mlruns) or a tracking URI such '
+                f'as "sqlite:///path/mlflow.db" or "http://host:5000", got {self.mlflow!r}'
+            )
         if self.aggregator not in ("plain", *ROBUST_AGGREGATORS) and ":" not in self.aggregator:
             raise ValueError(
                 f"aggregator must be plain, {', '.join(ROBUST_AGGREGATORS)} or "

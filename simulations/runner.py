@@ -242,15 +242,12 @@ def run_simulation(
         if scenario.engine == "inprocess":
             _run_inprocess(scenario, run_dir, resume, server_app, client_app, cfg.seed)
         else:
-            from flwr.simulation import run_simulation as flwr_run_simulation
+            from simulations.flower_internals import run_ray_simulation
 
             concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
             os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
-            flwr_run_simulation(
-                server_app=server_app,
-                client_app=client_app,
-                num_supernodes=scenario.num_supernodes,
-                backend_config=backend_config(scenario),  # type: ignore[arg-type]
+            run_ray_simulation(
+                server_app, client_app, scenario.num_supernodes, backend_config(scenario)
             )
     if devices is not None:
         devices.finish(run_dir)

@@ -5,11 +5,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fedge import keys
+
 # Most neighbours a client accepts (the neighbourhood, self excluded). Clients refuse more,
 # the server never forms more, and tests/privacy/adversary enumerates the unmask rule against
 # every neighbourhood size up to it and every threshold. The default graph,
 # 2 ceil(log2 n) + 1 neighbours-plus-self, stays below it up to 2^31 clients.
 MAX_NEIGHBOURS = 64
+
+# With example weighting delta/ and meta/weight grow with a client's example count; this
+# divisor (the largest count expected) brings them into the clipping range before quantizing.
+DEFAULT_MAX_WEIGHT = 1000.0
+
+
+def weight_scales(
+    weighting: str, max_weight: float = DEFAULT_MAX_WEIGHT
+) -> tuple[tuple[str, float], ...]:
+    """The ``key_scales`` a strategy's weighting needs: none for uniform, ``max_weight`` for examples."""
+    if weighting != "examples":
+        return ()
+    return ((keys.PREFIX_DELTA, max_weight), (keys.KEY_WEIGHT, max_weight))
 
 
 @dataclass(frozen=True)

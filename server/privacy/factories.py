@@ -26,9 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from fedge import keys
 from fedge.privacy.wire import KEY_ACCOUNTANT, KEY_DPSGD_NOISE
-from fedge.secagg.config import SecAggConfig
+from fedge.secagg.config import DEFAULT_MAX_WEIGHT, SecAggConfig, weight_scales
 from server.aggregation import PlainAggregator
 from server.budget import NoBudget, PrivacyBudget
 from server.config import RunConfig
@@ -56,10 +55,7 @@ def secagg_config(cfg: RunConfig) -> SecAggConfig:
     """SecAgg+ settings from the run config; example weighting gets divisors for big values."""
     x = cfg.extra
     shares = _num(x, "secagg-num-shares", 0.0)
-    scales: tuple[tuple[str, float], ...] = ()
-    if cfg.weighting == "examples":
-        w = _num(x, "secagg-max-weight", 1000.0)
-        scales = ((keys.PREFIX_DELTA, w), (keys.KEY_WEIGHT, w))
+    scales = weight_scales(cfg.weighting, _num(x, "secagg-max-weight", DEFAULT_MAX_WEIGHT))
     return SecAggConfig(
         num_shares=None if shares == 0 else _count_or_fraction(shares),
         reconstruction_threshold=_count_or_fraction(_num(x, "secagg-threshold", 2 / 3)),

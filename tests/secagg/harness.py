@@ -16,10 +16,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from flwr.simulation import run_simulation
 
 from clients.mods import dispatch_mods
 from fedge import keys
+from simulations.flower_internals import run_ray_simulation
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
 CRASH_KEY = "crash-pids"  # train-config key: comma list of partitions whose training crashes
@@ -83,12 +83,7 @@ def simulate(main: Callable[[Grid], None], client_app: ClientApp, num_nodes: int
     def run(grid: Grid, context: Context) -> None:
         main(grid)
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_nodes,
-        backend_config=BACKEND,  # type: ignore[arg-type]
-    )
+    run_ray_simulation(server_app, client_app, num_nodes, BACKEND)
 
 
 def simulate_in_process(
