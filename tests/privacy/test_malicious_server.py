@@ -1,8 +1,7 @@
 """A malicious server over real Flower messages: the clients refuse every attack, the server reports it.
 
-One run on the in-process engine (the same ServerApp and ClientApp objects, messages
-through a Flower ``Grid``; ``tests/secagg/test_flower.py`` runs SecAgg+ itself on Ray),
-four nodes whose policy file (``FEDGE_PRIVACY_POLICY``)
+One Ray run (Flower's simulation engine, kept for attacks over a real Flower run rather
+than fedge's own in-process Grid), four nodes whose policy file (``FEDGE_PRIVACY_POLICY``)
 requires SecAgg+ and distributed DP with z >= 1 and C <= 0.1. The ServerApp plays the
 attacker: it omits SecAgg+, asks for less noise, sends a SecAgg+ threshold of half the
 neighbourhood, asks one client for both secrets of a node, and names a module to import.
@@ -30,7 +29,7 @@ from server.privacy.config import DPConfig
 from server.secagg.aggregator import SecAggPlusAggregator
 from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
 from server.secagg.protocol import run_secagg
-from tests.secagg.harness import known_client_app, partition_ids, simulate_in_process
+from tests.secagg.harness import known_client_app, partition_ids, simulate
 
 NUM_NODES = 4
 SIZE = 200
@@ -38,7 +37,7 @@ SPEC = {"delta/w": (SIZE,), "meta/weight": (1,), "meta/count": (1,)}
 POLICY = "require-secagg = true\nrequire-dp = true\nmin-noise = 1.0\nmax-clip = 0.1\n"
 EVIL_MODULE = "fedge_evil_mod"  # importing it writes EVIL_MARKER: proof that a client imported it
 GOOD_DP = {"dp-clip-norm": 0.05, "dp-noise-std": 0.05, "dp-min-clients": 4}  # z = 2
-WAIT = 300  # seconds per exchange: generous; the in-process engine answers at once
+WAIT = 300  # seconds per exchange: generous, a loaded machine starts Ray workers slowly
 RESULTS: dict[str, Any] = {}
 
 
@@ -145,7 +144,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     mp.setenv(STATE_DIR_ENV, str(root / "node-state"))
     mp.syspath_prepend(str(root))
     try:
-        simulate_in_process(main, known_client_app(contribution, train_loss), NUM_NODES)
+        simulate(main, known_client_app(contribution, train_loss), NUM_NODES)
     finally:
         mp.undo()
     return {**RESULTS, "marker": marker}

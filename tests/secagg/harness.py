@@ -1,16 +1,13 @@
-"""Flower scaffolding for the SecAgg+ and privacy tests: a ClientApp of known replies, one run.
+"""Flower scaffolding for the SecAgg+ and privacy tests: a ClientApp of known replies, one Ray run.
 
-Used by ``tests/secagg/test_flower.py`` (sums and drop-outs over real messages, on Flower's
-Ray simulation engine) and ``tests/privacy/test_malicious_server.py`` (a server that
-attacks, clients that refuse, on the in-process engine: the same apps, no Ray start).
+Used by ``tests/secagg/test_flower.py`` (sums and drop-outs over real messages) and
+``tests/privacy/test_malicious_server.py`` (a server that attacks, clients that refuse).
 """
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -20,7 +17,6 @@ from flwr.serverapp import Grid, ServerApp
 from clients.mods import dispatch_mods
 from fedge import keys
 from simulations.flower_internals import run_ray_simulation
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
 CRASH_KEY = "crash-pids"  # train-config key: comma list of partitions whose training crashes
 BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}}
@@ -84,18 +80,3 @@ def simulate(main: Callable[[Grid], None], client_app: ClientApp, num_nodes: int
         main(grid)
 
     run_ray_simulation(server_app, client_app, num_nodes, BACKEND)
-
-
-def simulate_in_process(
-    main: Callable[[Grid], None], client_app: ClientApp, num_nodes: int
-) -> None:
-    """Run ``main(grid)`` as the ServerApp against ``num_nodes`` nodes on fedge's in-process engine."""
-    server_app = ServerApp()
-
-    @server_app.main()
-    def run(grid: Grid, context: Context) -> None:
-        main(grid)
-
-    with tempfile.TemporaryDirectory(prefix="fedge-contexts-") as states:
-        grid = InProcessGrid(client_app, DeviceTable(num_nodes), Path(states))
-        run_inprocess(server_app, grid)
