@@ -47,6 +47,7 @@ def _strategy_figures(run: Path, target: float) -> dict[str, Any]:
     """One strategy's figures from its run directory."""
     from server.rundir import read_config
     from simulations.devicesim.report import hours_to_target, read_rounds
+    from strategies.registry import build_strategy
 
     config = read_config(run)
     summary = json.loads((run / "devices" / "summary.json").read_text())
@@ -54,7 +55,9 @@ def _strategy_figures(run: Path, target: float) -> dict[str, Any]:
     ppl = [r["perplexity"] for r in rounds if isinstance(r.get("perplexity"), int | float)]
     return {
         "lr": config["lr"],
-        "optimizer": config.get("optimizer", "auto"),
+        "optimizer": config["optimizer"]
+        if config.get("optimizer", "auto") != "auto"
+        else build_strategy(config).local_optimizer,
         "hours_to_target": hours_to_target(rounds, target),
         "simulated_hours": summary["simulated_hours"],
         "final_perplexity": ppl[-1] if ppl else None,
