@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class PopulationRun:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready figures."""
-        return {**self.__dict__, "participating": list(self.participating)}
+        return {**asdict(self), "participating": list(self.participating)}
 
 
 def population_scenario(
@@ -68,8 +68,8 @@ def read_population_run(run_dir: Path, label: str, wall_seconds: float = 0.0) ->
 
     rows = [r for r in MetricsLog(run_dir).rows() if r["status"] == "ok"]
     config = read_config(run_dir)
-    scenario = json.loads((run_dir / "devices" / "summary.json").read_text())
-    population = int(scenario["devices"])
+    devices = json.loads((run_dir / "devices" / "summary.json").read_text())
+    population = int(devices["devices"])
     private = rows[-1].get("epsilon_accountant") is not None
     delta = float(config["dp-target-delta"]) if private else None
     accountant = str(rows[-1]["epsilon_accountant"]) if private else None
@@ -93,7 +93,7 @@ def read_population_run(run_dir: Path, label: str, wall_seconds: float = 0.0) ->
         else None,
         delta=delta,
         accountant=accountant,
-        simulated_hours=float(scenario["simulated_hours"]),
+        simulated_hours=float(devices["simulated_hours"]),
         wall_seconds=wall_seconds,
     )
 
