@@ -177,7 +177,8 @@ def _population_caveats(
             "rounds: the phones hold the corpus the base model was trained on, so these few "
             "rounds leave little to learn, and a gap between runs this small says little. What "
             f"the stage does show is the epsilon: {private['epsilon']:.2f} for cohorts of "
-            f"{private['cohort']} phones against {small['epsilon']:.2f} for {_clients(small)} "
+            f"{private['cohort']} phones against {small.get('epsilon') or float('inf'):.2f} for "
+            f"{_clients(small)} "
             "clients.",
         ]
     return lines
