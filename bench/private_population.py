@@ -17,8 +17,15 @@ the demo zoo, plain + distributed + central DP at one noise multiplier) trains a
 2 hours per noise multiplier, plus SecAgg+'s key agreement at cohorts of 200. ``--small``
 runs 6 rounds with 4 server evaluation batches: minutes at cohorts of 10 and 50.
 
+``--memory`` measures peak RSS instead: each mechanism (default plain and ddp) runs in a
+child process of its own, whose peak resident set ``os.wait4`` reports (so the arms share no
+peak), at the first population and cohort given, for ``--rounds`` (default 3) rounds. Goal:
+SecAgg+ at 10,000 devices <= 1.2x the plain run's peak. Written to
+``bench/results/private_population_memory.json``.
+
 Usage: python -m bench.private_population [--small] [--population 1000] [--cohorts 10,50]
        [--noise 1.0] [--rounds 20] [--mechanisms plain,ddp,central] [--set key=value ...]
+       python -m bench.private_population --memory --population 10000 --cohorts 100
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -43,7 +52,9 @@ MECHANISMS = {
     "ddp": {"aggregator": "server.privacy.factories:secagg_distributed_dp"},
     "central": {"aggregator": "server.privacy.factories:central_dp"},
 }
+MEMORY_RESULTS = REPO / "bench" / "results" / "private_population_memory.json"
 SMALL = {"num-server-rounds": 6, "server-eval-batches": 4}  # minutes on 2 shared cores
+MEMORY_GOAL = 1.2  # SecAgg+ peak RSS over the plain run's, same population and cohort
 SECAGG_DROPOUT = "dropped out of the SecAgg+ round"
 GOAL_EPSILON, GOAL_GAP = 8.0, 0.02
 
@@ -200,8 +211,67 @@ def plot(runs: Sequence[Mapping[str, Any]], out: Path) -> Path:
     return out
 
 
+def arm_peak_rss(argv: Sequence[str]) -> tuple[dict[str, Any], float]:
+    """Run this bench with ``argv`` in a child process: its result and its own peak RSS in MiB."""
+    with tempfile.TemporaryDirectory(prefix="fedge-rss-") as tmp:
+        out = Path(tmp) / "arm.json"
+        cmd = [sys.executable, "-m", "bench.private_population", *argv, "--out", str(out)]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, not all children's
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
+        return json.loads(out.read_text()), usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Peak RSS of each mechanism's run, each in its own process; the ratio to plain."""
+    population = args.population.split(",")[0]
+    cohort = args.cohorts.split(",")[0]
+    rounds = str(args.rounds or 3)
+    common = ["--population", population, "--cohorts", cohort, "--rounds", rounds]
+    common += ["--noise", args.noise.split(",")[0], *(["--small"] if args.small else [])]
+    common += [f"--set={item}" for item in args.set]
+    load_before = _loadavg()
+    arms: dict[str, dict[str, Any]] = {}
+    for mechanism in args.mechanisms.split(","):
+        result, peak = arm_peak_rss([*common, "--mechanisms", mechanism])
+        run = result["runs"][0]
+        arms[mechanism] = {
+            "peak_rss_mib": round(peak, 1),
+            "status": run["status"],
+            "rounds": run["rounds"],
+            "wall_seconds": run["wall_seconds"],
+        }
+        print(json.dumps({mechanism: arms[mechanism]}), flush=True)
+    ratios = {
+        m: round(a["peak_rss_mib"] / arms["plain"]["peak_rss_mib"], 3)
+        for m, a in arms.items()
+        if "plain" in arms and m != "plain"
+    }
+    result = {
+        "bench": "private_population_memory",
+        "population": int(population),
+        "cohort": int(cohort),
+        "rounds": int(rounds),
+        "overrides": args.set,
+        "arms": arms,
+        "peak_rss_vs_plain": ratios,
+        "goal": f"secagg+ (ddp) peak RSS <= {MEMORY_GOAL}x plain",
+        "hit": ratios.get("ddp", float("inf")) <= MEMORY_GOAL,
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
+        "machine": f"{os.cpu_count()} cores, shared",
+    }
+    out = Path(args.out) if args.out != str(RESULTS) else MEMORY_RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the sweep, print and save the figures."""
+    """Run the sweep (or, with ``--memory``, the peak-RSS comparison), print and save the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="minutes on 2 cores: " + str(SMALL))
     parser.add_argument("--population", default="1000", help="comma-separated: 1000,10000")
@@ -211,7 +281,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mechanisms", default="plain,ddp,central")
     parser.add_argument("--set", action="append", default=[], help="key=value config override")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--memory", action="store_true", help="peak RSS per mechanism, each in its own process"
+    )
     args = parser.parse_args(argv)
+    if args.memory:
+        if args.mechanisms == parser.get_default("mechanisms"):
+            args.mechanisms = "plain,ddp"
+        return memory(args)
     overrides: dict[str, Any] = dict(SMALL) if args.small else {}
     if args.rounds:
         overrides["num-server-rounds"] = args.rounds

@@ -1,7 +1,8 @@
 """`fedge demo`: the main job end to end, each stage showing progress, results in one run directory.
 
-zoo card -> federated LoRA fine-tuning (plain, then SecAgg+ with DP) -> draft realigned to the
-federated target through the same federation -> edge: the realigned quantized draft decoding
+zoo card -> federated LoRA fine-tuning (plain, then SecAgg+ with DP) -> private learning at
+population scale (500 simulated phones, cohorts of 50, plain and SecAgg+ with DP) -> draft
+realigned to the federated target through the same federation -> edge: the realigned quantized draft decoding
 speculatively against the verifier serving the federated adapter -> report.md with plots,
 demo_summary.json, and TensorBoard round metrics under the run directory.
 """
@@ -99,6 +100,7 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
     """
     from edge.demo import edge_stage
     from simulations.demo import federated_stage, perplexity_table, realignment_stage
+    from simulations.demo_population import population_stage
     from simulations.report import write_report
 
     run_dir = out or Path("runs") / f"demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
@@ -111,18 +113,18 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
         timings[stage] = round(time.perf_counter() - since, 1)
         return time.perf_counter()
 
-    console.rule("[bold]1/5 model zoo")
+    console.rule("[bold]1/6 model zoo")
     tick = time.perf_counter()
     zoo = build_zoo(preset, console=console)
     console.print(card_table(zoo))
     summary["stages"]["zoo"] = {"root": str(zoo.root), "card": zoo.card}
     tick = lap("zoo", tick)
 
-    console.rule("[bold]2/5 federated LoRA fine-tuning")
+    console.rule("[bold]2/6 federated LoRA fine-tuning")
     plain = federated_stage(zoo, run_dir / "federation", console, engine=engine)
     tick = lap("federation", tick)
 
-    console.rule("[bold]3/5 the same federation under SecAgg+ and distributed DP")
+    console.rule("[bold]3/6 the same federation under SecAgg+ and distributed DP")
     private = federated_stage(
         zoo, run_dir / "federation-private", console, private=True, engine=engine
     )
@@ -130,7 +132,13 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
     summary["stages"]["federation"] = {"plain": plain.as_dict(), "private": private.as_dict()}
     tick = lap("federation_private", tick)
 
-    console.rule("[bold]4/5 realigning the draft to the federated target")
+    console.rule("[bold]4/6 private learning at population scale: simulated phones, large cohorts")
+    summary["stages"]["population"] = population_stage(
+        str(zoo.target_dir), run_dir / "population", console
+    )
+    tick = lap("population", tick)
+
+    console.rule("[bold]5/6 realigning the draft to the federated target")
     realigned_dir, acceptance = realignment_stage(
         zoo, plain, run_dir / "realign-draft", console, engine
     )
@@ -141,7 +149,7 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
     tick = lap("realignment", tick)
 
     console.rule(
-        "[bold]5/5 edge: the realigned draft on ONNX Runtime, decoding against the verifier"
+        "[bold]6/6 edge: the realigned draft on ONNX Runtime, decoding against the verifier"
     )
     summary["stages"]["edge"] = edge_stage(
         zoo.target_dir, realigned_dir, plain.adapter_dir, run_dir / "edge", console
@@ -169,7 +177,8 @@ def demo(
         "", help="Simulation engine: ray (Flower's) or inprocess; default: the scenario's (ray)."
     ),
 ) -> None:
-    """Run the main job: zoo, federated fine-tuning (plain, SecAgg+ with DP), draft realignment, edge."""
+    """Run the main job: zoo, federated fine-tuning (plain, SecAgg+ with DP), private learning on
+    500 simulated phones, draft realignment, edge."""
     if preset not in PRESETS:
         raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if engine not in ("", "ray", "inprocess"):

@@ -9,7 +9,8 @@ machine). A scenario (``simulations/scenarios/<name>.toml``) has two tables:
 ``client-cpus`` and fractional ``client-gpus`` per ClientApp, ``strategies`` run side
 by side by default) and ``[config]`` (run-config keys, exactly those of
 ``[tool.flwr.app.config]``), and optionally ``[devices]``: simulated devices on a
-virtual clock (docs/phones.md). CLI options override single keys. The resolved config
+virtual clock (docs/phones.md), and ``[strategy.<name>]``: config keys of one strategy
+only (its tuned ``lr``), applied when the run uses it. CLI options override single keys. The resolved config
 is written to the run directory, which ``--resume`` reads back, so a run has one
 source of truth.
 """
@@ -104,19 +105,38 @@ def load_scenario(
     """Read a scenario file and apply config ``overrides`` and ``population`` overrides."""
     path = scenario_path(name_or_path)
     data = tomllib.loads(path.read_text())
-    unknown = sorted(set(data) - {"scenario", "config", "devices"})
+    unknown = sorted(set(data) - {"scenario", "config", "devices", "strategy"})
     if unknown:
         raise ValueError(
-            f"{path}: unknown table(s) {unknown}; use [scenario], [config] and [devices]"
+            f"{path}: unknown table(s) {unknown}; use [scenario], [config], [devices] and "
+            "[strategy.<name>]"
         )
     return _scenario_from_tables(
         path.stem,
         data.get("scenario", {}),
-        data.get("config", {}),
+        strategy_config(path, data.get("config", {}), data.get("strategy", {}), overrides),
         overrides,
         population,
         data.get("devices"),
     )
+
+
+def strategy_config(
+    path: Path,
+    config: Mapping[str, Any],
+    per_strategy: Mapping[str, Any],
+    overrides: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """``[config]`` with the ``[strategy.<name>]`` keys of the strategy the run will use.
+
+    A scenario that compares strategies tunes each one's own keys there (SCAFFOLD's SGD wants
+    another ``lr`` than FedAvg's AdamW); ``overrides`` (the CLI's) still win over both.
+    """
+    for name, table in per_strategy.items():
+        if not isinstance(table, Mapping):
+            raise ValueError(f"{path}: [strategy] must hold tables like [strategy.{name}]")
+    name = str({**config, **(overrides or {})}.get("strategy", ""))
+    return {**config, **per_strategy.get(name, {})}
 
 
 def _scenario_from_tables(

@@ -28,6 +28,31 @@ def _federation(
     }
 
 
+def _population(tmp_path: Path) -> dict[str, Any]:
+    def run(label: str, after: float, eps: float | None) -> dict[str, Any]:
+        return {
+            "label": label,
+            "run_dir": str(tmp_path / label),
+            "population": 500,
+            "cohort": 50,
+            "mean_cohort": 49.5,
+            "rounds": 4,
+            "participating": [50.0, after],
+            "epsilon": eps,
+            "epsilon_server": 18.8 if eps else None,
+            "delta": 0.002 if eps else None,
+            "accountant": "pld" if eps else None,
+            "simulated_hours": 0.1,
+            "wall_seconds": 60.0,
+        }
+
+    return {
+        "plain": run("plain", 48.0, None),
+        "private": run("secagg+dp", 48.5, 4.9),
+        "seconds": 121.0,
+    }
+
+
 def test_report_carries_every_stage_and_its_plots(tmp_path: Path) -> None:
     card = {
         "preset": "demo",
@@ -47,6 +72,7 @@ def test_report_carries_every_stage_and_its_plots(tmp_path: Path) -> None:
                 # SecAgg+ masks per-client metrics: the server sees how many, not which
                 "private": _federation(tmp_path / "private", "secagg+dp", [70.0, 69.0], 3.25, []),
             },
+            "population": _population(tmp_path),
             "realignment": {
                 "clients": [
                     {
@@ -77,6 +103,10 @@ def test_report_carries_every_stage_and_its_plots(tmp_path: Path) -> None:
     report = write_report(summary, tmp_path).read_text()
     assert "| plain | 3 | 65.00 -> 55.00 (-15.4%) | 70.00 -> 60.00 (-14.3%) | - |" in report
     assert "| secagg+dp | 3 | 65.00 -> 64.00 (-1.5%) | 70.00 -> 69.00 (-1.4%) | 3.25 |" in report
+    assert (
+        "| 500 phones, secagg+dp | 49.5 | 50.00 -> 48.50 (-3.0%) | 4.90 (1/500) | 0.10 |" in report
+    )
+    assert "+1.0% (kept 75% of the plain run's -4.0%) with Poisson cohorts of K = 50" in report
     assert "| 0 | 60.0% | 50.0% | 65.0% |" in report
     assert "| mean | 55.0% | 45.0% | 60.0% |" in report
     assert "int4 0.200 ms (2.00x fp32)" in report and "| yes |" in report

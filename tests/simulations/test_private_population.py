@@ -7,7 +7,9 @@ import pytest
 from simulations.runner import load_scenario
 
 
-@pytest.mark.parametrize("name", ["private_population", "private_population_10k"])
+@pytest.mark.parametrize(
+    "name", ["private_population", "private_population_10k", "demo_population"]
+)
 def test_population_scenarios_account_at_one_over_the_population(name: str) -> None:
     """delta = 1/N, Poisson cohorts with no over-selection, SecAgg+ with distributed DP, diurnal
     phones: the settings the bench's epsilon figures rest on."""
