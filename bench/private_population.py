@@ -44,6 +44,8 @@ from typing import Any
 if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
     import _bootstrap  # noqa: F401
 
+from bench._common import config_value
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "private_population.json"
 SCENARIOS = {1000: "private_population", 10_000: "private_population_10k"}
@@ -294,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         overrides["num-server-rounds"] = args.rounds
     for item in args.set:
         key, _, value = item.partition("=")
-        overrides[key] = _value(value)
+        overrides[key] = config_value(value)
     os.environ.setdefault("FEDGE_QUIET", "1")
     load_before = _loadavg()
     t0 = time.perf_counter()
@@ -324,16 +326,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["verdict"]))
     return result
-
-
-def _value(text: str) -> Any:
-    """A --set value as TOML would read it (number, bool, or string)."""
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 if __name__ == "__main__":
