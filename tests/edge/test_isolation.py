@@ -147,11 +147,21 @@ def test_the_ingress_finds_a_session_only_for_its_owner() -> None:
     its NOT_FOUND dropped alice's entry, so alice's next verify landed anywhere and re-prefilled
     (checked on main)."""
     with running_ingress(IngressSpec("fedge-v1")) as (front, _):
-        front._remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice")
-        assert front._target("s1", "mallory") == ("fedge-v1", "")
-        front._remember("Verify", "s1", "fedge-v1", CallResult("NOT_FOUND"), "mallory")
-        front._remember("CloseSession", "s1", "fedge-v1", CallResult("OK", replica="r2"), "mallory")
-        assert front._target("s1", "alice") == ("fedge-v1", "r1")
+        front.call(
+            front.state.remember(
+                "Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice"
+            )
+        )
+        assert front.call(front.state.target("s1", "mallory")) == ("fedge-v1", "")
+        front.call(
+            front.state.remember("Verify", "s1", "fedge-v1", CallResult("NOT_FOUND"), "mallory")
+        )
+        front.call(
+            front.state.remember(
+                "CloseSession", "s1", "fedge-v1", CallResult("OK", replica="r2"), "mallory"
+            )
+        )
+        assert front.call(front.state.target("s1", "alice")) == ("fedge-v1", "r1")
 
 
 def test_the_ingress_forgets_a_session_whose_home_can_no_longer_serve_it() -> None:
@@ -163,10 +173,24 @@ def test_the_ingress_forgets_a_session_whose_home_can_no_longer_serve_it() -> No
     failed once in CI on that leftover entry)."""
     with running_ingress(IngressSpec("fedge-v1")) as (front, _):
         for sid in ("dead", "closing", "busy"):
-            front._remember("Verify", sid, "fedge-v1", CallResult("OK", replica="r1"), "alice")
-        front._remember("Verify", "dead", "fedge-v1", CallResult("NOT_FOUND"), "alice")
-        front._remember("CloseSession", "closing", "fedge-v1", CallResult("UNAVAILABLE"), "alice")
-        front._remember("Verify", "busy", "fedge-v1", CallResult("RESOURCE_EXHAUSTED"), "alice")
-        assert front.fleet_stats()["sessions"] == {"r1": 1}
-        assert front._target("busy", "alice") == ("fedge-v1", "r1")
-        assert front._target("dead", "alice") == ("fedge-v1", "")
+            front.call(
+                front.state.remember(
+                    "Verify", sid, "fedge-v1", CallResult("OK", replica="r1"), "alice"
+                )
+            )
+        front.call(
+            front.state.remember("Verify", "dead", "fedge-v1", CallResult("NOT_FOUND"), "alice")
+        )
+        front.call(
+            front.state.remember(
+                "CloseSession", "closing", "fedge-v1", CallResult("UNAVAILABLE"), "alice"
+            )
+        )
+        front.call(
+            front.state.remember(
+                "Verify", "busy", "fedge-v1", CallResult("RESOURCE_EXHAUSTED"), "alice"
+            )
+        )
+        assert front.call(front.fleet_stats())["sessions"] == {"r1": 1}
+        assert front.call(front.state.target("busy", "alice")) == ("fedge-v1", "r1")
+        assert front.call(front.state.target("dead", "alice")) == ("fedge-v1", "")

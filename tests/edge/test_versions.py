@@ -111,11 +111,19 @@ def test_the_ingress_returns_a_reopen_to_its_version_not_to_the_canary() -> None
     session onto the canary's weights mid-decode (checked on main)."""
     with running_ingress(IngressSpec("fedge-v1")) as (front, _):
         opened = pb.VerifyReply(opened=pb.SessionInfo(model_id="m1", adapter_id="a1"))
-        front._learn_version(opened, "fedge-v1")
-        front._learn_version(pb.OpenSessionReply(model_id="m1", adapter_id="a2"), "fedge-v2")
-        front._remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice")
-        front.set_canary("fedge-v2", 1.0)
-        assert front._target("new", "alice") == ("fedge-v2", "")
-        assert front._target("s2", "alice", "m1/a1") == ("fedge-v1", "")
-        assert front._target("s2", "alice", "m1/a2") == ("fedge-v2", "")
-        assert front._target("s2", "alice", "m0/") == ("fedge-v1", "")
+        front.call(front.state.learn_version(opened, "fedge-v1"))
+        front.call(
+            front.state.learn_version(
+                pb.OpenSessionReply(model_id="m1", adapter_id="a2"), "fedge-v2"
+            )
+        )
+        front.call(
+            front.state.remember(
+                "Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice"
+            )
+        )
+        front.call(front.set_canary("fedge-v2", 1.0))
+        assert front.call(front.state.target("new", "alice")) == ("fedge-v2", "")
+        assert front.call(front.state.target("s2", "alice", "m1/a1")) == ("fedge-v1", "")
+        assert front.call(front.state.target("s2", "alice", "m1/a2")) == ("fedge-v2", "")
+        assert front.call(front.state.target("s2", "alice", "m0/")) == ("fedge-v1", "")
