@@ -61,8 +61,8 @@ def test_two_ingresses_agree_on_a_sessions_home_and_share_a_devices_budget(
     twice that.
 
     On main each ingress kept its map and buckets in its own memory: B did not know the session
-    and each ingress granted the device a full burst (20 of 40), which the in-process store
-    here still does (run: the last assertion)."""
+    and each ingress granted the device a full burst (20 of 40): run, as the last assertion,
+    with two in-process stores (main itself has no store to point at)."""
 
     async def scenario() -> tuple[int, float, int]:
         a, b = ingress_state(fresh), ingress_state(fresh)
@@ -101,7 +101,10 @@ def test_an_ingress_rebuilt_after_a_promotion_serves_the_live_app_adapter_and_li
 
     On main the rebuilt ingress came back from its spec: stable fedge-v1 (deleted: every call
     failed), the old fleet config (the next restart redeployed the old adapter) and the old
-    limits (read: the state lived in the ingress's attributes)."""
+    limits. Run: the same steps with the state in the ingress's memory, as on main, gave
+    stable fedge-v1, b"fleet-v1" and the old limits (main itself has no store to point at).
+    The first ingress stops cleanly here; it writes nothing on the way out, so a crash is
+    the same."""
     spec = IngressSpec(
         "fedge-v1",
         fleet=b"fleet-v1",
@@ -140,7 +143,8 @@ def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
     session homed on fedge-v1 included) to fedge-v2 and recovery finishes: fedge-v1 is deleted.
 
     On main a restart mid-rollout lost the canary (no split, `arm_stats` raised KeyError in the
-    controller) and left the canary application deployed (read)."""
+    controller) and left the canary application deployed (read). Run: with the state in the
+    ingress's memory, as on main, the rebuilt ingress had no canary and no figures."""
 
     async def scenario() -> None:
         a = ingress_state(fresh)
