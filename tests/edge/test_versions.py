@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -103,13 +104,15 @@ def test_a_session_whose_version_is_gone_is_told_so_and_restarts_on_the_new_one(
         client.close_channel()
 
 
-def test_the_ingress_returns_a_reopen_to_its_version_not_to_the_canary() -> None:
+def test_the_ingress_returns_a_reopen_to_its_version_not_to_the_canary(
+    ingress_state_options: dict[str, Any],
+) -> None:
     """A session opened on the stable version reopens (its replica lost) on that version, though
     every new session goes to the canary; a version no application serves goes to the stable one.
 
     On main a reopen took part in the canary split again: with the canary at 100% it moved the
     session onto the canary's weights mid-decode (checked on main)."""
-    with running_ingress(IngressSpec("fedge-v1")) as (front, _):
+    with running_ingress(IngressSpec("fedge-v1", **ingress_state_options)) as (front, _):
         opened = pb.VerifyReply(opened=pb.SessionInfo(model_id="m1", adapter_id="a1"))
         front.call(front.state.learn_version(opened, "fedge-v1"))
         front.call(

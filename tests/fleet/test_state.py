@@ -1,15 +1,14 @@
 """The fleet's shared state on a real Redis server: several ingresses agree, a rebuilt one carries on.
 
 No Ray here: the ingress's routing logic (`IngressState`) and the real ingress class
-(`running_ingress`, its gRPC server outside Serve) run against a redis-server started
-on 127.0.0.1 for this module.
+(`running_ingress`, its gRPC server outside Serve) run against a real redis-server on
+127.0.0.1 (`fresh_redis`, tests/conftest.py), emptied before each test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,27 +22,9 @@ from edge.fleet.wire import CallResult
 from edge.verifier.limits import VERIFY, RateLimiter
 from edge.verifier.rate_config import RateLimitConfig
 from tests.edge.harness import running_ingress
-from tests.redis_server import RedisServer, redis_server
+from tests.redis_server import RedisServer
 
 V1_LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=10)
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One real redis-server (password from a file) for this module's tests."""
-    with redis_server(tmp_path_factory.mktemp("redis")) as server:
-        yield server
-
-
-@pytest.fixture
-def fresh(redis: RedisServer) -> RedisServer:
-    """The server, emptied (each test starts from no state)."""
-    import redis as redis_client
-
-    client = redis_client.Redis.from_url(redis.url, password=redis.password)
-    client.flushall()
-    client.close()
-    return redis
 
 
 def ingress_state(server: RedisServer, epoch: str = "deploy-1") -> IngressState:
@@ -53,7 +34,7 @@ def ingress_state(server: RedisServer, epoch: str = "deploy-1") -> IngressState:
 
 
 def test_two_ingresses_agree_on_a_sessions_home_and_share_a_devices_budget(
-    fresh: RedisServer,
+    fresh_redis: RedisServer,
 ) -> None:
     """Ingress A learns alice's session; ingress B routes it to the same replica (mallory naming
     it gets a new session). A device alternating between the ingresses, 40 verifies of 1 token
@@ -65,7 +46,7 @@ def test_two_ingresses_agree_on_a_sessions_home_and_share_a_devices_budget(
     with two in-process stores (main itself has no store to point at)."""
 
     async def scenario() -> tuple[int, float, int]:
-        a, b = ingress_state(fresh), ingress_state(fresh)
+        a, b = ingress_state(fresh_redis), ingress_state(fresh_redis)
         await a.start()
         await b.start()
         await a.remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice")
@@ -91,7 +72,7 @@ def test_two_ingresses_agree_on_a_sessions_home_and_share_a_devices_budget(
 
 
 def test_an_ingress_rebuilt_after_a_promotion_serves_the_live_app_adapter_and_limits(
-    fresh: RedisServer,
+    fresh_redis: RedisServer,
 ) -> None:
     """A real ingress (its gRPC server, over Redis) promotes fedge-v2 with a new fleet config
     and changes the limits; it dies (the old fedge-v1 is deleted after the promotion) and is
@@ -109,8 +90,8 @@ def test_an_ingress_rebuilt_after_a_promotion_serves_the_live_app_adapter_and_li
         "fedge-v1",
         fleet=b"fleet-v1",
         rate_limits=V1_LIMITS,
-        redis_url=fresh.url,
-        redis_password_file=fresh.password_file,
+        redis_url=fresh_redis.url,
+        redis_password_file=fresh_redis.password_file,
     )
     new_limits = RateLimitConfig(verify_rate=5.0, verify_burst=20)
     with running_ingress(spec) as (front, _):
@@ -126,7 +107,7 @@ def test_an_ingress_rebuilt_after_a_promotion_serves_the_live_app_adapter_and_li
         assert rebuilt.limits.current is not None
         assert rebuilt.limits.current._limiter.buckets[VERIFY].burst == 20
     redeployed = IngressSpec(
-        "fedge-v1", redis_url=fresh.url, redis_password_file=fresh.password_file
+        "fedge-v1", redis_url=fresh_redis.url, redis_password_file=fresh_redis.password_file
     )
     with running_ingress(redeployed) as (again, _):
         assert again.call(again.describe())["stable"] == "fedge-v1"
@@ -134,7 +115,7 @@ def test_an_ingress_rebuilt_after_a_promotion_serves_the_live_app_adapter_and_li
 
 
 def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
-    fresh: RedisServer,
+    fresh_redis: RedisServer,
 ) -> None:
     """Ingress A runs a canary (fedge-v2 at 50%, figures recorded) and dies. Rebuilt, it keeps
     the split and the figures, so the controller's observation goes on; a controller that died
@@ -147,7 +128,7 @@ def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
     ingress's memory, as on main, the rebuilt ingress had no canary and no figures."""
 
     async def scenario() -> None:
-        a = ingress_state(fresh)
+        a = ingress_state(fresh_redis)
         await a.start()
         await a.set_rollout({"stable": "fedge-v1", "canary": "fedge-v2", "phase": "observing"})
         await a.set_canary("fedge-v2", 0.5)
@@ -156,7 +137,7 @@ def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
             await a.observe(app, "Verify", "OK", 0.01, 4, 3, f"{app}-s")
         await a.store.close()
 
-        b = ingress_state(fresh)
+        b = ingress_state(fresh_redis)
         await b.start()
         assert await b.describe() == {"stable": "fedge-v1", "canary": "fedge-v2", "fraction": 0.5}
         figures = await b.arm_stats()
@@ -175,7 +156,7 @@ def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
         await b.promote("fedge-v2", b"fleet-v2")
         await b.store.close()
 
-        c = ingress_state(fresh)
+        c = ingress_state(fresh_redis)
         await c.start()
         assert await c.target("old") == ("fedge-v2", "")
         assert {(await c.target(f"k{i}"))[0] for i in range(32)} == {"fedge-v2"}
