@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from edge.fleet.app import FleetConfig
 from edge.fleet.ingress import IngressSpec
 from edge.fleet.ingress_state import IngressState
 from edge.fleet.redis_state import RedisState
@@ -170,10 +171,12 @@ def test_the_redis_url_refuses_a_password_and_the_password_file_must_exist(
     tmp_path: Path,
 ) -> None:
     """A password belongs in the password file, not in a URL that shows up in configs and logs;
-    a missing password file is named."""
+    a missing password file is named; several ingresses without a shared store are refused."""
     with pytest.raises(ValueError, match="password file"):
         IngressSpec("fedge-v1", redis_url="redis://:hunter2@127.0.0.1:6379/0")
     with pytest.raises(ValueError, match="redis://HOST"):
         IngressSpec("fedge-v1", redis_url="http://127.0.0.1:6379")
     with pytest.raises(ValueError, match="missing"):
         RedisState.connect("redis://127.0.0.1:1/0", tmp_path / "nope")
+    with pytest.raises(ValueError, match="ingress_replicas=2 needs redis_url"):
+        FleetConfig(tmp_path, ingress_replicas=2)  # each ingress would hold its own state
