@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install demo test lint typecheck unit proto clean
+.PHONY: install demo test test-cluster lint typecheck unit proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ unit: $(STAMP)
 	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint typecheck unit
+
+# SCAFFOLD across a two-node Ray cluster on 127.0.0.1 (two `ray start`s, separate temp dirs),
+# client state on shared storage: about a minute, so not part of `make test`.
+test-cluster: $(STAMP)
+	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
+	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m cluster tests/cluster -n 0 --durations=5
 
 proto: $(STAMP)
 	$(BIN)/python -m edge.proto.codegen

@@ -1,4 +1,4 @@
-"""Helpers the privacy benches share (one home, so no bench imports another bench's script)."""
+"""Helpers the benches share (one home, so no bench imports another bench's script)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,13 @@ def write_result(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     path.write_text(text + "\n")
     print(text)
     return result
+
+
+def config_value(text: str) -> Any:
+    """A ``--set key=value`` value as TOML reads it (number, bool, or string when neither)."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text

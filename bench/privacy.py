@@ -53,14 +53,9 @@ BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": os.cpu
 # ---------------------------------------------------------------- 1. SecAgg+ overhead
 def simulate(server_app: Any, client_app: Any, num_clients: int) -> None:
     """Run ``server_app`` against ``num_clients`` simulated nodes on Flower's Ray engine."""
-    from flwr.simulation import run_simulation
+    from simulations.flower_internals import run_ray_simulation
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_clients,
-        backend_config=BACKEND,  # type: ignore[arg-type]
-    )
+    run_ray_simulation(server_app, client_app, num_clients, BACKEND)
 
 
 def ours_round_times(

@@ -70,7 +70,7 @@ def sweep(runs: Mapping[str, tuple[float, dict[str, Any]]]) -> list[dict[str, An
     from server.rundir import MetricsLog
     from simulations.apps import clientapp
     from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-    from simulations.runner import load_scenario
+    from simulations.runner import client_roots, load_scenario
 
     root = Path(tempfile.mkdtemp(prefix="fedge-privacy-sweep-"))
     all_runs = {"warm-up": (0.0, {"num-server-rounds": 1}), **runs}
@@ -119,7 +119,10 @@ def sweep(runs: Mapping[str, tuple[float, dict[str, Any]]]) -> list[dict[str, An
             print(f"sweep {label}: {rows[-1]}", flush=True)
 
     size = scenarios["warm-up"].num_supernodes
-    with tempfile.TemporaryDirectory(prefix="fedge-sweep-nodes-") as state:
+    with (
+        tempfile.TemporaryDirectory(prefix="fedge-sweep-nodes-") as state,
+        client_roots(scenarios["warm-up"].config),  # every run's state dir is under `root`
+    ):
         run_inprocess(server_app, InProcessGrid(clientapp, DeviceTable(size), Path(state)))
     return rows
 

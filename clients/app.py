@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,7 +37,7 @@ from clients.privacy.local import (
 from clients.privacy.policy import dpsgd_budget, node_policy
 from clients.state import CommittedStore, ContextStore, DiskStore
 from clients.trainer import build_optimizer, random_windows, resolve_optimizer, run_local_steps
-from fedge import keys
+from fedge import keys, names
 from fedge.data import ClientTokens
 from fedge.data.shards import device_tokens
 from fedge.lm import distill, holder
@@ -64,6 +63,12 @@ def message_config(msg: Message) -> dict[str, ConfigValue]:
             f"message has no '{keys.REC_CONFIG}' ConfigRecord; send it from fedge's ServerApp"
         )
     return dict(msg.content.config_records[keys.REC_CONFIG])  # type: ignore[arg-type]
+
+
+def local_config(msg: Message, context: Context) -> dict[str, ConfigValue]:
+    """The message config with its data and model names resolved under this node's roots
+    (:mod:`fedge.names`): the server names identifiers, never paths on this client."""
+    return names.resolve_config(message_config(msg), context.node_config)
 
 
 def partition_id(context: Context) -> int:
@@ -97,14 +102,17 @@ def record_arrays(msg: Message, name: str) -> Arrays:
 def state_store(config: Mapping[str, ConfigValue], context: Context, pid: int) -> ClientStateStore:
     """Where this client's strategy state lives, seen through the server's acceptances.
 
-    Disk under ``client-state-dir/<run-id>`` when configured (survives restarts; a new
-    run never sees an earlier run's state), else the node Context.
+    Disk under ``<state-root>/<client-state-dir>/<run-id>`` when the server names a
+    ``client-state-dir`` (survives restarts; a new run never sees an earlier run's state;
+    the root is this node's, :func:`fedge.names.resolve_state`), else the node Context.
     """
-    root = str(config.get(keys.CFG_CLIENT_STATE_DIR, ""))
     run_id = str(config.get(keys.CFG_RUN_ID, "")) or "unnamed-run"
+    where = names.resolve_state(
+        str(config.get(keys.CFG_CLIENT_STATE_DIR, "")), run_id, context.node_config
+    )
     inner = (
-        DiskStore(Path(root) / run_id / f"partition_{pid:04d}")
-        if root
+        DiskStore(where / f"partition_{pid:04d}")
+        if where is not None
         else ContextStore(context.state)
     )
     committed = committed_round(config, pid)
@@ -151,7 +159,7 @@ def train(msg: Message, context: Context) -> Message:
     """Run local LoRA training on this node's partition and reply with the contribution."""
     t0 = time.perf_counter()
     holder.STATS["calls"] += 1
-    config = message_config(msg)
+    config = local_config(msg, context)
     cfg = TrainConfig.from_config(config)
     holder.configure_threads(cfg.client_threads)
     pid = partition_id(context)
@@ -254,7 +262,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Held-out loss of the global adapter on this node's held-out split."""
     holder.STATS["calls"] += 1
-    config = message_config(msg)
+    config = local_config(msg, context)
     cfg = TrainConfig.from_config(config)
     holder.configure_threads(cfg.client_threads)
     pid = partition_id(context)

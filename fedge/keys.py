@@ -112,6 +112,7 @@ CFG_RUN_DIR: Final = "run-dir"
 CFG_TENSORBOARD: Final = (
     "tensorboard"  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
 )
+CFG_MLFLOW: Final = "mlflow"  # "": off; "local": file store <run-dir>/mlruns; else a tracking URI
 CFG_MAX_EPSILON: Final = "max-epsilon"  # 0 disables the privacy-budget stop
 CFG_AGGREGATOR: Final = (
     "aggregator"  # plain | median | trimmed-mean | krum | "package.module:factory"

@@ -57,6 +57,7 @@ class AggregateResult:
     rejected: dict[int, str] = field(default_factory=dict)
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     summed_metrics: dict[str, float] = field(default_factory=dict)  # SecAgg+: only their sums
+    out_of_bounds: str | None = None  # SecAgg+: why the sum breaks the per-client bounds
     bytes_up: int = 0
     bytes_down: int = 0
 

@@ -25,7 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from server.config import RunConfig
 from server.loop import LoopOutcome, RowCallback, default_run_dir, run_federation
-from server.tracking import LazyRoundScalars
+from server.tracking import round_trackers
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,16 @@ def make_server_app(
             config = config.with_overrides({"run-dir": str(default_run_dir())})
         if wrap_grid is not None:
             grid = wrap_grid(grid)
-        logdir = Path(config.run_dir) / "tensorboard"
-        scalars = LazyRoundScalars(logdir) if config.tensorboard else None
+        trackers = round_trackers(
+            Path(config.run_dir), config.tensorboard, config.mlflow, config.to_mapping()
+        )
+        failed = True
         try:
-            outcome = run_federation(grid, config, resume=resume, on_row=_both(on_row, scalars))
+            outcome = run_federation(grid, config, resume=resume, on_row=_chain(on_row, *trackers))
+            failed = outcome.status == "failed"
         finally:
-            if scalars is not None:
-                scalars.close()
+            for tracker in trackers:
+                tracker.close(failed)
         if box is not None:
             box.outcome = outcome
         level = logging.INFO if outcome.status != "failed" else logging.ERROR
@@ -95,14 +98,14 @@ def make_server_app(
     return server_app
 
 
-def _both(first: RowCallback | None, second: RowCallback | None) -> RowCallback | None:
-    """One row callback calling both (either may be None)."""
-    callbacks = [c for c in (first, second) if c is not None]
-    if not callbacks:
+def _chain(*callbacks: RowCallback | None) -> RowCallback | None:
+    """One row callback calling each given one in order (None when none is given)."""
+    given = [c for c in callbacks if c is not None]
+    if not given:
         return None
 
     def call(row: Mapping[str, Any]) -> None:
-        for callback in callbacks:
+        for callback in given:
             callback(row)
 
     return call

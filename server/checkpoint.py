@@ -56,6 +56,7 @@ RESUMABLE_CHANGES = frozenset(
         "client-eval",
         "save-merged",
         "tensorboard",
+        "mlflow",
         "x-fault-partitions",  # fault drills (clients/faults.py) change between attempts
     }
 )

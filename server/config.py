@@ -58,14 +58,15 @@ class RunConfig:
     aggregator: str = "plain"  # plain | median | trimmed-mean | krum | package.module:factory
     trimmed_mean_beta: float = 0.2  # Flower's default cut per tail
     krum_malicious: int = 0  # Krum's f
-    max_client_weight: float = 0.0  # plain mode: weight cap (0: none)
-    max_update_norm: float = 0.0  # plain mode: refuse updates above this L2 norm (0: none)
+    max_client_weight: float = 0.0  # weight cap (0: none; SecAgg+: the sum is checked)
+    max_update_norm: float = 0.0  # L2 bound of ||delta/weight|| (0: none; SecAgg+: the sum)
     privacy_budget: str = ""
     max_epsilon: float = 0.0  # 0: no budget stop
     client_mods: str = ""
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
     tensorboard: bool = True  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
+    mlflow: str = ""  # "": off; "local": file store <run-dir>/mlruns; else an MLflow tracking URI
     run_id: str = ""  # "": the server draws a random id at a fresh start (namespaces client state)
     train: TrainConfig = field(default_factory=TrainConfig)
     extra: Mapping[str, ConfigValue] = field(default_factory=dict)  # keys under EXTENSION_PREFIXES
@@ -104,6 +105,11 @@ class RunConfig:
             )
         if self.max_epsilon < 0:
             raise ValueError(f"max-epsilon must be >= 0, got {self.max_epsilon}")
+        if self.mlflow not in ("", "local") and ":" not in self.mlflow:
+            raise ValueError(
+                f'mlflow must be "" (off), "local" (<run-dir>/mlruns) or a tracking URI such '
+                f'as "sqlite:///path/mlflow.db" or "http://host:5000", got {self.mlflow!r}'
+            )
         if self.aggregator not in ("plain", *ROBUST_AGGREGATORS) and ":" not in self.aggregator:
             raise ValueError(
                 f"aggregator must be plain, {', '.join(ROBUST_AGGREGATORS)} or "
@@ -171,6 +177,8 @@ class RunConfig:
             keys.CFG_CLIENT_MODS,
             keys.CFG_CLIENT_STATE_DIR,
             keys.CFG_MAX_EPSILON,  # clients' DP-SGD accountants stop before passing it
+            keys.CFG_MAX_CLIENT_WEIGHT,  # under SecAgg+ each client clips itself to these
+            keys.CFG_MAX_UPDATE_NORM,
             keys.CFG_RUN_ID,
         ):
             out[key] = self.to_mapping()[key]

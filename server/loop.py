@@ -55,9 +55,9 @@ from server.config import RunConfig
 from server.membership import Roster, federation_size, resolve_partition_count, sample_nodes
 from server.messages import (
     NODE_WAIT_SECONDS,
-    client_config,
     client_evaluate,
     query_partitions,
+    server_config,
     train_content,
 )
 from server.model import ServerModel
@@ -278,7 +278,7 @@ def open_run(
     participants = (
         ckpt.participants
         if ckpt is not None and ckpt.participants
-        else device_pools(holder.get_corpus(client_config(cfg)), roster.partitions.values())
+        else device_pools(holder.get_corpus(server_config(cfg)), roster.partitions.values())
     )
     run_id = ckpt.run_id if ckpt is not None and ckpt.run_id else cfg.run_id or secrets.token_hex(8)
     cfg = cfg.with_overrides({keys.CFG_RUN_ID: run_id})
@@ -423,18 +423,25 @@ def aggregate_and_account(
     fed: Federation, cohort: Cohort, result: AggregateResult, server_round: int
 ) -> str:
     """Finalize the sum into the next state, record the release, mark the clients' committed
-    round; return the row status (``empty``: too few updates, the adapter is kept)."""
+    round; return the row status (``empty``: too few updates; ``out-of-bounds``: the SecAgg+
+    sum breaks the per-client bounds; either way the adapter is kept)."""
     assert result.summed is not None  # shortfall() refused the round otherwise
-    fed.state, row_status = next_state(
-        fed.strategy, fed.state, result.summed, cohort.population, fed.cfg.min_train_nodes
-    )
-    if row_status == "empty":
+    if result.out_of_bounds is not None:  # SecAgg+: the sum breaks the clients' bounds
+        log.warning("round %d rejected, global model kept: %s", server_round, result.out_of_bounds)
+        fed.state, row_status = fed.state, "out-of-bounds"
+    else:
+        fed.state, row_status = next_state(
+            fed.strategy, fed.state, result.summed, cohort.population, fed.cfg.min_train_nodes
+        )
+    if row_status != "ok":
         fed.state = replace_state(fed.state, server_round=server_round)
     record_draw = getattr(fed.budget, "record_draw", None)
     if cohort.draw is not None and record_draw is not None:
         record_draw(server_round, cohort.draw)
     else:
         fed.budget.record(server_round, len(cohort.sampled), cohort.population)
+    if row_status == "out-of-bounds":  # no client's work is in the global model
+        return row_status
     partitions = fed.roster.partitions
     fed.committed.update({partitions[n]: server_round for n in result.accepted if n in partitions})
     return row_status

@@ -1,6 +1,6 @@
 """The messages the round loop sends: train, partition query and evaluate, and their replies.
 
-Every message carries the run's client config (plus the server's resolved model dir);
+Every message carries the run's client config (paths reduced to identifiers, :mod:`fedge.names`);
 the train message adds the global adapter and the strategy's record. Replies that fail
 are logged with their node id and left out, never fatal.
 """
@@ -16,7 +16,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedge import keys
+from fedge import keys, names
 from fedge.lm import holder
 from server.aggregation import reply_metrics
 from server.config import RunConfig
@@ -30,7 +30,14 @@ NODE_WAIT_SECONDS = (
 
 
 def client_config(cfg: RunConfig) -> dict[str, ConfigValue]:
-    """The run's client config plus the server's resolved model dir (saves clients a zoo check)."""
+    """The run's client config, naming data, models and state by identifiers, never by the
+    server's paths (:func:`fedge.names.wire_names`): each client resolves them under its roots."""
+    return names.wire_names(cfg.client_config())  # type: ignore[return-value]
+
+
+def server_config(cfg: RunConfig) -> dict[str, ConfigValue]:
+    """The client config with the server's own paths and resolved model dir, for the server's
+    own copy of the corpus and model (never sent: messages carry :func:`client_config`)."""
     return {**cfg.client_config(), keys.CFG_MODEL_PATH: holder.resolve_model(cfg.model)}
 
 

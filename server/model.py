@@ -11,7 +11,7 @@ import numpy as np
 from fedge.lm import holder
 from fedge.lm.evaluate import evaluate_tokens
 from server.config import RunConfig
-from server.messages import client_config
+from server.messages import server_config
 from strategies.base import Arrays
 
 
@@ -21,7 +21,7 @@ class ServerModel:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.model_path = holder.resolve_model(cfg.model)
-        self.client_config = client_config(cfg)
+        self.client_config = server_config(cfg)
         self.lm = holder.get_lora_model(self.model_path, cfg.train)
         self._heldout: dict[tuple[int, ...] | None, np.ndarray] = {}
 

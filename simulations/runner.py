@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
+from fedge.names import DATA, MODELS, STATE, roots_for
 from server.config import RunConfig
 from server.rundir import read_config
 from simulations.devices import DeviceBehaviour
@@ -187,6 +189,23 @@ def client_state_dir(scenario: Scenario, run_dir: Path) -> str:
     return scenario.config.client_state_dir or str(run_dir / "client-state")
 
 
+@contextmanager
+def client_roots(cfg: RunConfig) -> Iterator[None]:
+    """Every simulated node is this operator's: its data, model and state roots are the
+    directories of the run's paths (:func:`fedge.names.roots_for`), through the environment the
+    engine's workers inherit; restored afterwards. On a Ray cluster each node sets its own."""
+    saved = {env: os.environ.get(env) for env in (DATA.env, MODELS.env, STATE.env)}
+    os.environ.update(roots_for(cfg.to_mapping()))
+    try:
+        yield
+    finally:
+        for env, value in saved.items():
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
+
+
 def run_simulation(
     scenario: Scenario,
     run_dir: Path,
@@ -219,19 +238,17 @@ def run_simulation(
         box=box,
         wrap_grid=devices.wrap if devices is not None else None,
     )
-    if scenario.engine == "inprocess":
-        _run_inprocess(scenario, run_dir, resume, server_app, client_app, cfg.seed)
-    else:
-        from flwr.simulation import run_simulation as flwr_run_simulation
+    with client_roots(cfg):
+        if scenario.engine == "inprocess":
+            _run_inprocess(scenario, run_dir, resume, server_app, client_app, cfg.seed)
+        else:
+            from simulations.flower_internals import run_ray_simulation
 
-        concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
-        os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
-        flwr_run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=scenario.num_supernodes,
-            backend_config=backend_config(scenario),  # type: ignore[arg-type]
-        )
+            concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
+            os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
+            run_ray_simulation(
+                server_app, client_app, scenario.num_supernodes, backend_config(scenario)
+            )
     if devices is not None:
         devices.finish(run_dir)
     return box.outcome

@@ -266,13 +266,21 @@ class Strategy(FlowerFedAvg, ABC):
             contents.append(msg.content)
         if not contributions:
             return None, None
-        summed = robust_sum(contributions, self.robust)
+        record = self.aggregate_sum(server_round, robust_sum(contributions, self.robust))
+        return record, self._train_metrics(contents)
+
+    def aggregate_sum(self, server_round: int, summed: Arrays) -> ArrayRecord:
+        """The round's summed contributions -> ``finalize`` -> next arrays; a secure aggregator
+        that hands over only the sum (``server.secagg.strategy``) enters here."""
+        state = self._round_state
+        if state is None:
+            raise AggregationError("aggregate_sum before configure_train: no round is open")
         if float(summed[keys.KEY_WEIGHT][0]) > 0:
             state = self.finalize(state, summed, self._round_population)
         else:  # every client's work was dropped (stragglers under FedAvg): keep the arrays
             state = replace_state(state, server_round=server_round)
         self._round_state = state
-        return to_array_record(state.adapter), self._train_metrics(contents)
+        return to_array_record(state.adapter)
 
     def _train_metrics(self, contents: list[RecordDict]) -> MetricRecord | None:
         """Flower's metric aggregation over the replies that report ``weighted_by_key``."""

@@ -16,8 +16,10 @@ Plain (non-SecAgg) rounds can defend against malicious clients in two layers:
    sum (weight = number of contributing clients, delta = that number times the robust
    update), so every strategy's ``finalize`` and server optimizer apply unchanged.
 
-Under SecAgg+ only the sum exists: these rules cannot run there (bounds are then the
-clients' to enforce; see the privacy docs).
+Under SecAgg+ only the sum exists, so the same bounds split in two halves: each honest
+client clips its own weight and update before masking (:func:`clip_contribution`), and
+the server checks that the sum could be one of that many clipped contributions
+(:func:`aggregate_problem`); the robust rules cannot run there (see the privacy docs).
 """
 
 from __future__ import annotations
@@ -91,15 +93,84 @@ def apply_bounds(contribution: Arrays, cfg: RobustConfig) -> tuple[Arrays, str |
             return contribution, (
                 f"update norm {norm:.4g} exceeds max-update-norm={cfg.max_update_norm:g}"
             )
-    if cfg.max_weight > 0 and weight > cfg.max_weight:
-        ratio = np.float32(cfg.max_weight / weight)
-        capped = {
-            k: (v * ratio if k.startswith(keys.PREFIX_DELTA) else v)
-            for k, v in contribution.items()
-        }
-        capped[keys.KEY_WEIGHT] = np.array([cfg.max_weight], np.float32)
-        return capped, None
-    return contribution, None
+    return cap_weight(contribution, cfg.max_weight), None
+
+
+def cap_weight(contribution: Arrays, max_weight: float) -> Arrays:
+    """The contribution with its weight capped at ``max_weight`` (0: none) and its delta
+    rescaled with it, so the update is unchanged and only its say shrinks."""
+    weight = float(contribution[keys.KEY_WEIGHT][0])
+    if not (max_weight > 0 and weight > max_weight):
+        return contribution
+    ratio = np.float32(max_weight / weight)
+    capped = {
+        k: (v * ratio if k.startswith(keys.PREFIX_DELTA) else v) for k, v in contribution.items()
+    }
+    capped[keys.KEY_WEIGHT] = np.array([max_weight], np.float32)
+    return capped
+
+
+def clip_contribution(contribution: Arrays, cfg: RobustConfig) -> Arrays:
+    """The honest client's half under SecAgg+ (the server sees only the sum): cap its own
+    weight, then scale its update (``delta/weight`` and ``ctrl/`` jointly) to at most
+    ``max_update_norm``, so its share of the sum is within :func:`aggregate_problem`'s bound."""
+    capped = cap_weight(contribution, cfg.max_weight)
+    norm = update_norm(capped)
+    if not (cfg.max_update_norm > 0 and norm > cfg.max_update_norm):
+        return capped
+    factor = np.float32(cfg.max_update_norm / norm * (1 - 1e-6))  # float32 rounding stays below
+    return {
+        k: (v * factor if k.startswith((keys.PREFIX_DELTA, keys.PREFIX_CONTROL)) else v)
+        for k, v in capped.items()
+    }
+
+
+def aggregate_problem(
+    summed: Arrays, contributors: int, cfg: RobustConfig, slack: float = 0.0
+) -> str | None:
+    """Why a sum of ``contributors`` clipped contributions cannot be one (None when it can).
+
+    The server's half under SecAgg+, where only the sum exists. With each client's weight
+    w_i <= W and update ||delta_i / w_i|| <= U (plus ctrl/, jointly): the summed weight is
+    in [0, n W], the summed count in [0, n], ||sum delta|| <= (sum w_i) U and
+    ||sum ctrl|| <= n U. ``slack`` is the quantization error the sum may carry (per value
+    for the weight, in norm for the arrays). It bounds the aggregate, not who broke it.
+    """
+    n = float(contributors)
+    weight = float(summed[keys.KEY_WEIGHT][0])
+    count = float(summed[keys.KEY_COUNT][0])
+    if not (-slack <= weight and -0.5 <= count <= n + 0.5):
+        return f"summed meta/weight {weight:.6g} or meta/count {count:.6g} of {contributors} clients is impossible"
+    if cfg.max_weight > 0 and weight > n * cfg.max_weight + slack:
+        return (
+            f"summed meta/weight {weight:.6g} exceeds {contributors} clients x "
+            f"max-client-weight={cfg.max_weight:g}"
+        )
+    if cfg.max_update_norm > 0:
+        delta = _norm(summed, keys.PREFIX_DELTA)
+        ctrl = _norm(summed, keys.PREFIX_CONTROL)
+        if delta > max(weight, 0.0) * cfg.max_update_norm + slack or (
+            ctrl > n * cfg.max_update_norm + slack
+        ):
+            return (
+                f"summed update norm {delta:.6g} (ctrl {ctrl:.6g}) exceeds the bound of "
+                f"{contributors} clients: summed weight {weight:.6g} x max-update-norm="
+                f"{cfg.max_update_norm:g}"
+            )
+    return None
+
+
+def _norm(arrays: Arrays, prefix: str) -> float:
+    """L2 norm of every array under ``prefix``, jointly."""
+    return float(
+        np.sqrt(
+            sum(
+                float(np.sum(v.astype(np.float64) ** 2))
+                for k, v in arrays.items()
+                if k.startswith(prefix)
+            )
+        )
+    )
 
 
 def robust_sum(contributions: list[Arrays], cfg: RobustConfig) -> Arrays:

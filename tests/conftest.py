@@ -24,8 +24,9 @@ MICRO_CHARS_PER_CLIENT = 20_000  # the micro zoo's own corpus size per package
 # --no-loadscope-reorder): the files that take minutes go first, longest first, so the
 # workers do not end on them one after another while the short files wait behind.
 LONG_FILES = (
-    "fleet/test_fleet.py",
     "server/test_flower_engines.py",
+    "fleet/test_fleet_rollout.py",
+    "fleet/test_fleet.py",
     "simulations/test_simulate.py",
     "fedge/test_zoo.py",
     "edge/test_recovery.py",

@@ -19,14 +19,15 @@ import secrets
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from opacus import PrivacyEngine
-from opacus.accountants import RDPAccountant
 
 from strategies.base import ClientHook
+
+if TYPE_CHECKING:  # Opacus loads SciPy (seconds): imported where a DP-SGD round needs it
+    from opacus.accountants import RDPAccountant
 
 _NOISE, _RATE, _STEPS = "noise-multipliers", "sample-rates", "steps"  # accountant history
 State = MutableMapping[str, Any]  # the persisted accountant history (three parallel lists)
@@ -95,6 +96,8 @@ def secure_generator() -> torch.Generator:
 
 def load_accountant(state: State) -> RDPAccountant:
     """Rebuild the client's RDP accountant from its persisted history."""
+    from opacus.accountants import RDPAccountant
+
     accountant = RDPAccountant()
     columns = [state.get(key, []) for key in (_NOISE, _RATE, _STEPS)]
     if not all(isinstance(c, list) for c in columns):
@@ -150,6 +153,8 @@ def train_dpsgd(
         torch.utils.data.TensorDataset(records), batch_size=min(batch_size, len(records))
     )
     optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
+    from opacus import PrivacyEngine
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus warns that secure_mode is off at construction
         engine = PrivacyEngine(accountant="rdp")

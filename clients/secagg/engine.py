@@ -43,6 +43,7 @@ from clients.secagg.rules import (
     check_identities,
     check_neighbourhood,
     check_numbers,
+    check_unmask,
 )
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
@@ -258,29 +259,10 @@ class SecAggClientEngine:
         dropped = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_DROPPED))
         neighbours = wire.unpack_ids(wire.get_bytes(self.state, _S_NEIGHBOURS))
         threshold = int(wire.get_number(self.state, _S_THRESHOLD))
-        if set(active) & set(dropped):
-            raise SecAggProtocolError(
-                "unmask message lists a node as both live and dropped; refusing"
-            )
-        if self.node_id not in active:
-            raise SecAggProtocolError("unmask message lists this node as not live; refusing")
-        if len(active) + len(dropped) != len(set(active) | set(dropped)) or (
-            set(active) | set(dropped)
-        ) != set(neighbours) | {self.node_id}:
-            raise SecAggProtocolError(
-                "unmask message does not split this node's neighbourhood into live and dropped "
-                "nodes (rule: every neighbour exactly once); refusing"
-            )
-        live = len(set(active) - {self.node_id})
-        if live < threshold:
-            raise SecAggProtocolError(
-                f"only {live} live neighbours, below the threshold {threshold} (rule: unmask only "
-                "with at least threshold live neighbours, so no server holds both secrets of a "
-                "node); refusing"
-            )
         sources = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_SOURCES))
         cts = wire.get_bytes_list(rec, wire.KEY_CIPHERTEXTS)
-        if len(sources) != len(cts) or set(sources) - set(active) or self.node_id in sources:
+        check_unmask(self.node_id, neighbours, threshold, active, dropped, sources)
+        if len(sources) != len(cts):
             raise SecAggProtocolError(
                 "unmask message forwards shares that do not match live neighbours"
             )

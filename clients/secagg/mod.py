@@ -18,6 +18,8 @@ from fedge.privacy.wire import KEY_DP_NOISE_STD, MET_DPSGD_EPSILON
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
 from fedge.secagg.vectors import scale_for
+from strategies.registry import robust_config
+from strategies.robust import clip_contribution
 
 # Error code of a refused SecAgg+ message (Flower reserves the small codes).
 ERROR_SECAGG = 640
@@ -35,8 +37,9 @@ MASKED_METRICS = (
 def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Run the SecAgg+ stage a message carries; pass every other message through untouched.
 
-    In the collect stage the mod trains through ``call_next``, then replaces the reply by
-    the masked form of its ``contribution`` with the summable metrics folded into the same
+    In the collect stage the mod trains through ``call_next``, clips the contribution's
+    weight and update to the run's ``max-client-weight`` / ``max-update-norm`` (the server
+    checks only their sum), then replaces the reply by the masked form of its ``contribution`` with the summable metrics folded into the same
     masked vector, so neither the plain contribution nor any client's own metrics leave
     the client. Under distributed DP the metrics stay home: their sum would carry no noise. A refused stage becomes an error reply naming the reason; the server
     counts that node as dropped. The server half is ``server.secagg.aggregator``.
@@ -63,10 +66,12 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
         if record is None:
             raise SecAggProtocolError(f"the train reply has no {keys.REC_CONTRIB!r} record to mask")
         arrays = {k: a.numpy() for k, a in record.items()}
-        _check_range(arrays, rec)
         config = msg.content.config_records.get(keys.REC_CONFIG, ConfigRecord())
         if KEY_DP_NOISE_STD in config:  # the metrics' sum would carry none of the DP noise
+            _check_range(arrays, rec)  # (clipped to C before its noise: never rescaled here)
             return arrays
+        arrays = clip_contribution(arrays, robust_config(dict(config)))  # type: ignore[arg-type]
+        _check_range(arrays, rec)
         return {**arrays, **_metric_arrays(reply.content, rec)}
 
     try:

@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord
 from fedge.errors import FedgeError
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
+from fedge.secagg.config import MAX_NEIGHBOURS
 
 # State fields of the identity pins: packed node ids and their identity keys, never cleared.
 PIN_FIELDS = ("identity-pins", "identity-pin-keys")
@@ -51,6 +52,11 @@ def check_neighbourhood(
     n = len(neighbours)
     if node_id in neighbours or len(set(neighbours)) != n:
         raise SecAggProtocolError("collect message lists this node or a node twice as neighbour")
+    if n > MAX_NEIGHBOURS:
+        raise SecAggProtocolError(
+            f"{n} neighbours, more than the {MAX_NEIGHBOURS} a client accepts (rule: the "
+            "neighbourhoods whose unmask rule is tested, docs/privacy.md); refusing"
+        )
     if n < rules.min_neighbours:
         raise SecAggProtocolError(
             f"{n} neighbours, fewer than this node's secagg-min-neighbours "
@@ -67,6 +73,42 @@ def check_neighbourhood(
         raise SecAggProtocolError(
             f"threshold {threshold} is below this node's secagg-min-threshold "
             f"{rules.min_threshold}; refusing"
+        )
+
+
+def check_unmask(
+    node_id: int,
+    neighbours: list[int],
+    threshold: int,
+    active: list[int],
+    dropped: list[int],
+    sources: list[int],
+) -> None:
+    """Refuse an unmask unless its live and dropped lists split this node's neighbourhood,
+    this node live, with at least ``threshold`` neighbours live, and every forwarded share
+    comes from a live neighbour. What passes reveals the shares of ``sources`` (live) and
+    the pair seeds with ``dropped``: never both for one node."""
+    if set(active) & set(dropped):
+        raise SecAggProtocolError("unmask message lists a node as both live and dropped; refusing")
+    if node_id not in active:
+        raise SecAggProtocolError("unmask message lists this node as not live; refusing")
+    if len(active) + len(dropped) != len(set(active) | set(dropped)) or (
+        set(active) | set(dropped)
+    ) != set(neighbours) | {node_id}:
+        raise SecAggProtocolError(
+            "unmask message does not split this node's neighbourhood into live and dropped "
+            "nodes (rule: every neighbour exactly once); refusing"
+        )
+    live = len(set(active) - {node_id})
+    if live < threshold:
+        raise SecAggProtocolError(
+            f"only {live} live neighbours, below the threshold {threshold} (rule: unmask only "
+            "with at least threshold live neighbours, so no server holds both secrets of a "
+            "node); refusing"
+        )
+    if set(sources) - set(active) or node_id in sources:
+        raise SecAggProtocolError(
+            "unmask message forwards shares that do not match live neighbours"
         )
 
 

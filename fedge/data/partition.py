@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal
-
-from datasets import Dataset
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    NaturalIdPartitioner,
-    Partitioner,
-)
+from typing import TYPE_CHECKING, Literal
 
 from fedge.data.sources import Document
+
+if TYPE_CHECKING:
+    from flwr_datasets.partitioner import Partitioner
 
 Scheme = Literal["natural", "iid", "dirichlet"]
 SCHEMES: tuple[str, ...] = ("natural", "iid", "dirichlet")
@@ -40,6 +35,8 @@ class PartitionSpec:
 
 def partition_documents(docs: list[Document], spec: PartitionSpec) -> dict[str, list[int]]:
     """Client id -> indices into `docs`; every document lands in exactly one client."""
+    from datasets import Dataset  # imported here: a ClientApp reading shards never needs it
+
     dataset = Dataset.from_dict({"index": list(range(len(docs))), "label": [d.label for d in docs]})
     labels = sorted({d.label for d in docs})
     count = spec.num_partitions or len(labels)
@@ -71,6 +68,8 @@ def partition_documents(docs: list[Document], spec: PartitionSpec) -> dict[str, 
 
 
 def _partitioner(spec: PartitionSpec, count: int) -> Partitioner:
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
+
     if spec.scheme == "natural":
         return NaturalIdPartitioner(partition_by="label")
     if spec.scheme == "iid":

@@ -5,6 +5,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fedge import keys
+
+# Most neighbours a client accepts (the neighbourhood, self excluded). Clients refuse more,
+# the server never forms more, and tests/privacy/adversary enumerates the unmask rule against
+# every neighbourhood size up to it and every threshold. The default graph,
+# 2 ceil(log2 n) + 1 neighbours-plus-self, stays below it up to 2^31 clients.
+MAX_NEIGHBOURS = 64
+
+# With example weighting delta/ and meta/weight grow with a client's example count; this
+# divisor (the largest count expected) brings them into the clipping range before quantizing.
+DEFAULT_MAX_WEIGHT = 1000.0
+
+
+def weight_scales(
+    weighting: str, max_weight: float = DEFAULT_MAX_WEIGHT
+) -> tuple[tuple[str, float], ...]:
+    """The ``key_scales`` a strategy's weighting needs: none for uniform, ``max_weight`` for examples."""
+    if weighting != "examples":
+        return ()
+    return ((keys.PREFIX_DELTA, max_weight), (keys.KEY_WEIGHT, max_weight))
+
 
 @dataclass(frozen=True)
 class SecAggConfig:
@@ -38,8 +59,11 @@ class SecAggConfig:
         """Reject settings the protocol cannot run with, naming the field."""
         if isinstance(self.num_shares, float) and not 0 < self.num_shares <= 1:
             raise ValueError(f"num_shares={self.num_shares}: a float must be in (0, 1]")
-        if isinstance(self.num_shares, int) and self.num_shares < 2:
-            raise ValueError(f"num_shares={self.num_shares}: need at least 2")
+        if isinstance(self.num_shares, int) and not 2 <= self.num_shares <= MAX_NEIGHBOURS + 1:
+            raise ValueError(
+                f"num_shares={self.num_shares}: need 2 to {MAX_NEIGHBOURS + 1} (neighbours plus "
+                f"self; clients accept at most {MAX_NEIGHBOURS} neighbours)"
+            )
         t = self.reconstruction_threshold
         if isinstance(t, float) and not 0.5 < t <= 1:
             raise ValueError(
@@ -66,14 +90,15 @@ class SecAggConfig:
                 raise ValueError(f"key_scales[{name!r}]={scale}: must be positive and finite")
 
     def shares_for(self, num_clients: int) -> int:
-        """Return the neighbourhood size (self included) for `num_clients` sampled clients."""
+        """Return the neighbourhood size (self included) for `num_clients` sampled clients,
+        at most ``MAX_NEIGHBOURS + 1`` (a fraction of many clients is capped there)."""
         if self.num_shares is None:
             k = 2 * math.ceil(math.log2(max(num_clients, 2))) + 1
         elif isinstance(self.num_shares, float):
             k = math.ceil(self.num_shares * num_clients)
         else:
             k = self.num_shares
-        return max(2, min(k, num_clients))
+        return max(2, min(k, num_clients, MAX_NEIGHBOURS + 1))
 
     def threshold_for(self, num_neighbours: int) -> int:
         """Return the number of neighbours' shares that rebuild a node's self-mask seed."""

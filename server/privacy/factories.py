@@ -26,9 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from fedge import keys
 from fedge.privacy.wire import KEY_ACCOUNTANT, KEY_DPSGD_NOISE
-from fedge.secagg.config import SecAggConfig
+from fedge.secagg.config import DEFAULT_MAX_WEIGHT, SecAggConfig, weight_scales
 from server.aggregation import PlainAggregator
 from server.budget import NoBudget, PrivacyBudget
 from server.config import RunConfig
@@ -37,6 +36,7 @@ from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggrega
 from server.privacy.config import DPConfig, DPMode
 from server.secagg.aggregator import SecAggPlusAggregator
 from strategies.base import ConfigValue
+from strategies.registry import robust_config
 
 
 def _num(extra: Mapping[str, ConfigValue], key: str, default: float) -> float:
@@ -55,10 +55,7 @@ def secagg_config(cfg: RunConfig) -> SecAggConfig:
     """SecAgg+ settings from the run config; example weighting gets divisors for big values."""
     x = cfg.extra
     shares = _num(x, "secagg-num-shares", 0.0)
-    scales: tuple[tuple[str, float], ...] = ()
-    if cfg.weighting == "examples":
-        w = _num(x, "secagg-max-weight", 1000.0)
-        scales = ((keys.PREFIX_DELTA, w), (keys.KEY_WEIGHT, w))
+    scales = weight_scales(cfg.weighting, _num(x, "secagg-max-weight", DEFAULT_MAX_WEIGHT))
     return SecAggConfig(
         num_shares=None if shares == 0 else _count_or_fraction(shares),
         reconstruction_threshold=_count_or_fraction(_num(x, "secagg-threshold", 2 / 3)),
@@ -96,7 +93,7 @@ def dp_config(cfg: RunConfig, mode: DPMode) -> DPConfig:
 
 def secagg(cfg: RunConfig) -> SecAggPlusAggregator:
     """``aggregator = "server.privacy.factories:secagg"``: SecAgg+ without DP."""
-    return SecAggPlusAggregator(secagg_config(cfg))
+    return SecAggPlusAggregator(secagg_config(cfg), robust_config(cfg.to_mapping()))
 
 
 def central_dp(cfg: RunConfig) -> CentralDPAggregator:
@@ -107,7 +104,8 @@ def central_dp(cfg: RunConfig) -> CentralDPAggregator:
 def secagg_distributed_dp(cfg: RunConfig) -> DistributedDPAggregator:
     """``aggregator = "server.privacy.factories:secagg_distributed_dp"``: clients noise, SecAgg+ sums."""
     return DistributedDPAggregator(
-        SecAggPlusAggregator(secagg_config(cfg)), dp_config(cfg, "distributed")
+        SecAggPlusAggregator(secagg_config(cfg), robust_config(cfg.to_mapping())),
+        dp_config(cfg, "distributed"),
     )
 
 

@@ -24,7 +24,11 @@ def _points(rows: Sequence[Mapping[str, Any]], column: str) -> list[tuple[int, f
     out = []
     for r in rows:
         value = r.get(column)
-        if r.get("status") in ("ok", "empty") and value is not None and math.isfinite(float(value)):
+        if (
+            r.get("status") in ("ok", "empty", "out-of-bounds")
+            and value is not None
+            and math.isfinite(float(value))
+        ):
             out.append((int(r["round"]), float(value)))
     return out
 

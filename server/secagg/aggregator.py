@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -14,10 +15,12 @@ from fedge import keys
 from fedge.privacy.ffa import ffa_enabled, frozen_keys
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
+from fedge.secagg.vectors import scale_for
 from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes
 from server.grid import exchange_messages
 from server.secagg.engine import KeyBook, SecAggRoundFailed, SecAggServerEngine
 from server.secagg.protocol import run_secagg
+from strategies.robust import RobustConfig, aggregate_problem
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +40,15 @@ class SecAggPlusAggregator:
     unmask (to the holders the thresholds need; a second unmask exchange asks the others
     only if some of those stay silent). Each stage waits at most ``cfg.stage_timeout_s`` (collect, which trains, at
     most the loop's timeout when that is longer). When too few clients answer, the round
-    fails: ``summed`` is None. Clients' metrics arrive only as their sum.
+    fails: ``summed`` is None. Clients' metrics arrive only as their sum. A sum that could
+    not be this many clipped contributions (``bounds``: weight and update norm, checked by
+    :meth:`check_bounds`) is returned with ``out_of_bounds`` saying why; the loop keeps the
+    previous global model.
     """
 
-    def __init__(self, cfg: SecAggConfig | None = None) -> None:
+    def __init__(self, cfg: SecAggConfig | None = None, bounds: RobustConfig | None = None) -> None:
         self.cfg = cfg if cfg is not None else SecAggConfig()
+        self.bounds = bounds if bounds is not None else RobustConfig()
         self.keys = KeyBook()
         self.last_failure: str | None = None
         self.min_contributors: int | None = None  # per-round override, set by distributed DP
@@ -127,7 +134,27 @@ class SecAggPlusAggregator:
             for k, v in summed.items()
             if not k.startswith(wire.PREFIX_METRIC)
         }
+        result.out_of_bounds = self.check_bounds(result.summed, len(engine.contributors))
+        if result.out_of_bounds is not None:
+            log.warning("round %d: aggregate rejected: %s", server_round, result.out_of_bounds)
         return result
+
+    def check_bounds(self, summed: Mapping[str, np.ndarray], contributors: int) -> str | None:
+        """Why the unmasked sum cannot be ``contributors`` clipped contributions (None if it can).
+
+        The weight bound is ``max-client-weight``, else the largest weight an honest client can
+        encode (clipping range x its scale); the slack is the quantizer's error, at most
+        2R/levels per value and client (times the largest scale).
+        """
+        weight_range = self.cfg.clipping_range * scale_for(
+            keys.KEY_WEIGHT, dict(self.cfg.key_scales)
+        )
+        bounds = replace(self.bounds, max_weight=self.bounds.max_weight or weight_range)
+        largest = max([1.0, *(scale for _, scale in self.cfg.key_scales)])
+        per_value = 2 * self.cfg.clipping_range / self.cfg.quantization_range * largest
+        size = sum(v.size for v in summed.values())
+        slack = contributors * per_value * max(1.0, float(np.sqrt(size)))
+        return aggregate_problem(dict(summed), contributors, bounds, slack)
 
 
 def _stage_content(stage: str, content: RecordDict, request: RecordDict) -> RecordDict:

@@ -13,6 +13,7 @@ from clients.state import ContextStore
 from fedge import keys
 from fedge.lm import holder
 from fedge.lm.config import TrainConfig
+from fedge.paths import zoo_dir
 from server.aggregation import validate_contribution
 from server.config import RunConfig
 from server.loop import train_content
@@ -48,10 +49,15 @@ def _message(content: RecordDict, message_type: str) -> Message:
 
 
 def _context(partition: int = 1) -> Context:
+    """A node whose model root holds the micro zoo's models (the server names them by name)."""
     return Context(
         run_id=1,
         node_id=7,
-        node_config={"partition-id": partition, "num-partitions": 3},
+        node_config={
+            "partition-id": partition,
+            "num-partitions": 3,
+            "model-root": str(zoo_dir("micro").resolve()),
+        },
         state=RecordDict(),
         run_config={},
     )

@@ -1,16 +1,21 @@
-"""Fixtures of the fleet tests: adapters that fit, collapse acceptance or do not fit; one Serve fleet."""
+"""Fixtures of the fleet tests: adapters that fit, collapse acceptance or do not fit; one Serve fleet
+per worker, put back as started before each test that uses it; the micro target and draft."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from edge.verifier.limits import RateLimitConfig
+from fedge.models import load_causal_lm
 from fedge.zoo import ZooPaths
+from tests.fleet.harness import settled, wait_for
 from tests.redis_server import redis_server
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -99,3 +104,46 @@ def fleet(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Iter
         running.stop()
         if ray.is_initialized():
             ray.shutdown()
+
+
+@pytest.fixture
+def as_started(fleet: Any) -> None:
+    """Each fleet test gets the fleet as it started, whichever tests ran before it (or none).
+
+    Two replicas of the base model, no canary, no rate limits: a test that promoted an
+    adapter or turned autoscaling on leaves a fleet this puts back (in file order, the
+    tests that change the fleet come last, so nothing is redeployed). The fleet test files
+    name it in `pytestmark`; the fleet-less files of this package never start a fleet.
+    """
+    from ray import serve
+
+    from edge.fleet.app import replica_application
+
+    fleet.ingress.set_rate_limits.remote(RateLimitConfig()).result()
+    described = fleet.describe()
+    if described["canary"] is not None:
+        fleet.ingress.set_canary.remote(None).result()
+        serve.delete(described["canary"])
+    baseline = fleet.started_with
+    current = pickle.loads(fleet.ingress.fleet_config.remote().result())
+    shape = ("adapter_dir", "replicas", "min_replicas", "max_replicas")
+    if any(getattr(current, k) != getattr(baseline, k) for k in shape):
+        stable = described["stable"]
+        serve.run(replica_application(baseline), name=stable, route_prefix=None)
+        fleet.ingress.promote.remote(stable, pickle.dumps(baseline)).result()
+        fleet.config = baseline
+    wait_for(lambda: settled(fleet), 180, "the fleet's two replicas, none starting or stopping")
+
+
+@pytest.fixture(scope="package")
+def models(micro_zoo: ZooPaths) -> tuple[PreTrainedModel, PreTrainedModel]:
+    return load_causal_lm(micro_zoo.target_dir), load_causal_lm(micro_zoo.draft_dir)
+
+
+@pytest.fixture(scope="package")
+def prompts(micro_zoo: ZooPaths) -> list[list[int]]:
+    from edge.prompts import heldout_prompts
+    from fedge.models import load_tokenizer
+
+    base = heldout_prompts(load_tokenizer(micro_zoo.target_dir), 8, 40)
+    return [p[: 4 + 5 * i] for i, p in enumerate(base)]

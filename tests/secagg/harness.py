@@ -13,10 +13,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from flwr.simulation import run_simulation
 
 from clients.mods import dispatch_mods
 from fedge import keys
+from simulations.flower_internals import run_ray_simulation
 
 CRASH_KEY = "crash-pids"  # train-config key: comma list of partitions whose training crashes
 BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}}
@@ -79,9 +79,4 @@ def simulate(main: Callable[[Grid], None], client_app: ClientApp, num_nodes: int
     def run(grid: Grid, context: Context) -> None:
         main(grid)
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_nodes,
-        backend_config=BACKEND,  # type: ignore[arg-type]
-    )
+    run_ray_simulation(server_app, client_app, num_nodes, BACKEND)

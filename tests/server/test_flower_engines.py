@@ -30,9 +30,12 @@ BIN = Path(sys.executable).parent
 MARKER = f"fedge-engine-test-{uuid.uuid4().hex}"  # inherited by every process these tests start
 
 
-def _env(flwr_home: Path) -> dict[str, str]:
+def _env(flwr_home: Path, model: Path) -> dict[str, str]:
+    """The processes' environment; the nodes' model root holds the run's model (the server
+    names it by its directory name, each node resolves it under its own root)."""
     return {
         **os.environ,
+        "FEDGE_MODEL_ROOT": str(model.resolve().parent),
         "PATH": f"{BIN}:{os.environ['PATH']}",
         "FLWR_HOME": str(flwr_home),
         "FEDGE_TEST_MARKER": MARKER,
@@ -72,7 +75,7 @@ def test_flwr_run_local_simulation_reuses_the_cached_model(micro_zoo, tmp_path: 
     """
     run_dir = tmp_path / "run"
     home = tmp_path / "flwr"
-    env = _env(home)
+    env = _env(home, micro_zoo.target_dir)
     superlink, http = start_listening(
         lambda port: local_superlink_command(port, home), tmp_path / "superlink.log", env=env
     )
@@ -140,7 +143,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
     logs = tmp_path / "logs"
     logs.mkdir()
     started: dict[str, subprocess.Popen[bytes]] = {}
-    env = _env(home)
+    env = _env(home, micro_zoo.target_dir)
 
     def spawn(name: str, command: Callable[[int], list[str]]) -> int:
         """Start `command(port)` on a free port (retried if taken first); returns the port."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-from server.loop import next_state, updates_in
+from server.aggregation import AggregateResult
+from server.budget import NoBudget
+from server.loop import aggregate_and_account, next_state, updates_in
 from strategies.base import ClientResult, GlobalState, build_contribution, sum_contributions
 from strategies.fedavg import FedAvg
 from strategies.scaffold import Scaffold
@@ -48,3 +52,29 @@ def test_fedprox_partial_work_is_an_update() -> None:
     state = GlobalState(ADAPTER, {}, 0)
     assert updates_in(summed) == 3
     assert next_state(strategy, state, summed, population=3, min_updates=3)[1] == "ok"
+
+
+def test_an_out_of_bounds_secagg_sum_keeps_the_global_model_and_the_run_goes_on() -> None:
+    """An aggregate the SecAgg+ bound rejects (``out_of_bounds``): the round's row says
+    ``out-of-bounds``, the adapter and extras stay, the round counter moves on, no client's
+    state is marked committed; the same sum without the flag moves the adapter."""
+    strategy = FedAvg()
+    state = GlobalState(ADAPTER, strategy.init_extras(ADAPTER), 0)
+    fed = SimpleNamespace(
+        strategy=strategy,
+        state=state,
+        cfg=SimpleNamespace(min_train_nodes=1),
+        budget=NoBudget(),
+        roster=SimpleNamespace(partitions={11: 0, 12: 1}),
+        committed={},
+    )
+    cohort = SimpleNamespace(sampled=[11, 12], population=2, draw=None)
+    result = AggregateResult(_round(strategy, [1.0, 1.0]), accepted=[11, 12])
+    result.out_of_bounds = "summed meta/weight 1e7 exceeds 2 clients x max-client-weight=500"
+    status = aggregate_and_account(fed, cohort, result, 1)  # type: ignore[arg-type]
+    assert status == "out-of-bounds" and fed.committed == {}
+    assert fed.state.server_round == 1 and fed.state.adapter is ADAPTER
+    result.out_of_bounds = None
+    assert aggregate_and_account(fed, cohort, result, 2) == "ok"  # type: ignore[arg-type]
+    np.testing.assert_allclose(fed.state.adapter["a.lora_B"], 1.0)
+    assert fed.committed == {0: 2, 1: 2}

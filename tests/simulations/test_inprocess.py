@@ -19,6 +19,7 @@ from server.config import RunConfig
 from server.grid import ReplyHookGrid
 from server.membership import Roster
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from simulations.runner import client_roots
 from tests.simulations.federations import TINY_TRAINING
 
 FAST = {
@@ -282,7 +283,8 @@ def _run_with_membership(
 
     box = OutcomeBox()
     holder.configure_threads(0)
-    run_inprocess(make_server_app(cfg, on_row=on_row, box=box), grid)
+    with client_roots(cfg):  # the test runs every node: their roots hold its paths
+        run_inprocess(make_server_app(cfg, on_row=on_row, box=box), grid)
     assert box.outcome is not None and box.outcome.status == "completed", box.outcome
     return rows
 

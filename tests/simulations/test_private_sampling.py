@@ -11,6 +11,7 @@ from server.app import OutcomeBox, make_server_app
 from server.config import RunConfig
 from server.sampling import sampled_epsilon
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from simulations.runner import client_roots
 from tests.simulations.federations import CONFIG, client_app
 
 PRIVATE = {
@@ -46,7 +47,8 @@ def test_a_poisson_cohort_is_accounted_at_its_sampling_rate(micro_zoo, tmp_path:
     grid = InProcessGrid(client_app(), DeviceTable(8), tmp_path / "state")
     box = OutcomeBox()
     holder.configure_threads(0)
-    run_inprocess(make_server_app(cfg, box=box), grid)
+    with client_roots(cfg):  # the test runs every node: their roots hold its paths
+        run_inprocess(make_server_app(cfg, box=box), grid)
     assert box.outcome is not None and box.outcome.status == "completed", box.outcome
     rows = MetricsLog(tmp_path / "run").rows()[1:]
     for r, row in enumerate(rows, 1):

@@ -18,6 +18,7 @@ import pytest
 from server.app import OutcomeBox, make_server_app
 from server.config import RunConfig
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from simulations.runner import client_roots
 from tests.simulations.federations import CONFIG, client_app
 
 
@@ -50,7 +51,8 @@ def _run(root: Path, online: list[int], crash_at: int = -1, resume: bool = False
 
     box = OutcomeBox()
     holder.configure_threads(0)
-    run_inprocess(make_server_app(cfg, resume=resume, on_row=on_row, box=box), grid)
+    with client_roots(cfg):  # the test runs every node: their roots hold its paths
+        run_inprocess(make_server_app(cfg, resume=resume, on_row=on_row, box=box), grid)
     return box
 
 

@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 from server.app import OutcomeBox, make_server_app
 from server.config import RunConfig
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from simulations.runner import client_roots
 from tests.simulations.federations import TINY_TRAINING
 
 SMALL = {
@@ -107,9 +108,10 @@ def test_one_federation_round_with_auto_lora_targets(
     app.query()(deployed.query)
     app.train()(deployed.train)
     box = OutcomeBox()
-    run_inprocess(
-        make_server_app(cfg, box=box), InProcessGrid(app, DeviceTable(2), tmp_path / "state")
-    )
+    with client_roots(cfg):  # the test runs every node: their roots hold its model and data
+        run_inprocess(
+            make_server_app(cfg, box=box), InProcessGrid(app, DeviceTable(2), tmp_path / "state")
+        )
     assert box.outcome is not None and box.outcome.status == "completed", box.outcome
     adapter = box.outcome.state.adapter  # type: ignore[union-attr]
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter}

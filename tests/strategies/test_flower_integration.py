@@ -66,3 +66,26 @@ def _instruction() -> Message:
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     return Message(RecordDict(), dst_node_id=2, message_type="train")
+
+
+def test_the_deprecated_run_simulation_is_there_with_the_arguments_fedge_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fedge's Ray simulations call flwr.simulation.run_simulation (deprecated in Flower 1.42,
+    no supported replacement takes app objects) only through flower_internals, which checks it
+    takes server_app, client_app, num_supernodes and backend_config; were Flower to remove it
+    or change those, this fails naming the module."""
+    import flwr.simulation
+
+    assert flower_internals.deprecated_run_simulation() is flwr.simulation.run_simulation
+    monkeypatch.delattr(flwr.simulation, "run_simulation")
+    with pytest.raises(flower_internals.FlowerInternalsChanged, match="flower_internals"):
+        flower_internals.deprecated_run_simulation()
+    monkeypatch.setattr(
+        flwr.simulation,
+        "run_simulation",
+        lambda server_app, client_app, num_supernodes: None,
+        raising=False,
+    )
+    with pytest.raises(flower_internals.FlowerInternalsChanged, match="backend_config"):
+        flower_internals.deprecated_run_simulation()

@@ -1,14 +1,16 @@
-"""The ClientApp: Flower's quickstart shape, with fedge's TrainRound around the loop."""
+"""The ClientApp: Flower's quickstart shape, with fedge's TrainRound around the loop and fedge's
+client mod (this node's privacy policy, SecAgg+ masking when the server runs SecAgg+)."""
 
 from __future__ import annotations
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from clients.mods import dispatch_mods
 from flowerapp.task import Net, evaluate, load_data, train
 from strategies.client import TrainRound
 
-app = ClientApp()
+app = ClientApp(mods=[dispatch_mods])  # a no-op under Flower's FedAvg and fedge's bare strategies
 
 
 @app.train()

@@ -1,4 +1,5 @@
-"""The ServerApp: Flower's quickstart loop; the strategy line picks Flower's FedAvg or fedge's SCAFFOLD."""
+"""The ServerApp: Flower's quickstart loop; the strategy line picks Flower's FedAvg or fedge's
+SCAFFOLD, with or without fedge's SecAgg+."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from flowerapp.task import Net
+from server.secagg.strategy import SecAggPlus
 from strategies.scaffold import Scaffold
 
 app = ServerApp()
 
 
 def make_strategy(name: str, num_nodes: int) -> Strategy:
-    """The one line that differs: Flower's FedAvg or fedge's SCAFFOLD (same sampling knobs)."""
+    """The one line that differs: Flower's FedAvg or fedge's SCAFFOLD, bare or under fedge's
+    SecAgg+ (same sampling knobs)."""
     if name == "scaffold":
         return Scaffold(min_train_nodes=num_nodes, min_available_nodes=num_nodes)
+    if name == "scaffold-secagg":
+        return SecAggPlus(Scaffold(min_train_nodes=num_nodes, min_available_nodes=num_nodes))
     return FedAvg(min_train_nodes=num_nodes, min_available_nodes=num_nodes)
 
 

@@ -1,9 +1,13 @@
 """Attack 4 and its relatives at the policy: non-finite DP numbers, the server's m, max-epsilon alone.
 
-On main ``dp-clip-norm = NaN`` passed every policy comparison, ``dp-min-clients = 1e12``
-passed a min-noise policy with a client noise of std/C = 0.002, and max-epsilon without
-require-dp accepted a message asking for no DP at all (read from main's code; the NaN
-case was also run over Flower messages, ``test_flower_attacks.py``, and did its damage).
+RUN against the code before the fix (commit 23d54ee, in a temporary worktree, a script
+calling its ``check_train`` and ``Ledger`` with the messages below): ``dp-min-clients = 1e12``
+passed a strict policy (require-dp, min-noise 1) while the same message without the claim
+was refused for its client noise std/C = 0.002; a policy with max-epsilon 4 and no
+require-dp accepted a message asking for no DP at all; and after three releases at z = 1
+(one more refused: epsilon 10.7 > 4) ``record_release(nan)`` was accepted and the next
+round passed, the NaN making the ledger's epsilon 0. ``dp-clip-norm = NaN`` was run over
+Flower messages (``test_flower_attacks.py``) and did its damage.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def test_non_finite_dp_numbers_are_refused_naming_the_rule(config: dict[str, obj
 
 
 def test_the_servers_contributor_count_does_not_lower_the_noise_checked() -> None:
+    """On 23d54ee (run) the claim of 1e12 contributors made z = 2000 and the message passed."""
     # std/C = 0.002 on this client; the server claims 1e12 contributors (z would be 2000);
     # the client verifies 1 + 2t - n = 3 contributors: z = 0.002 sqrt(3)
     config = {"dp-clip-norm": 0.05, "dp-noise-std": 0.0001, "dp-min-clients": 1e12}
@@ -74,6 +79,7 @@ def test_the_servers_contributor_count_does_not_lower_the_noise_checked() -> Non
 
 
 def test_max_epsilon_alone_requires_dp() -> None:
+    """On 23d54ee (run) max-epsilon without require-dp accepted a message asking for no DP."""
     msg, context = train({"weighting": "uniform"})
     with pytest.raises(PolicyRefusal, match="implied by max-epsilon"):
         check_train(PrivacyPolicy(max_epsilon=4.0), msg, context)
@@ -86,6 +92,7 @@ def test_evaluate_is_refused_under_a_strict_policy_only() -> None:
 
 
 def test_the_ledger_refuses_a_non_finite_release(tmp_path: Path) -> None:
+    """On 23d54ee (run) a NaN release was recorded and max-epsilon stopped refusing."""
     ledger = Ledger(tmp_path / "ledger.json")
     with pytest.raises(ValueError, match="finite"):
         ledger.record_release(math.nan)

@@ -3,12 +3,15 @@
 A scripted server (``attacker``) sends crafted stage messages to fedge's client engines
 and computes what it can from the replies. Attacks 1 (empty neighbourhood), 2 (invented
 neighbour) and 3 (inconsistent drop-out lists) recovered the victim's exact input when
-run against the code before the fix (commit 23d54ee, 2026-12-02); the new-session and
-non-finite-number cases are read from that code, not run. Now the victim's input stays
-masked and a client refuses, naming the rule it applies.
+run against the code before the fix (commit 23d54ee, 2026-12-02), and so did the new-session
+variant of attack 2 (run there by a script in a temporary worktree); the non-finite-number
+case is read from that code, not run. Now the victim's input stays masked and a client
+refuses, naming the rule it applies.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,8 +19,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, RecordDict
 
 from clients.secagg.engine import ClientRules, SecAggProtocolError
+from clients.secagg.rules import check_neighbourhood, check_unmask
 from fedge.secagg import wire
-from fedge.secagg.config import SecAggConfig
+from fedge.secagg.config import MAX_NEIGHBOURS, SecAggConfig
 from fedge.secagg.crypto import (
     SHARE_PURPOSE,
     derive,
@@ -166,6 +170,60 @@ def test_attack3_fails_for_every_threshold_a_client_accepts(n: int) -> None:
         assert got < t, (n, t, got, refusals)
 
 
+def passes(check: Callable[..., None], *args: object) -> bool:
+    """Whether a client rule lets a message through (it raises to refuse)."""
+    try:
+        check(*args)
+    except SecAggProtocolError:
+        return False
+    return True
+
+
+def neighbour_views(v: int, w: int) -> tuple[bool, bool, bool]:
+    """Neighbour ``w`` of victim ``v``, in the neighbourhood most favourable to the server
+    (MAX_NEIGHBOURS nodes, the lowest threshold it accepts): does it unmask when told "v is
+    live" (revealing its share of v's seed), when told "v dropped" (revealing its pair seed
+    with v), and when told both?"""
+    others = [v, *range(10_000, 10_000 + MAX_NEIGHBOURS - 1)]
+    t = MAX_NEIGHBOURS // 2 + 1
+    live = passes(check_unmask, w, others, t, [w, *others], [], [v])
+    dropped = passes(check_unmask, w, others, t, [w, *others[1:]], [v], [])
+    both = passes(check_unmask, w, others, t, [w, *others], [v], [v])
+    return live, dropped, both
+
+
+def test_attack3_fails_for_every_neighbourhood_and_threshold_the_configuration_allows() -> None:
+    """Attack 3 against the client's own rules, every neighbourhood size 0 to MAX_NEIGHBOURS + 1
+    and every threshold 0 to n + 1 (the real engines above cover n <= 6; beyond, the rules they
+    apply, ``check_neighbourhood`` and ``check_unmask``, are called directly: cheap).
+
+    Victim v with n neighbours, the server's best split: v is told d neighbours dropped (it
+    reveals those pair seeds), those d are told "v is live" (each reveals its share of v's
+    seed), the other n - d "v dropped" (each reveals its pair seed). The rules must accept a
+    collect exactly when n <= MAX_NEIGHBOURS and n/2 < t <= n, let v unmask exactly when
+    n - d >= t, let a neighbour unmask with either view but never with v both live and
+    dropped (one unmask per round is the engine's, tested in tests/secagg); then the server
+    holds d <= n - t < t shares of v's seed: never the seed with all its pair seeds.
+    """
+    v = 0
+    assert neighbour_views(v, 1) == (True, True, False)  # each neighbour: one secret of v
+    for n in range(MAX_NEIGHBOURS + 2):
+        hood = list(range(1, n + 1))
+        for t in range(n + 2):
+            accepted = passes(check_neighbourhood, v, hood, t, ClientRules())
+            assert accepted == (1 <= n <= MAX_NEIGHBOURS and n < 2 * t and t <= n), (n, t)
+            if not accepted:
+                continue
+            best = -1  # the most shares of v's seed with every pair seed known
+            for d in range(n + 1):
+                told_dropped, told_live = hood[:d], hood[d:]
+                victim = passes(check_unmask, v, hood, t, [v, *told_live], told_dropped, told_live)
+                assert victim == (n - d >= t), (n, t, d)
+                if victim:
+                    best = max(best, d)  # d told "v is live", the n - d others "v dropped"
+            assert 0 <= best < t, (n, t, best)
+
+
 def server_keys() -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
     """Two X25519 key pairs the server made for a neighbour it invents."""
     return generate_keypair(), generate_keypair()
@@ -213,9 +271,14 @@ def test_attack2_an_invented_neighbour_is_refused() -> None:
 
 
 def test_attack2_a_new_session_cannot_replace_a_pinned_identity() -> None:
-    """Attack 2 through a new key session: on main an advertise cleared every pin, so keys
-    the server made for a known neighbour were accepted (read from main's code; the
-    invented-neighbour variant above was run and recovered the input)."""
+    """Attack 2 through a new key session, posing as known neighbours (k = 3, t = 2).
+
+    RUN on 23d54ee (a script in a temporary worktree, that code's own wire format): after an
+    honest session in which the victim pinned A and B, an advertise of a new session cleared
+    the pins, the victim accepted a collect naming A and B with key pairs the server made,
+    and the server opened both shares sealed to them, rebuilt the self-mask seed (t = 2),
+    derived both pair seeds and recovered the input to 3.3e-6 (one quantization level is
+    3.8e-6) without sending any unmask message. Now pinned identities span sessions."""
     # Prepare: an honest session in which the victim pins both neighbours' identities
     fed = {31: atk.secret_input(6), 32: atk.secret_input(7), 33: atk.secret_input(8)}
     states: dict[int, ConfigRecord] = {}

@@ -1,0 +1,114 @@
+"""The verifier fleet changing version under load: a rolling restart and canary rollouts.
+
+Apart from `test_fleet.py`, so that the two files run in parallel workers, each on its
+own two-replica fleet. In file order the restart keeps the fleet's shape and the rollout,
+which promotes an adapter, comes last.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedModel
+
+from edge.client import EdgeClient, VerifierClient
+from edge.decoder import DecodeConfig
+from edge.fleet.rollout import RolloutConfig, run_rollout
+from edge.runtime import TorchDraftRuntime
+from tests.fleet.harness import (
+    NEW_TOKENS,
+    Load,
+    decode_with_reopen,
+    draft_agreement,
+    greedy,
+    wait_for,
+)
+
+pytestmark = pytest.mark.usefixtures("as_started")
+
+
+def test_rolling_restart_under_load_fails_no_request_and_replaces_every_replica(
+    fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
+) -> None:
+    target, draft = models
+    expected = [greedy(target, p, NEW_TOKENS) for p in prompts[:4]]
+    wrong: list[str] = []
+
+    def work(client: VerifierClient, i: int) -> None:  # the unchanged edge client, both routes
+        route = "speculative" if i % 2 == 0 else "cloud-only"
+        edge = EdgeClient(
+            TorchDraftRuntime(draft), None, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
+        )
+        tokens = [t for chunk in edge.stream_ids(prompts[i], route) for t in chunk]
+        report = edge.last
+        if tokens != expected[i] or report is None or report.route != route:
+            wrong.append(f"device {i} ({route}): {tokens} != {expected[i]}, {report}")
+
+    wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas before the restart")
+    before = fleet.replica_actors()
+    with Load(fleet.port, work, threads=4) as load:
+        wait_for(lambda: load.done >= 4, 60, "load to start")
+        report = fleet.restart()
+        done = load.done
+        wait_for(lambda: load.done >= done + 4, 60, "requests after the restart")
+    after = fleet.replica_actors()
+    assert load.failures == []
+    assert wrong == []
+    assert len(after) == 2 and not set(after) & set(before)  # every replica is a new one
+    assert (report["before"], report["after"]) == (sorted(before), sorted(after))
+
+
+def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
+    fleet: Any,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+    misfit_adapter: Path,
+    bad_adapter: Path,
+    good_adapter: Path,
+    tmp_path: Path,
+) -> None:
+    target, draft = models
+    # Every session decodes the same prompt, so both arms see one workload: with a prompt per
+    # load thread, which threads' sessions the canary drew decided its acceptance (a 0.14 gap
+    # between identical models), not the adapter. The prompt the draft predicts best leaves the
+    # bad adapter's collapse the most room to show.
+    prompt = max(prompts, key=lambda p: draft_agreement(target, draft, p))
+
+    def work(client: VerifierClient, i: int) -> None:
+        decode_with_reopen(client, draft, prompt, NEW_TOKENS)
+
+    def rollout(adapter: Path, name: str) -> dict[str, Any]:
+        config = RolloutConfig(
+            adapter_dir=adapter,
+            run_dir=tmp_path / name,
+            canary=0.5,
+            window_s=2.0,
+            min_verifies=40,
+            min_sessions=5,
+            max_window_s=60.0,
+            poll_s=0.2,
+            # Acceptance decides here; a canary replica that just started on two shared cores
+            # can be several times slower than the warm stable one (the latency rule has its
+            # own tests in test_policies.py).
+            max_latency_ratio=5.0,
+        )
+        return run_rollout(fleet.ingress, config)
+
+    before = fleet.describe()
+    with Load(fleet.port, work, threads=3) as load:
+        refused = rollout(misfit_adapter, "misfit")
+        assert refused["decision"] == "refused"
+        assert "adapter_model.safetensors" in refused["reasons"][0]
+        assert fleet.describe() == before  # no canary was ever set
+        bad = rollout(bad_adapter, "bad")
+        good = rollout(good_adapter, "good")
+    assert bad["decision"] == "rollback", bad["reasons"]
+    assert any(reason.startswith("acceptance") for reason in bad["reasons"])
+    canary_acceptance = bad["figures"][bad["canary_app"]]["acceptance"]
+    assert canary_acceptance < bad["figures"][bad["stable_app"]]["acceptance"] - 0.05
+    assert good["decision"] == "promote", good["reasons"]
+    assert fleet.describe() == {"stable": good["canary_app"], "canary": None, "fraction": 0.0}
+    assert (tmp_path / "good" / "rollout.json").is_file()
+    assert load.failures == [] and load.done > 0
