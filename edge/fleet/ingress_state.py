@@ -146,7 +146,8 @@ class IngressState:
         if app is not None:
             await self.store.reset_arms((routing.stable, app))
         await self.store.set_routing(
-            replace(routing, canary=app, fraction=fraction if app else 0.0)
+            replace(routing, canary=app, fraction=fraction if app else 0.0),
+            fields=("canary", "fraction"),
         )
         await self.refresh()
 
@@ -154,13 +155,14 @@ class IngressState:
         """Make `app` (serving the pickled FleetConfig `fleet`) the stable application, in one
         step for every ingress."""
         routing = await self.refresh()
-        await self.store.set_routing(replace(routing, stable=app, canary=None, fraction=0.0), fleet)
+        promoted = replace(routing, stable=app, canary=None, fraction=0.0)
+        await self.store.set_routing(promoted, fleet, fields=("stable", "canary", "fraction"))
         await self.refresh()
 
     async def set_rate_limits(self, config: RateLimitConfig) -> None:
         """Replace the fleet's per-device limits (every ingress adopts them on its next call)."""
         routing = await self.refresh()
-        await self.store.set_routing(replace(routing, limits=config))
+        await self.store.set_routing(replace(routing, limits=config), fields=("limits",))
         await self.refresh()
 
     async def fleet_config(self) -> bytes:

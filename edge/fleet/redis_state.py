@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from edge.fleet.state import Routing
+from edge.fleet.state import ROUTING, Routing
 from edge.fleet.stats import ArmStats
 from edge.verifier.rate_config import RateLimitConfig
 
@@ -197,17 +197,17 @@ class RedisState:
             home = (app, replica)
         return _routing(*stored), home
 
-    async def set_routing(self, routing: Routing, fleet: bytes | None = None) -> None:
+    async def set_routing(
+        self, routing: Routing, fleet: bytes | None = None, fields: tuple[str, ...] = ROUTING
+    ) -> None:
+        stored = {
+            "stable": routing.stable,
+            "canary": routing.canary or "",
+            "fraction": repr(routing.fraction),
+            "limits": limits_json(routing.limits),
+        }
         async with self.client.pipeline(transaction=True) as pipe:  # one step for every reader
-            pipe.hset(
-                self.key("routing"),
-                mapping={
-                    "stable": routing.stable,
-                    "canary": routing.canary or "",
-                    "fraction": repr(routing.fraction),
-                    "limits": limits_json(routing.limits),
-                },
-            )
+            pipe.hset(self.key("routing"), mapping={f: stored[f] for f in fields})
             if fleet is not None:
                 pipe.set(self.key("fleet"), fleet)
             await pipe.execute()

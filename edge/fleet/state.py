@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from edge.fleet.stats import ArmStats
 from edge.verifier.limits import DeviceBuckets
 from edge.verifier.rate_config import RateLimitConfig
+
+ROUTING = ("stable", "canary", "fraction", "limits")  # the fields of Routing
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,11 @@ class FleetState(Protocol):
         """The routing and `owner`'s session home (application, replica), in one read."""
         ...
 
-    async def set_routing(self, routing: Routing, fleet: bytes | None = None) -> None:
-        """Replace the routing (and the fleet config when given), at once for every ingress."""
+    async def set_routing(
+        self, routing: Routing, fleet: bytes | None = None, fields: tuple[str, ...] = ROUTING
+    ) -> None:
+        """Write `fields` of `routing` (and the fleet config when given), in one step for every
+        ingress; the other fields stay as stored (another ingress may have just changed them)."""
         ...
 
     async def fleet(self) -> bytes:
@@ -171,8 +176,13 @@ class MemoryState:
         assert self._routing is not None, "FleetState.start first"
         return self._routing, self._sessions.get((owner, session_id))
 
-    async def set_routing(self, routing: Routing, fleet: bytes | None = None) -> None:
-        self._routing = routing
+    async def set_routing(
+        self, routing: Routing, fleet: bytes | None = None, fields: tuple[str, ...] = ()
+    ) -> None:
+        assert self._routing is not None, "FleetState.start first"
+        self._routing = replace(
+            self._routing, **{f: getattr(routing, f) for f in fields or ROUTING}
+        )
         if fleet is not None:
             self._fleet = fleet
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,29 @@ def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
         assert {(await c.target(f"k{i}"))[0] for i in range(32)} == {"fedge-v2"}
         assert recovery(await c.rollout(), await c.describe()) == ("finish", "fedge-v1")
         await c.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_admin_changes_through_two_ingresses_do_not_undo_each_other(
+    fresh_redis: RedisServer,
+) -> None:
+    """Ingress B, whose last read of the routing predates A's canary, sets new limits: the canary
+    stays. Run with the whole routing written back (B's stale copy, as this branch first did):
+    the canary was gone (fraction 0.0)."""
+
+    async def scenario() -> None:
+        a, b = ingress_state(fresh_redis), ingress_state(fresh_redis)
+        await a.start()
+        await b.start()
+        stale = b.routing
+        await a.set_canary("fedge-v2", 0.25)
+        limits = RateLimitConfig(verify_rate=3.0, verify_burst=12)
+        await b.store.set_routing(replace(stale, limits=limits), fields=("limits",))
+        assert await b.describe() == {"stable": "fedge-v1", "canary": "fedge-v2", "fraction": 0.25}
+        assert b.routing.limits == limits
+        await a.store.close()
+        await b.store.close()
 
     asyncio.run(scenario())
 
