@@ -99,3 +99,33 @@ def _task_identity() -> Any:
     """flwr's TaskIdentity class if flwr is already imported (importing it costs a test nothing)."""
     module = sys.modules.get("flwr.supercore.task_identity")
     return getattr(module, "TaskIdentity", None)
+
+
+@pytest.fixture(scope="session")
+def redis_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real redis-server on 127.0.0.1 (password from a file) for the tests that ask for it."""
+    from tests.redis_server import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_redis(redis_instance: Any) -> Any:
+    """The session's Redis, emptied: each test starts from no state (the server, for its URL and
+    password file)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_instance.url, password=redis_instance.password)
+    client.flushall()
+    client.close()
+    return redis_instance
+
+
+@pytest.fixture(params=["memory", "redis"])
+def ingress_state_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """IngressSpec options placing the fleet's state in the ingress's memory or in a real Redis."""
+    if request.param == "memory":
+        return {}
+    server = request.getfixturevalue("fresh_redis")
+    return {"redis_url": server.url, "redis_password_file": server.password_file}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,9 @@ class FleetConfig:
     tls_cert: Path | None = None  # PEM chain and key of the ingress's TLS listener
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # PEM CA of client certificates (mTLS)
+    redis_url: str | None = None  # the shared state of the ingresses (routing, sessions, buckets)
+    redis_password_file: Path | None = None  # its password, read by each ingress at start
+    ingress_replicas: int = 1  # ingresses on one port; more than one needs redis_url
     min_replicas: int = 1  # autoscaling lower bound (used when max_replicas is set)
     max_replicas: int | None = None  # None = no autoscaling
     target_queue: float = 8.0  # autoscaling target: ongoing calls per replica
@@ -66,7 +70,7 @@ class FleetConfig:
     health_period_s: float = 2.0  # Serve probes each replica's verifier health this often
     health_timeout_s: float = 10.0
     replica_cpus: float = 1.0  # logical CPUs each replica reserves in Ray
-    slowdown: float = 1.0  # bench: the rank-0 replica computes this many times slower
+    slow_forward_ms: float = 0.0  # bench: each forward pass of the rank-0 replica takes this longer
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
     tracing: TracingConfig = field(default_factory=TracingConfig)  # ingress and replicas
 
@@ -102,6 +106,15 @@ class FleetConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"FleetConfig.{name} must be >= 1, got {getattr(self, name)}")
         self.rate_limits.check_covers_verify(self.engine.max_draft, "FleetConfig")
+        if self.ingress_replicas < 1:
+            raise ValueError(
+                f"FleetConfig.ingress_replicas must be >= 1, got {self.ingress_replicas}"
+            )
+        if self.ingress_replicas > 1 and self.redis_url is None:
+            raise ValueError(
+                f"FleetConfig.ingress_replicas={self.ingress_replicas} needs redis_url: "
+                "ingresses share their routing, sessions and buckets through Redis"
+            )
         if self.replica_cpus < 0:
             raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
 
@@ -111,22 +124,24 @@ class FleetConfig:
             self.model_dir,
             adapter_dir or self.adapter_dir,
             self.engine,
-            self.slowdown,
+            self.slow_forward_ms,
             replace(self.tracing, service_name=REPLICA_SERVICE),
         )
 
-    def ingress_spec(self, stable_app: str) -> IngressSpec:
-        """The ingress in front of `stable_app`: address, fleet-wide rate limits, tracing."""
+    def ingress_spec(self, stable_app: str, port: int | None = None) -> IngressSpec:
+        """The ingress in front of `stable_app`: address, shared state, limits, tracing."""
         return IngressSpec(
             stable_app,
             self.host,
-            self.port,
+            self.port if port is None else port,
             self.credentials_file,
             self.tls_cert,
             self.tls_key,
             self.tls_client_ca,
             max_inflight=self.max_inflight,
             fleet=pickle.dumps(self),
+            redis_url=self.redis_url,
+            redis_password_file=self.redis_password_file,
             rate_limits=self.rate_limits,
             tracing=replace(self.tracing, service_name=INGRESS_SERVICE),
         )
@@ -295,13 +310,22 @@ def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     }
 
 
-def ingress_application(spec: IngressSpec) -> Any:
-    """The gRPC ingress deployment (one replica, no CPU reserved), bound and ready for `serve.run`."""
+def ingress_application(spec: IngressSpec, replicas: int = 1) -> Any:
+    """The gRPC ingress deployment (`replicas` on one port, no CPU reserved), ready for `serve.run`."""
     from ray import serve
 
-    return serve.deployment(name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})(
-        FleetIngress
-    ).bind(spec)
+    if replicas > 1 and spec.redis_url is None:
+        raise ValueError(f"{replicas} ingress replicas need a redis_url to share their state")
+    return serve.deployment(
+        name="ingress", num_replicas=replicas, ray_actor_options={"num_cpus": 0}
+    )(FleetIngress).bind(spec)
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (several ingresses must bind one known port, not each any)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def start_fleet(config: FleetConfig) -> Fleet:
@@ -311,14 +335,20 @@ def start_fleet(config: FleetConfig) -> Fleet:
     owns_ray = ensure_serve()
     stable = version_app(1)
     serve.run(replica_application(config), name=stable, route_prefix=None)
+    shared_port = config.port or (free_port(config.host) if config.ingress_replicas > 1 else 0)
     ingress = serve.run(
-        ingress_application(config.ingress_spec(stable)),
+        ingress_application(config.ingress_spec(stable, shared_port), config.ingress_replicas),
         name=INGRESS_APP,
         route_prefix=None,
     )
     port = int(ingress.port.remote().result())
     LOG.info(
-        "fleet of %d replicas (%s) on %s:%d", config.replicas, config.policy, config.host, port
+        "fleet of %d replicas (%s) behind %d ingress(es) on %s:%d",
+        config.replicas,
+        config.policy,
+        config.ingress_replicas,
+        config.host,
+        port,
     )
     return Fleet(config, port, ingress, owns_ray)
 

@@ -63,6 +63,19 @@ def fleet_command(
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_client_ca: TlsClientCaOption = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Redis holding the ingresses' shared state (redis://HOST:PORT/DB, rediss:// for "
+            "TLS, unix:///PATH; no password in it); omit to keep it in the one ingress."
+        ),
+    ] = None,
+    redis_password_file: Annotated[
+        Path | None, typer.Option(help="File holding the Redis password (read at start).")
+    ] = None,
+    ingress_replicas: Annotated[
+        int, typer.Option(help="Ingresses sharing the port (more than one needs --redis-url).")
+    ] = 1,
     min_replicas: Annotated[int, typer.Option(help="Autoscaling lower bound.")] = 1,
     max_replicas: Annotated[
         int | None, typer.Option(help="Autoscaling upper bound; omit for a fixed count.")
@@ -91,6 +104,8 @@ def fleet_command(
 
     The ingress authenticates every call (--credentials, --tls-client-ca) before anything
     else; per-device rate limits are enforced there, so they hold across all replicas.
+    With --redis-url the ingresses keep routing, sessions, buckets and rollout progress in
+    Redis: any ingress may die, and --ingress-replicas N share one port.
     """
     from edge.fleet.app import FleetConfig, running_fleet
     from edge.tracing import TracingConfig
@@ -109,6 +124,9 @@ def fleet_command(
         tls_cert=tls_cert,
         tls_key=tls_key,
         tls_client_ca=tls_client_ca,
+        redis_url=redis_url,
+        redis_password_file=redis_password_file,
+        ingress_replicas=ingress_replicas,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
         target_queue=target_queue,

@@ -1,6 +1,7 @@
 """gRPC ingress of the verifier fleet: the `fedge.edge.v1.Verifier` service in front of Ray Serve replicas.
 
-The ingress is a Ray Serve deployment (one replica) that binds a grpc.aio server
+The ingress is a Ray Serve deployment (one or several replicas sharing one port)
+that binds a grpc.aio server
 speaking the same proto as a single verifier, plus the standard health service,
 so an edge client cannot tell a fleet from one process. Its handlers are generic:
 built from the proto's service descriptor, they parse each request only for
@@ -8,8 +9,14 @@ routing hints (session id, tokens), relay its bytes to a replica through a
 deployment handle (whose request router is the load-balancing policy), and
 relay the reply or status back.
 
-Sessions: the ingress remembers which application and replica opened each
-session and hints that replica to the router (session affinity). A session whose
+State: the ingress keeps none of its own. The routing (stable and canary
+applications, the split, the limits, the promoted fleet config), each session's
+home, the token buckets and the canary's figures live in the fleet's shared state
+(`edge.fleet.state`: Redis when configured), read and written by every ingress
+replica (`edge.fleet.ingress_state`), so an ingress can die without losing them.
+
+Sessions: the state remembers which application and replica opened each
+session and the ingress hints that replica to the router (session affinity). A session whose
 replica died or was retired lands on another replica, which answers NOT_FOUND,
 and the edge reopens it from its committed tokens (the proto's recovery path).
 A Generate stream cut by a replica's death resumes on another replica from the
@@ -18,16 +25,15 @@ that moves (a spill, or a drained home) is closed on its old replica when that
 one is alive, fire-and-forget, so its KV cache is freed at once rather than at
 its time-to-live.
 
-Canary: new sessions go to a canary application with a set probability; the
-ingress records per-application figures (acceptance, errors, latency) that the
-rollout controller (edge.fleet.rollout) compares.
+Canary: new sessions go to a canary application with a set probability; every
+ingress records per-application figures (acceptance, errors, latency) into the
+state, which the rollout controller (edge.fleet.rollout) compares.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +44,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from edge.fleet.ingress_spec import SERVICE_NAME, IngressSpec, SwitchableLimits
+from edge.fleet.ingress_state import IngressState
 from edge.fleet.relay import (
     BUSY,
     GONE,
@@ -51,7 +58,8 @@ from edge.fleet.relay import (
     session_of,
 )
 from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_TOKENS
-from edge.fleet.stats import ArmStats, ReplicaFigures
+from edge.fleet.state import Routing, open_state
+from edge.fleet.stats import ReplicaFigures
 from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from edge.proto import verifier_pb2 as pb
 from edge.tracing import server_interceptors, shutdown, tracer_provider
@@ -63,27 +71,19 @@ RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id pe
 RESUME_ATTEMPTS = 3
 CLOSE_TIMEOUT_S = 10.0  # a moved session's CloseSession on its old replica
 CLOSE_WAIT_S = 1.0  # how long a NOT_FOUND waits for that close (a reopen may land there)
-# Relay outcomes after which a session's home replica cannot serve it again: gone there (a dead
-# or stopping replica is reported as NOT_FOUND by the relay) or its version retired. A transient
-# failure (UNAVAILABLE), a full queue (RESOURCE_EXHAUSTED) or a bad request keeps the session
-# where it is, so a retry returns to its replica instead of re-prefilling elsewhere.
-HOME_LOST = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
-SESSION_MAP_LIMIT = 100_000  # oldest sessions are forgotten first (they expire on replicas anyway)
 
 
 class FleetIngress:
-    """Ray Serve deployment class: the fleet's gRPC front door."""
+    """Ray Serve deployment class: the fleet's gRPC front door (one or several replicas)."""
 
     async def __init__(self, spec: IngressSpec) -> None:  # type: ignore[misc]
         self.spec = spec
-        self.stable = spec.stable_app
-        self.fleet = spec.fleet
-        self.canary: str | None = None
-        self.canary_fraction = 0.0
-        # (owner, session id) -> (app, replica id): a session is found only by its owner
-        self.sessions: dict[tuple[str, str], tuple[str, str]] = {}
-        self.versions: dict[str, str] = {}  # session version (model_id/adapter_id) -> app
-        self.arms: dict[str, ArmStats] = {}
+        self.store = open_state(
+            spec.redis_url, spec.redis_password_file, spec.rate_limits.max_devices
+        )
+        declared = Routing(spec.stable_app, limits=spec.rate_limits)
+        self.state = IngressState(self.store, declared, spec.fleet, spec.epoch)
+        routing = await self.state.start()  # a restart adopts the stored routing, limits included
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
         self.moved_sessions = 0  # sessions closed on the replica they moved away from
@@ -91,7 +91,8 @@ class FleetIngress:
         self._handles: dict[str, Any] = {}
         self.health = health.aio.HealthServicer()
         self.admission = Admission(spec.max_inflight)
-        self.limits = SwitchableLimits(spec.rate_limits)
+        self.limits = SwitchableLimits(routing.limits, self.store.buckets)
+        self.state.on_limits = self.limits.configure
         self.tracer_provider = tracer_provider(spec.tracing)
         authenticator = spec.authenticator()  # first: a stranger is traced, charged, relayed never
         interceptors = [] if authenticator is None else [authenticator]
@@ -99,6 +100,7 @@ class FleetIngress:
         limits = [
             ("grpc.max_receive_message_length", spec.max_message_bytes),
             ("grpc.max_send_message_length", spec.max_message_bytes),
+            ("grpc.so_reuseport", 1),  # several ingress replicas on one node share the port
         ]
         self.server = grpc.aio.server(interceptors=interceptors, options=limits)
         self.server.add_generic_rpc_handlers((self._handlers(),))
@@ -107,50 +109,50 @@ class FleetIngress:
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        LOG.info("fleet ingress on %s:%d -> %s", spec.host, self._port, self.stable)
+        LOG.info("fleet ingress on %s:%d -> %s", spec.host, self._port, routing.stable)
 
     # ------------------------------------------------------------------ admin (deployment methods)
     def port(self) -> int:
         """The bound gRPC port."""
         return self._port
 
-    def describe(self) -> dict[str, Any]:
-        """Current applications and traffic split."""
-        return {"stable": self.stable, "canary": self.canary, "fraction": self.canary_fraction}
+    async def describe(self) -> dict[str, Any]:
+        """Current applications and traffic split (the fleet's, whichever ingress answers)."""
+        return await self.state.describe()
 
-    def set_canary(self, app: str | None, fraction: float = 0.0) -> None:
+    async def set_canary(self, app: str | None, fraction: float = 0.0) -> None:
         """Send `fraction` of new sessions to application `app` (None: no canary)."""
-        if app is not None and not 0.0 < fraction <= 1.0:
-            raise ValueError(f"canary fraction must lie in (0, 1], got {fraction}")
-        self.canary, self.canary_fraction = app, (fraction if app else 0.0)
-        if app is not None:
-            self.arms[app] = ArmStats()
-            self.arms[self.stable] = ArmStats()
+        await self.state.set_canary(app, fraction)
 
-    def set_rate_limits(self, config: RateLimitConfig) -> None:
-        """Replace the fleet's per-device limits (fresh buckets; an empty config turns them off)."""
-        self.limits.configure(config)
+    async def set_rate_limits(self, config: RateLimitConfig) -> None:
+        """Replace the fleet's per-device limits (an empty config turns them off)."""
+        await self.state.set_rate_limits(config)
 
-    def fleet_config(self) -> bytes:
+    async def fleet_config(self) -> bytes:
         """The pickled FleetConfig of the stable version (for the rollout controller)."""
-        return self.fleet
+        return await self.state.fleet_config()
 
-    def promote(self, app: str, fleet: bytes) -> None:
+    async def promote(self, app: str, fleet: bytes) -> None:
         """Make `app` (serving the pickled FleetConfig `fleet`) the stable application."""
-        self.stable, self.canary, self.canary_fraction = app, None, 0.0
-        self.fleet = fleet
+        await self.state.promote(app, fleet)
 
-    def arm_stats(self) -> dict[str, dict[str, float]]:
-        """Figures per application since the canary was set."""
-        return {app: stats.summary() for app, stats in self.arms.items()}
+    async def arm_stats(self) -> dict[str, dict[str, float]]:
+        """Figures per application since the canary was set (from every ingress)."""
+        return await self.state.arm_stats()
 
-    def fleet_stats(self) -> dict[str, Any]:
-        """Open sessions per replica, per-replica figures, Generate streams resumed elsewhere."""
-        per_replica: dict[str, int] = {}
-        for _, replica in self.sessions.values():
-            per_replica[replica] = per_replica.get(replica, 0) + 1
+    async def rollout(self) -> dict[str, Any] | None:
+        """The progress of the rollout under way (None: none)."""
+        return await self.state.rollout()
+
+    async def set_rollout(self, progress: dict[str, Any] | None) -> None:
+        """Record a rollout's progress in the fleet's state."""
+        await self.state.set_rollout(progress)
+
+    async def fleet_stats(self) -> dict[str, Any]:
+        """Open sessions per replica (fleet-wide), and this ingress's per-replica figures,
+        Generate streams resumed elsewhere and sessions moved."""
         return {
-            "sessions": per_replica,
+            "sessions": await self.store.sessions_per_replica(),
             "replicas": {replica: figures.summary() for replica, figures in self.replicas.items()},
             "resumed_streams": self.resumed_streams,
             "moved_sessions": self.moved_sessions,
@@ -164,60 +166,10 @@ class FleetIngress:
     async def __del__(self) -> None:
         """Stop answering when Serve retires the ingress; flush its spans."""
         await self.server.stop(1.0)
+        await self.store.close()
         shutdown(self.tracer_provider)
 
     # ------------------------------------------------------------------ routing
-    def _live(self, app: str) -> bool:
-        return app in (self.stable, self.canary)
-
-    def _target(self, session_id: str, owner: str = "", version: str = "") -> tuple[str, str]:
-        """Application and home replica of a call: its session's, or a new session's pick.
-
-        A session this ingress has not seen opens wherever the call lands (the edge
-        opens sessions with their first Verify), so a new session takes part in the
-        canary split; a reopen naming its version returns to the application serving
-        that version while one does (else the stable one refuses it: version gone).
-        """
-        home = self.sessions.get((owner, session_id)) if session_id else None
-        if home is not None:
-            return home if self._live(home[0]) else (self.stable, "")
-        if version:
-            app = self.versions.get(version)
-            return (app, "") if app is not None and self._live(app) else (self.stable, "")
-        if self.canary and random.random() < self.canary_fraction:
-            return self.canary, ""
-        return self.stable, ""
-
-    def _remember(
-        self, method: str, session_id: str, app: str, result: CallResult, owner: str = ""
-    ) -> None:
-        """Keep (or drop) `owner`'s session -> replica map after a relayed unary call."""
-        key = (owner, session_id)
-        if method == "CloseSession" or result.code in HOME_LOST:
-            self.sessions.pop(key, None)  # closed, or its replica can no longer serve it
-            return
-        if result.code != "OK":
-            return
-        if not session_id:
-            return
-        self.sessions[key] = (app, result.replica)
-        while len(self.sessions) > SESSION_MAP_LIMIT:
-            self.sessions.pop(next(iter(self.sessions)))
-
-    def _learn_version(self, reply: Message, app: str) -> None:
-        """Note which application serves the version an open's reply reports."""
-        fields = reply.DESCRIPTOR.fields_by_name
-        if "opened" in fields:  # a Verify: set when it opened its session
-            if not reply.HasField("opened"):
-                return
-            info: Any = reply.opened  # type: ignore[attr-defined]
-        elif "model_id" in fields:  # an OpenSession
-            info = reply
-        else:
-            return
-        if info.model_id:
-            self.versions[f"{info.model_id}/{info.adapter_id}"] = app
-
     def _handle(self, app: str) -> Any:
         """The (cached) deployment handle of `app`'s replicas: one router per application."""
         from ray import serve
@@ -225,7 +177,7 @@ class FleetIngress:
         handle = self._handles.get(app)
         if handle is None:
             handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app)
-            self._handles = {a: h for a, h in self._handles.items() if self._live(a)}
+            self._handles = {a: h for a, h in self._handles.items() if self.state.routing.live(a)}
             self._handles[app] = handle
         return handle
 
@@ -265,7 +217,8 @@ class FleetIngress:
             started = time.perf_counter()
             session_id = session_of(request)
             owner = caller_identity(context.invocation_metadata() or ())
-            app, home = self._target(session_id, owner, str(getattr(request, "version", "")))
+            version = str(getattr(request, "version", ""))
+            app, home = await self.state.target(session_id, owner, version)
             result = await self._relay_unary(name, request, context, app, home)
             self._count(name, request, result.replica, started, 0)
             if home and result.replica and result.replica != home:  # the session moved
@@ -274,12 +227,13 @@ class FleetIngress:
                     await asyncio.wait({closing}, timeout=CLOSE_WAIT_S)  # reopen may be closed
             if result.code == "OK":
                 reply = reply_cls.FromString(result.payload)
-                self._remember(name, session_id or session_of(reply), app, result, owner)
-                self._learn_version(reply, app)
-                self._observe(app, name, request, reply, result.code, started)
+                sid = session_id or session_of(reply)
+                await self.state.remember(name, sid, app, result, owner, home)
+                await self.state.learn_version(reply, app)
+                await self._observe(app, name, request, reply, result.code, started)
                 return reply
-            self._remember(name, session_id, app, result, owner)
-            self._observe(app, name, request, None, result.code, started)
+            await self.state.remember(name, session_id, app, result, owner, home)
+            await self._observe(app, name, request, None, result.code, started)
             await context.abort(grpc.StatusCode[result.code], result.details, result.trailing)
             raise AssertionError("grpc.aio context.abort returned instead of raising")
 
@@ -376,7 +330,7 @@ class FleetIngress:
             request: Message, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Message]:
             started = time.perf_counter()
-            app, _ = self._target("")
+            app, _ = await self.state.target("")
             code, details, trailing = "OK", "", Metadata()
             replica, streamed = "", 0
             async for result in self._relay_stream(name, request, context, app):
@@ -387,7 +341,7 @@ class FleetIngress:
                 streamed += 1
                 yield reply_cls.FromString(result.payload)
             self._count(name, request, replica, started, streamed)
-            self._observe(app, name, request, None, code, started)
+            await self._observe(app, name, request, None, code, started)
             if code != "OK":
                 await context.abort(grpc.StatusCode[code], details, trailing)
 
@@ -445,7 +399,7 @@ class FleetIngress:
         elapsed = time.perf_counter() - started
         figures.record(method, elapsed, routing_tokens(request), opened, streamed)
 
-    def _observe(
+    async def _observe(
         self,
         app: str,
         method: str,
@@ -454,11 +408,8 @@ class FleetIngress:
         code: str,
         started: float,
     ) -> None:
-        """Feed the application's canary figures."""
-        stats = self.arms.get(app)
-        if stats is None:
-            return
+        """Feed the application's canary figures (while a canary runs)."""
         drafted = len(getattr(request, "draft_ids", ()))
         accepted = int(getattr(reply, "accepted", 0)) if reply is not None else 0
         elapsed = time.perf_counter() - started
-        stats.record(method, code, elapsed, drafted, accepted, session_of(request))
+        await self.state.observe(app, method, code, elapsed, drafted, accepted, session_of(request))

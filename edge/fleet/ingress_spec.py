@@ -7,12 +7,15 @@ that the KubeRay builders and the CLI can build a spec without grpc.aio servers.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from edge.fleet.redis_state import check_redis_url
 from edge.tracing import TracingConfig
 from edge.verifier.auth import Authenticator, Credentials, server_credentials
 from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
@@ -24,19 +27,21 @@ INGRESS_SERVICE = "fedge-fleet-ingress"  # service.name of the ingress's spans
 class SwitchableLimits(grpc.aio.ServerInterceptor):
     """The fleet's per-device rate limits, replaceable while the ingress serves (None: off).
 
-    The ingress is the one place every call of the fleet passes, so its buckets
-    bound a device across all replicas (limits in each replica would allow N times
-    the rate).
+    Every call of the fleet passes an ingress, and every ingress charges the same
+    buckets (`shared(kind, rate, burst)`: the fleet state's), so the buckets bound a
+    device across all replicas and ingresses (limits in each would allow N times the
+    rate).
     """
 
-    def __init__(self, config: RateLimitConfig) -> None:
+    def __init__(self, config: RateLimitConfig, shared: Callable[[str, float, int], Any]) -> None:
         self.current: RateLimitInterceptor | None = None
+        self._shared = shared
         self.configure(config)
 
     def configure(self, config: RateLimitConfig) -> None:
-        """Start fresh buckets of `config` (limits off when it limits nothing)."""
+        """Charge the shared buckets at `config`'s rates (limits off when it limits nothing)."""
         self.config = config
-        limiter = RateLimiter(config) if config.enabled else None
+        limiter = RateLimiter(config, shared=self._shared) if config.enabled else None
         self.current = None if limiter is None else RateLimitInterceptor(limiter, SERVICE_NAME)
 
     async def intercept_service(
@@ -68,6 +73,11 @@ class IngressSpec:
     max_message_bytes: int = 4 << 20  # largest request (= the single verifier's)
     max_inflight: int = 4096  # calls held at once; beyond, RESOURCE_EXHAUSTED at once
     fleet: bytes = b""  # the pickled FleetConfig (opaque here: unpickling it would import torch)
+    redis_url: str | None = None  # the fleet's shared state; None: in the (single) ingress
+    redis_password_file: Path | None = None  # the Redis password, read at start
+    # names this deployment of the ingress: its first replica writes the declared routing,
+    # a restarted or second replica adopts the stored one (promotions and canaries survive)
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
     tracing: TracingConfig = field(
         default_factory=lambda: TracingConfig(service_name=INGRESS_SERVICE)
@@ -82,6 +92,10 @@ class IngressSpec:
             raise ValueError("IngressSpec.tls_client_ca needs tls_cert and tls_key")
         if self.max_inflight < 1:
             raise ValueError(f"IngressSpec.max_inflight must be >= 1, got {self.max_inflight}")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)
+        elif self.redis_password_file is not None:
+            raise ValueError("IngressSpec.redis_password_file needs redis_url")
 
     def authenticator(self) -> Authenticator | None:
         """The interceptor naming each caller, reading the credentials file now (None: open)."""

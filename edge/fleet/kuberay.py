@@ -18,6 +18,8 @@ remove on its next reconcile.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,8 +52,14 @@ VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine
     "session_ttl_s": "engine.session_ttl_s",
     "max_sessions_per_device": "engine.max_sessions_per_token",
 }
-SECRET_FILE_ARGS = ("credentials_file", "tls_cert", "tls_key", "tls_client_ca")  # paths
-INGRESS_ARGS = ("stable", "host", "port", *SECRET_FILE_ARGS, *LIMIT_ARGS)  # limits: fleet-wide
+SECRET_FILE_ARGS = (  # paths
+    "credentials_file",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "redis_password_file",
+)
+INGRESS_ARGS = ("stable", "host", "port", "replicas", "redis_url", *SECRET_FILE_ARGS, *LIMIT_ARGS)
 
 
 def _check(args: Mapping[str, Any], known: Any, app: str) -> None:
@@ -87,7 +95,12 @@ def replicas_app(args: dict[str, Any]) -> Any:
 
 
 def ingress_app(args: dict[str, Any]) -> Any:
-    """Serve builder: the gRPC ingress in front of application `stable` on `host:port`."""
+    """Serve builder: `replicas` gRPC ingresses in front of application `stable` on `host:port`.
+
+    Their epoch is a digest of the args: a restarted ingress (or a rebuilt controller)
+    adopts the routing stored in Redis, promotions included, while a changed declaration
+    (a new `stable`, new limits) is written over it.
+    """
     _check(args, INGRESS_ARGS, "ingress")
     if "stable" not in args:
         raise ValueError("ingress application: args.stable (the version application) is required")
@@ -100,6 +113,9 @@ def ingress_app(args: dict[str, Any]) -> Any:
         tls_cert=files["tls_cert"],
         tls_key=files["tls_key"],
         tls_client_ca=files["tls_client_ca"],
+        redis_url=args.get("redis_url"),
+        redis_password_file=files["redis_password_file"],
         rate_limits=RateLimitConfig(**{k: v for k, v in args.items() if k in LIMIT_ARGS}),
+        epoch=hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:32],
     )
-    return ingress_application(spec)
+    return ingress_application(spec, int(args.get("replicas", 1)))

@@ -51,27 +51,29 @@ class ReplicaSpec:
     model_dir: Path
     adapter_dir: Path | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
-    slowdown: float = 1.0  # the rank-0 replica's forward passes take this many times as long
+    slow_forward_ms: float = 0.0  # bench: the rank-0 replica's forward passes each take this
+    # much longer (a fixed delay, so the slowed replica is slower however fast the machine)
     tracing: TracingConfig = field(
         default_factory=lambda: TracingConfig(service_name=REPLICA_SERVICE)
     )
 
     def __post_init__(self) -> None:
-        if self.slowdown < 1.0:
-            raise ValueError(f"ReplicaSpec.slowdown must be >= 1, got {self.slowdown}")
+        if not 0.0 <= self.slow_forward_ms < 10_000:
+            raise ValueError(
+                f"ReplicaSpec.slow_forward_ms must lie in [0, 10000), got {self.slow_forward_ms}"
+            )
 
 
-def _slow_down(model: Any, factor: float) -> None:
-    """Make every forward pass take `factor` times as long, as on a slower machine."""
-    started: list[float] = []
+def _slow_down(model: Any, delay_ms: float) -> None:
+    """Add `delay_ms` to every forward pass, as a slower machine would (the engine waits it out).
 
-    def before(*_: object) -> None:
-        started.append(time.perf_counter())
+    A fixed delay rather than a multiple of the pass: the micro target's pass takes 1-2 ms,
+    so a multiple of it barely slowed the replica on a quiet machine.
+    """
 
     def after(*_: object) -> None:
-        time.sleep((factor - 1.0) * (time.perf_counter() - started.pop()))
+        time.sleep(delay_ms / 1e3)
 
-    model.register_forward_pre_hook(before)
     model.register_forward_hook(after)
 
 
@@ -84,8 +86,9 @@ class VerifierReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         model = load_verifier_model(spec.model_dir, spec.adapter_dir)
-        if spec.slowdown > 1.0 and context.rank.rank == 0:
-            _slow_down(model, spec.slowdown)
+        self.slow_forward_ms = spec.slow_forward_ms if context.rank.rank == 0 else 0.0
+        if self.slow_forward_ms > 0:
+            _slow_down(model, self.slow_forward_ms)
         # the private verifier answers only this replica's relay, which names the caller the
         # ingress authenticated; the secret is made here and never leaves the process
         self._relay_secret = secrets.token_hex(32)
@@ -239,6 +242,13 @@ class VerifierReplica:
         server = self._server.server if self._server is not None else None
         engine = server.engine if server is not None else None
         return len(engine.sessions) if engine is not None else 0
+
+    def added_delay_ms(self, **hints: object) -> float:
+        """The delay added to each of this replica's forward passes (bench: the slowed one)."""
+        pin = self._pinned_elsewhere(hints)
+        if pin:
+            raise LookupError(f"replica {pin} is gone")
+        return self.slow_forward_ms
 
     def __del__(self) -> None:
         """Stop the private verifier when Serve stops the replica (after Serve's own drain)."""

@@ -8,6 +8,14 @@
 4. Promote: the canary application takes every new session and the old one is
    deleted (its sessions reopen on the new replicas, NOT_FOUND -> reopen). Roll
    back: the canary is deleted. The decision and figures go to `rollout.json`.
+
+Every step is recorded in the fleet's shared state before it is taken (`progress`),
+and the routing changes there in one step, so an ingress that dies mid-rollout is
+rebuilt with the canary, its split and its figures, and the controller carries on;
+a controller that dies leaves a record that the next rollout resolves first
+(`recover_rollout`): a promoted canary keeps the traffic and the old version is
+deleted, an unpromoted one is rolled back. No step deletes an application that the
+routing still names.
 """
 
 from __future__ import annotations
@@ -134,12 +142,41 @@ def _observe(ingress: Any, stable: str, canary: str, config: RolloutConfig) -> d
             return {"window_s": elapsed, **figures}
 
 
+def recovery(progress: dict[str, Any] | None, routing: dict[str, Any]) -> tuple[str, str | None]:
+    """What an interrupted rollout (`progress`) needs, given the routing in force now:
+    ("none", None), ("finish", the old version to delete) when its canary was promoted,
+    else ("rollback", the canary to delete)."""
+    if progress is None:
+        return "none", None
+    canary, old = progress["canary"], progress["stable"]
+    if routing["stable"] == canary:
+        return "finish", old if old != canary else None
+    return "rollback", canary if canary != routing["stable"] else None
+
+
+def recover_rollout(ingress: Any) -> str:
+    """Resolve a rollout a dead controller left (`recovery`); returns what was done."""
+    from ray import serve
+
+    progress = ingress.rollout.remote().result()
+    action, doomed = recovery(progress, ingress.describe.remote().result())
+    if action == "rollback" and ingress.describe.remote().result()["canary"] == doomed:
+        ingress.set_canary.remote(None).result()  # off the routing before it is deleted
+    if doomed is not None and doomed in serve.status().applications:
+        serve.delete(doomed)
+    ingress.set_rollout.remote(None).result()
+    if action != "none":
+        LOG.warning("interrupted rollout %s: %s (deleted %s)", progress, action, doomed)
+    return action
+
+
 def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
     """Run one canary rollout against a live fleet's ingress handle; returns the recorded decision."""
     from ray import serve
 
     from edge.fleet.app import replica_application
 
+    recover_rollout(ingress)
     fleet = pickle.loads(ingress.fleet_config.remote().result())
     stable = ingress.describe.remote().result()["stable"]
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -156,6 +193,8 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
         return _write(config.run_dir, record)
     canary = _next_version(stable)
     record["canary_app"] = canary
+    progress = {"stable": stable, "canary": canary, "adapter": str(config.adapter_dir)}
+    ingress.set_rollout.remote({**progress, "phase": "deploying"}).result()
     canary_fleet = replace(fleet, replicas=config.canary_replicas, max_replicas=None)
     try:
         serve.run(
@@ -163,8 +202,10 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
         )
     except Exception as err:  # the replicas could not load it: no traffic was sent
         serve.delete(canary)
+        ingress.set_rollout.remote(None).result()
         record.update(decision="refused", reasons=[f"canary failed to start: {err}"])
         return _write(config.run_dir, record)
+    ingress.set_rollout.remote({**progress, "phase": "observing"}).result()
     ingress.set_canary.remote(canary, config.canary).result()
     figures = _observe(ingress, stable, canary, config)
     decision, reasons = decide(figures[stable], figures[canary], config)
@@ -175,10 +216,12 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
         )  # scale the canary up to the fleet's size before it takes all traffic
         promoted = replace(fleet, adapter_dir=config.adapter_dir)
         ingress.promote.remote(canary, pickle.dumps(promoted)).result()
+        ingress.set_rollout.remote({**progress, "phase": "promoted"}).result()
         serve.delete(stable)
     else:
         ingress.set_canary.remote(None).result()
         serve.delete(canary)
+    ingress.set_rollout.remote(None).result()
     LOG.info("rollout of %s: %s (%s)", config.adapter_dir, decision, "; ".join(reasons))
     return _write(config.run_dir, record)
 

@@ -21,12 +21,13 @@ cannot grow the server's memory.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -37,6 +38,26 @@ DEVICE_KEY = "fedge-device"  # request metadata: the device's id (asserted by th
 RETRY_AFTER_KEY = "fedge-retry-after-ms"  # trailing metadata on a rate-limited call
 VERIFY, GENERATE, PREFILL = "verify", "generate", "prefill"
 BEARER = "bearer "
+T = TypeVar("T")
+
+
+class Buckets(Protocol):
+    """One kind's buckets of every device: here (`DeviceBuckets`) or in a shared store, whose
+    `take` and `refund` return awaitables (the fleet's ingresses share Redis buckets)."""
+
+    rate: float
+    burst: int
+
+    def take(self, device: str, cost: int, debt: bool = False) -> Any: ...
+
+    def refund(self, device: str, amount: int) -> Any: ...
+
+
+async def _settled(value: T | Awaitable[T]) -> T:
+    """`value`, awaited when a shared store returned an awaitable."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
 
 
 class DeviceBuckets:
@@ -92,17 +113,25 @@ class RateLimiter:
     """The verify and generate buckets of every device."""
 
     def __init__(
-        self, config: RateLimitConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: RateLimitConfig,
+        clock: Callable[[], float] = time.monotonic,
+        shared: Callable[[str, float, int], Buckets] | None = None,
     ) -> None:
+        """`shared(kind, rate, burst)`: buckets kept elsewhere (default: in this process)."""
         self.config = config
-        self.buckets: dict[str, DeviceBuckets] = {}
+        self.buckets: dict[str, Buckets] = {}
         for kind, rate, burst in (
             (VERIFY, config.verify_rate, config.verify_burst),
             (GENERATE, config.generate_rate, config.generate_burst),
             (PREFILL, config.prefill_rate, config.prefill_burst),
         ):
             if rate is not None:
-                self.buckets[kind] = DeviceBuckets(rate, burst, config.max_devices, clock)
+                self.buckets[kind] = (
+                    DeviceBuckets(rate, burst, config.max_devices, clock)
+                    if shared is None
+                    else shared(kind, rate, burst)
+                )
 
 
 def device_of(metadata: Sequence[tuple[str, Any]], peer: str) -> str:
@@ -191,21 +220,21 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
         exceed its burst (a long prompt goes through on a full bucket and leaves it in debt).
         """
         device = device_of(tuple(context.invocation_metadata() or ()), context.peer())
-        taken: list[tuple[DeviceBuckets, int]] = []
+        taken: list[tuple[Buckets, int]] = []
         for kind, cost, field in charges:
             buckets = self._limiter.buckets.get(kind)
             if buckets is None or cost <= 0:
                 continue
             if cost > buckets.burst and kind != PREFILL:
-                _refund(device, taken)
+                await _refund(device, taken)
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{field}: {cost} tokens exceed the per-device burst of {buckets.burst}; "
                     f"ask for at most {buckets.burst} per call",
                 )
-            wait_s = buckets.take(device, cost, debt=kind == PREFILL)
+            wait_s = await _settled(buckets.take(device, cost, debt=kind == PREFILL))
             if wait_s > 0:
-                _refund(device, taken)
+                await _refund(device, taken)
                 wait_ms = math.ceil(wait_s * 1000)
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -230,7 +259,7 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
     def _limited_stream(
         self,
         behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
-        buckets: DeviceBuckets,
+        buckets: Buckets,
     ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
         """A Generate that reserves `max_new_tokens` and refunds what it did not stream."""
 
@@ -244,7 +273,7 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
                     yield reply
             finally:
                 if sent < cost:
-                    buckets.refund(device, cost - sent)
+                    await _settled(buckets.refund(device, cost - sent))
 
         return generate
 
@@ -266,7 +295,7 @@ def _open_costs(request: Any) -> list[tuple[str, int, str]]:
     return [(PREFILL, len(request.prompt_ids), "prompt_ids")]
 
 
-def _refund(device: str, taken: list[tuple[DeviceBuckets, int]]) -> None:
+async def _refund(device: str, taken: list[tuple[Buckets, int]]) -> None:
     """Give back what a refused call had been charged."""
     for buckets, cost in taken:
-        buckets.refund(device, cost)
+        await _settled(buckets.refund(device, cost))

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
+from urllib.parse import urlsplit
 
 import click
 import jsonschema
@@ -499,8 +500,9 @@ def serve_config_problems(config: Obj) -> list[str]:
 
 
 def fleet_problems(objects: list[Obj]) -> list[str]:
-    """The fleet shape: schemas, Serve config, and what ties the ingress, head pod and Service."""
-    kinds = {o["kind"]: o for o in objects}
+    """The fleet shape: schemas, Serve config, and what ties the ingress, head pod and Service;
+    then its Redis (`redis_problems`)."""
+    kinds = {o["kind"]: o for o in objects if o["metadata"]["name"] == "fedge-fleet"}
     if "NetworkPolicy" not in kinds:
         return ["no NetworkPolicy: Ray's ports are open to every pod in the cluster"]
     rayservice, service, policy = kinds["RayService"], kinds["Service"], kinds["NetworkPolicy"]
@@ -556,6 +558,65 @@ def fleet_problems(objects: list[Obj]) -> list[str]:
                 )
     if cluster.get("rayVersion") != ray.__version__:
         problems.append(f"rayVersion {cluster.get('rayVersion')} is not Ray {ray.__version__}")
+    for application in config["applications"]:
+        for override in application.get("deployments", []):
+            wanted = override.get("ray_actor_options", {}).get("resources", {})
+            count = int((application.get("args") or {}).get("replicas", 1))
+            for resource, amount in wanted.items():
+                if head_resources.get(resource, 0) < amount * count:
+                    problems.append(
+                        f"{application['name']}'s {count} replicas need {amount * count} "
+                        f"{resource!r}; the head offers {head_resources.get(resource, 0)}"
+                    )
+    return problems + redis_problems(objects, ingress_args, head["template"])
+
+
+def redis_problems(objects: list[Obj], ingress_args: Obj, head: Obj) -> list[str]:
+    """The ingress keeps its state in the fedge-redis Service: a Deployment it selects, its
+    password a documented Secret's file on both sides, only the fleet's pods admitted."""
+    named = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    deployment = named.get(("Deployment", "fedge-redis"))
+    service = named.get(("Service", "fedge-redis"))
+    policy = named.get(("NetworkPolicy", "fedge-redis"))
+    if deployment is None or service is None:
+        return ["no Redis Deployment and Service fedge-redis: the ingresses' state has no home"]
+    problems = [p for o in (deployment, service, policy) if o for p in schema_problems(o)]
+    if problems:
+        return problems
+    template = deployment["spec"]["template"]
+    problems += deployment_problems(deployment) + service_problems(service, template)
+    url = urlsplit(str(ingress_args.get("redis_url") or ""))
+    if (url.hostname, url.port) != ("fedge-redis", service["spec"]["ports"][0]["port"]):
+        problems.append(
+            f"the ingress must keep its state in the fedge-redis Service (redis_url), "
+            f"got {ingress_args.get('redis_url')!r}"
+        )
+    (head_container,) = head["spec"]["containers"]
+    password = {"redis_password_file": ingress_args.get("redis_password_file")}
+    if password["redis_password_file"] is None:
+        problems.append("the ingress needs redis_password_file (a Redis without a password)")
+    problems += secret_problems(head["spec"], head_container, password)
+    containers = template["spec"].get("initContainers", []) + template["spec"]["containers"]
+    secrets = {v["secret"]["secretName"] for v in template["spec"]["volumes"] if "secret" in v}
+    if not secrets & documented_secrets():
+        problems.append("Redis reads no password from a documented Secret's file")
+    for container in containers:
+        problems += secret_problems(template["spec"], container, {})
+        if "requirepass" in " ".join(container.get("args", [])):
+            problems.append(f"{container['name']}: the Redis password is in its arguments")
+    if policy is None:
+        return [*problems, "no NetworkPolicy fedge-redis: every pod could read the fleet's state"]
+    selected = policy["spec"]["podSelector"].get("matchLabels", {})
+    labels = template["metadata"]["labels"]
+    if not selected or any(labels.get(k) != v for k, v in selected.items()):
+        problems.append(f"NetworkPolicy fedge-redis selects {selected}, not the Redis pod")
+    fleet_only = {"fedge.io/fleet": "fedge-fleet"}
+    for rule in policy["spec"].get("ingress", []):
+        peers = rule.get("from", [])
+        if not peers or any(
+            p.get("podSelector", {}).get("matchLabels") != fleet_only for p in peers
+        ):
+            problems.append(f"NetworkPolicy fedge-redis admits {peers or 'everyone'} to Redis")
     return problems
 
 
@@ -589,7 +650,7 @@ def network_policy_problems(policy: Obj, templates: list[Obj], ingress_port: int
 
 
 def fleet_shape() -> list[Obj]:
-    return load("fleet-rayservice.yaml")
+    return load("fleet-rayservice.yaml") + load("fleet-redis.yaml")
 
 
 def test_fleet_manifests_pass_every_check() -> None:
@@ -599,7 +660,10 @@ def test_fleet_manifests_pass_every_check() -> None:
     Main's manifest fails it: no NetworkPolicy (any pod could submit a Ray job or call
     `promote`), no Ray token auth, the shared token in every pod's environment (checked)."""
     objects = fleet_shape()
-    assert [o["kind"] for o in objects] == ["RayService", "Service", "NetworkPolicy"]
+    assert [o["kind"] for o in objects] == [
+        *("RayService", "Service", "NetworkPolicy"),
+        *("PersistentVolumeClaim", "Deployment", "Service", "NetworkPolicy"),  # its Redis
+    ]
     assert fleet_problems(objects) == []
 
 
@@ -730,6 +794,48 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "ingress without TLS": (
         _serve(lambda c: [c["applications"][1]["args"].pop(k) for k in ("tls_cert", "tls_key")]),
         "the ingress must serve TLS",
+    ),
+    "no Redis for the ingresses' state": (
+        lambda o: o.pop(4),
+        "no Redis Deployment and Service fedge-redis",
+    ),
+    "ingress without redis_url": (
+        _serve(lambda c: c["applications"][1]["args"].pop("redis_url")),
+        "must keep its state in the fedge-redis Service",
+    ),
+    "ingress keeping its state in another Redis": (
+        _serve(lambda c: c["applications"][1]["args"].update(redis_url="redis://cache:6379/0")),
+        "must keep its state in the fedge-redis Service",
+    ),
+    "Redis password in the URL": (
+        _serve(
+            lambda c: c["applications"][1]["args"].update(redis_url="redis://:pw@fedge-redis:6379")
+        ),
+        "carries a password",
+    ),
+    "Redis password file outside a Secret volume": (
+        _serve(lambda c: c["applications"][1]["args"].update(redis_password_file="/models/pw")),
+        "redis_password_file /models/pw is not in a volume of a Secret",
+    ),
+    "Redis password in its arguments": (
+        lambda o: o[4]["spec"]["template"]["spec"]["containers"][0]["args"].extend(
+            ["--requirepass", "pw"]
+        ),
+        "the Redis password is in its arguments",
+    ),
+    "Redis open to every pod": (
+        lambda o: o[6]["spec"]["ingress"][0].pop("from"),
+        "NetworkPolicy fedge-redis admits everyone",
+    ),
+    "no NetworkPolicy for Redis": (
+        lambda o: o.pop(6),
+        "no NetworkPolicy fedge-redis",
+    ),
+    "two ingress replicas, room for one on the head": (
+        lambda o: _cluster(o)["headGroupSpec"]["rayStartParams"].update(
+            resources='"{\\"fedge_ingress\\": 1}"'
+        ),
+        "2 replicas need 2 'fedge_ingress'; the head offers 1",
     ),
     "ingress credentials outside a Secret volume": (
         _serve(lambda c: c["applications"][1]["args"].update(credentials_file="/models/devices")),

@@ -8,11 +8,13 @@ import contextlib
 import datetime
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from edge.fleet.ingress import FleetIngress, IngressSpec
+
+T = TypeVar("T")
 
 
 def write_credentials(directory: Path, devices: list[str]) -> tuple[Path, dict[str, str]]:
@@ -62,8 +64,14 @@ def client_certificate(
 class LocalIngress(FleetIngress):
     """The ingress outside Serve: its teardown is awaited by `running_ingress`, not the collector."""
 
+    loop: asyncio.AbstractEventLoop
+
     def __del__(self) -> None:
         return None
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run one of the ingress's coroutines on its loop (its store's client lives there)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
 
 
 class NoReplicas:
@@ -100,6 +108,7 @@ def running_ingress(spec: IngressSpec) -> Iterator[tuple[LocalIngress, NoReplica
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     front = LocalIngress.__new__(LocalIngress)  # what Serve does: construct, then await __init__
+    front.loop = loop
     asyncio.run_coroutine_threadsafe(front.__init__(spec), loop).result()  # type: ignore[func-returns-value]
     replicas = NoReplicas()
     front._handle = lambda app: replicas  # type: ignore[method-assign]

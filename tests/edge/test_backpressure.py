@@ -96,7 +96,7 @@ def test_the_ingress_maps_each_relay_failure_to_what_the_edge_should_do(
     its whole context on overload or a bug (checked on main)."""
     with running_ingress(IngressSpec("fedge-v1")) as (front, replicas):
         replicas.fail = fault
-        front._remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"))
+        front.call(front.state.remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1")))
         stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{front.port()}"))
         with pytest.raises(grpc.RpcError) as failed:
             stub.Verify(pb.VerifyRequest(session_id="s1", draft_ids=[4]), timeout=10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -139,34 +140,62 @@ def test_opens_and_reopens_pay_for_the_tokens_they_prefill(
     stub.CloseSession(pb.CloseSessionRequest(session_id="c1"), metadata=carol)
 
 
-def test_the_ingress_finds_a_session_only_for_its_owner() -> None:
+def test_the_ingress_finds_a_session_only_for_its_owner(
+    ingress_state_options: dict[str, Any],
+) -> None:
     """The fleet ingress maps a session to its replica per owner: mallory naming alice's session
     is routed as a new session, and her NOT_FOUND there leaves alice's affinity in place.
 
     On main the map was keyed by session id alone: mallory's call went to alice's replica and
     its NOT_FOUND dropped alice's entry, so alice's next verify landed anywhere and re-prefilled
     (checked on main)."""
-    with running_ingress(IngressSpec("fedge-v1")) as (front, _):
-        front._remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice")
-        assert front._target("s1", "mallory") == ("fedge-v1", "")
-        front._remember("Verify", "s1", "fedge-v1", CallResult("NOT_FOUND"), "mallory")
-        front._remember("CloseSession", "s1", "fedge-v1", CallResult("OK", replica="r2"), "mallory")
-        assert front._target("s1", "alice") == ("fedge-v1", "r1")
+    with running_ingress(IngressSpec("fedge-v1", **ingress_state_options)) as (front, _):
+        front.call(
+            front.state.remember(
+                "Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice"
+            )
+        )
+        assert front.call(front.state.target("s1", "mallory")) == ("fedge-v1", "")
+        front.call(
+            front.state.remember("Verify", "s1", "fedge-v1", CallResult("NOT_FOUND"), "mallory")
+        )
+        front.call(
+            front.state.remember(
+                "CloseSession", "s1", "fedge-v1", CallResult("OK", replica="r2"), "mallory"
+            )
+        )
+        assert front.call(front.state.target("s1", "alice")) == ("fedge-v1", "r1")
 
 
-def test_the_ingress_forgets_a_session_whose_home_can_no_longer_serve_it() -> None:
+def test_the_ingress_forgets_a_session_whose_home_can_no_longer_serve_it(
+    ingress_state_options: dict[str, Any],
+) -> None:
     """A session whose replica lost it (NOT_FOUND), or whose close failed there (UNAVAILABLE), leaves
     the map; a full queue (RESOURCE_EXHAUSTED) keeps it on its replica.
 
     Before, only NOT_FOUND and a successful close removed an entry: once relay failures were
     told apart, a session on a killed replica stayed mapped to it (the fleet's replica-kill test
     failed once in CI on that leftover entry)."""
-    with running_ingress(IngressSpec("fedge-v1")) as (front, _):
+    with running_ingress(IngressSpec("fedge-v1", **ingress_state_options)) as (front, _):
         for sid in ("dead", "closing", "busy"):
-            front._remember("Verify", sid, "fedge-v1", CallResult("OK", replica="r1"), "alice")
-        front._remember("Verify", "dead", "fedge-v1", CallResult("NOT_FOUND"), "alice")
-        front._remember("CloseSession", "closing", "fedge-v1", CallResult("UNAVAILABLE"), "alice")
-        front._remember("Verify", "busy", "fedge-v1", CallResult("RESOURCE_EXHAUSTED"), "alice")
-        assert front.fleet_stats()["sessions"] == {"r1": 1}
-        assert front._target("busy", "alice") == ("fedge-v1", "r1")
-        assert front._target("dead", "alice") == ("fedge-v1", "")
+            front.call(
+                front.state.remember(
+                    "Verify", sid, "fedge-v1", CallResult("OK", replica="r1"), "alice"
+                )
+            )
+        front.call(
+            front.state.remember("Verify", "dead", "fedge-v1", CallResult("NOT_FOUND"), "alice")
+        )
+        front.call(
+            front.state.remember(
+                "CloseSession", "closing", "fedge-v1", CallResult("UNAVAILABLE"), "alice"
+            )
+        )
+        front.call(
+            front.state.remember(
+                "Verify", "busy", "fedge-v1", CallResult("RESOURCE_EXHAUSTED"), "alice"
+            )
+        )
+        assert front.call(front.fleet_stats())["sessions"] == {"r1": 1}
+        assert front.call(front.state.target("busy", "alice")) == ("fedge-v1", "r1")
+        assert front.call(front.state.target("dead", "alice")) == ("fedge-v1", "")

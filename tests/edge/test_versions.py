@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -103,19 +104,29 @@ def test_a_session_whose_version_is_gone_is_told_so_and_restarts_on_the_new_one(
         client.close_channel()
 
 
-def test_the_ingress_returns_a_reopen_to_its_version_not_to_the_canary() -> None:
+def test_the_ingress_returns_a_reopen_to_its_version_not_to_the_canary(
+    ingress_state_options: dict[str, Any],
+) -> None:
     """A session opened on the stable version reopens (its replica lost) on that version, though
     every new session goes to the canary; a version no application serves goes to the stable one.
 
     On main a reopen took part in the canary split again: with the canary at 100% it moved the
     session onto the canary's weights mid-decode (checked on main)."""
-    with running_ingress(IngressSpec("fedge-v1")) as (front, _):
+    with running_ingress(IngressSpec("fedge-v1", **ingress_state_options)) as (front, _):
         opened = pb.VerifyReply(opened=pb.SessionInfo(model_id="m1", adapter_id="a1"))
-        front._learn_version(opened, "fedge-v1")
-        front._learn_version(pb.OpenSessionReply(model_id="m1", adapter_id="a2"), "fedge-v2")
-        front._remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice")
-        front.set_canary("fedge-v2", 1.0)
-        assert front._target("new", "alice") == ("fedge-v2", "")
-        assert front._target("s2", "alice", "m1/a1") == ("fedge-v1", "")
-        assert front._target("s2", "alice", "m1/a2") == ("fedge-v2", "")
-        assert front._target("s2", "alice", "m0/") == ("fedge-v1", "")
+        front.call(front.state.learn_version(opened, "fedge-v1"))
+        front.call(
+            front.state.learn_version(
+                pb.OpenSessionReply(model_id="m1", adapter_id="a2"), "fedge-v2"
+            )
+        )
+        front.call(
+            front.state.remember(
+                "Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice"
+            )
+        )
+        front.call(front.set_canary("fedge-v2", 1.0))
+        assert front.call(front.state.target("new", "alice")) == ("fedge-v2", "")
+        assert front.call(front.state.target("s2", "alice", "m1/a1")) == ("fedge-v1", "")
+        assert front.call(front.state.target("s2", "alice", "m1/a2")) == ("fedge-v2", "")
+        assert front.call(front.state.target("s2", "alice", "m0/")) == ("fedge-v1", "")

@@ -16,6 +16,7 @@ from edge.verifier.limits import RateLimitConfig
 from fedge.models import load_causal_lm
 from fedge.zoo import ZooPaths
 from tests.fleet.harness import settled, wait_for
+from tests.redis_server import redis_server
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -74,29 +75,35 @@ def misfit_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="package")
-def fleet(micro_zoo: ZooPaths) -> Iterator[Any]:
-    """One Serve fleet of two micro-target replicas on 127.0.0.1 for every fleet test; Ray stops after."""
+def fleet(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One Serve fleet of two micro-target replicas on 127.0.0.1 for every fleet test, its ingress
+    keeping its state in a real Redis (on a fixed port, so a rebuilt ingress binds it again);
+    Ray and Redis stop after."""
     import ray
 
-    from edge.fleet.app import FleetConfig, start_fleet
+    from edge.fleet.app import FleetConfig, free_port, start_fleet
     from edge.verifier.engine import EngineConfig
 
-    config = FleetConfig(
-        micro_zoo.target_dir,
-        replicas=2,
-        replica_cpus=0.0,  # the tests' two cores are shared; Ray must not wait for free CPUs
-        health_period_s=1.0,
-        # a probe slowed by the suite's other workers must not get a live replica replaced
-        # (its sessions would reopen); a drained or dead replica fails its probe at once
-        health_timeout_s=30.0,
-        engine=EngineConfig(max_draft=8),
-    )
-    running = start_fleet(config)
-    running.started_with = config  # type: ignore[attr-defined]  # what a test may restore
-    yield running
-    running.stop()
-    if ray.is_initialized():
-        ray.shutdown()
+    with redis_server(tmp_path_factory.mktemp("fleet-redis")) as redis:
+        config = FleetConfig(
+            micro_zoo.target_dir,
+            replicas=2,
+            port=free_port("127.0.0.1"),
+            redis_url=redis.url,
+            redis_password_file=redis.password_file,
+            replica_cpus=0.0,  # the tests' two cores are shared; Ray must not wait for free CPUs
+            health_period_s=1.0,
+            # a probe slowed by the suite's other workers must not get a live replica replaced
+            # (its sessions would reopen); a drained or dead replica fails its probe at once
+            health_timeout_s=30.0,
+            engine=EngineConfig(max_draft=8),
+        )
+        running = start_fleet(config)
+        running.started_with = config  # type: ignore[attr-defined]  # what a test may restore
+        yield running
+        running.stop()
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 @pytest.fixture

@@ -2,8 +2,9 @@
 
 One fleet (two micro-target replicas) serves every test of this file: a session moved
 off its replica freed there, the edge client against it, per-device limits, a drained
-replica, device-owned sessions over TLS, a replica killed under load, and last autoscaling
-(which changes the fleet's size, so it comes last). Rolling restart and rollouts are in
+replica, device-owned sessions over TLS, a replica killed under load, the ingress killed
+after a promotion (its state in Redis), and last autoscaling (which changes the fleet's
+size, so it comes last). Rolling restart and rollouts are in
 `test_fleet_rollout.py`, on their own fleet when the two files run in different workers.
 Each test starts on the fleet as started (`as_started`), so any order or selection runs.
 """
@@ -324,6 +325,59 @@ def test_replica_killed_under_load_fails_no_request(
     assert victim_id not in fleet.ingress.fleet_stats.remote().result()["sessions"]
 
 
+def test_an_ingress_killed_after_a_promotion_comes_back_with_the_fleets_state(
+    fleet: Any,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """The fleet's ingress keeps its state in Redis. It is told a promotion (the stable version
+    with a new fleet config) and new limits; then its actor is killed and Serve rebuilds it from
+    its original spec, on the same port. The rebuilt ingress reports the promoted config and
+    enforces the new limits (a verify above their burst is refused naming it), and the edge
+    client decodes through it exactly as the target would.
+
+    On main Serve rebuilt the ingress from its spec alone: the promoted config (the adapter the
+    next restart deploys), the limits and, after a real promotion, the stable application were
+    the ones it was first deployed with. Run with this fleet's state in the ingress's memory
+    (no Redis, as on main): the rebuilt ingress reported the first config (target_queue 8.0)."""
+    import ray
+
+    target, draft = models
+    stable = fleet.describe()["stable"]
+    promoted = replace(fleet.started_with, target_queue=7.0)
+    limits = RateLimitConfig(verify_rate=1000.0, verify_burst=9)
+    fleet.ingress.promote.remote(stable, pickle.dumps(promoted)).result()
+    fleet.ingress.set_rate_limits.remote(limits).result()
+
+    def ingress_actors() -> set[str]:
+        prefix = "SERVE_REPLICA::fedge-ingress#"
+        return {
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)
+        }
+
+    (killed,) = ingress_actors()
+    ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
+    try:
+        wait_for(lambda: ingress_actors() - {killed} != set(), 60, "Serve to rebuild the ingress")
+        assert int(fleet.ingress.port.remote().result()) == fleet.port
+        assert fleet.describe()["stable"] == stable
+        config = pickle.loads(fleet.ingress.fleet_config.remote().result())
+        assert config.target_queue == 7.0
+        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{fleet.port}"))
+        too_long = pb.VerifyRequest(session_id="k", committed_ids=[3, 4], draft_ids=[5] * 9)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Verify(too_long, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert "burst of 9" in refused.value.details()  # type: ignore[attr-defined]
+        with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}", timeout_s=60)) as client:
+            tokens, _ = decode_with_reopen(client, draft, prompts[0], NEW_TOKENS)
+        assert tokens == greedy(target, prompts[0], NEW_TOKENS)
+    finally:
+        fleet.ingress.promote.remote(stable, pickle.dumps(fleet.started_with)).result()
+
+
 def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
     fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
 ) -> None:
@@ -346,6 +400,9 @@ def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
         scaling_metrics_s=0.5,
     )
     serve.run(replica_application(scaling), name=stable, route_prefix=None)
+    # the fleet's config says so, so `as_started` puts the fixed two back for the next test
+    # (else that test raced the autoscaler's idle downscale while its fixtures were set up)
+    fleet.ingress.promote.remote(stable, pickle.dumps(scaling)).result()
     seen: list[tuple[int, int]] = []  # (running, running + starting) at every look
 
     def replicas() -> int:

@@ -1,0 +1,206 @@
+"""The fleet's shared state on a real Redis server: several ingresses agree, a rebuilt one carries on.
+
+No Ray here: the ingress's routing logic (`IngressState`) and the real ingress class
+(`running_ingress`, its gRPC server outside Serve) run against a real redis-server on
+127.0.0.1 (`fresh_redis`, tests/conftest.py), emptied before each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from edge.fleet.app import FleetConfig
+from edge.fleet.ingress import IngressSpec
+from edge.fleet.ingress_state import IngressState
+from edge.fleet.redis_state import RedisState
+from edge.fleet.rollout import recovery
+from edge.fleet.state import MemoryState, Routing
+from edge.fleet.wire import CallResult
+from edge.verifier.limits import VERIFY, RateLimiter
+from edge.verifier.rate_config import RateLimitConfig
+from tests.edge.harness import running_ingress
+from tests.redis_server import RedisServer
+
+V1_LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=10)
+
+
+def ingress_state(server: RedisServer, epoch: str = "deploy-1") -> IngressState:
+    """One ingress's state over its own connection, as deployed: stable fedge-v1 at V1_LIMITS."""
+    store = RedisState.connect(server.url, server.password_file)
+    return IngressState(store, Routing("fedge-v1", limits=V1_LIMITS), b"fleet-v1", epoch)
+
+
+def test_two_ingresses_agree_on_a_sessions_home_and_share_a_devices_budget(
+    fresh_redis: RedisServer,
+) -> None:
+    """Ingress A learns alice's session; ingress B routes it to the same replica (mallory naming
+    it gets a new session). A device alternating between the ingresses, 40 verifies of 1 token
+    as fast as it can, is granted its burst of 10 plus what 1 token/s refills meanwhile, not
+    twice that.
+
+    On main each ingress kept its map and buckets in its own memory: B did not know the session
+    and each ingress granted the device a full burst (20 of 40): run, as the last assertion,
+    with two in-process stores (main itself has no store to point at)."""
+
+    async def scenario() -> tuple[int, float, int]:
+        a, b = ingress_state(fresh_redis), ingress_state(fresh_redis)
+        await a.start()
+        await b.start()
+        await a.remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1"), "alice")
+        assert await b.target("s1", "alice") == ("fedge-v1", "r1")
+        assert await b.target("s1", "mallory") == ("fedge-v1", "")
+        limiters = [RateLimiter(V1_LIMITS, shared=s.store.buckets) for s in (a, b)]
+        started = time.monotonic()
+        granted = 0
+        for i in range(40):
+            granted += await limiters[i % 2].buckets[VERIFY].take("id:alice", 1) == 0.0
+        elapsed = time.monotonic() - started
+        separate = [RateLimiter(V1_LIMITS, shared=MemoryState().buckets) for _ in range(2)]
+        apart = 0
+        for i in range(40):
+            apart += await separate[i % 2].buckets[VERIFY].take("id:alice", 1) == 0.0
+        await a.store.close()
+        await b.store.close()
+        return granted, elapsed, apart
+
+    granted, elapsed, apart = asyncio.run(scenario())
+    assert 10 <= granted <= 10 + int(elapsed * V1_LIMITS.verify_rate) + 1
+    assert apart >= 20  # two separate stores: a full burst at each
+
+
+def test_an_ingress_rebuilt_after_a_promotion_serves_the_live_app_adapter_and_limits(
+    fresh_redis: RedisServer,
+) -> None:
+    """A real ingress (its gRPC server, over Redis) promotes fedge-v2 with a new fleet config
+    and changes the limits; it dies (the old fedge-v1 is deleted after the promotion) and is
+    rebuilt from the same deployment spec, which still names fedge-v1. The rebuilt ingress sends
+    new sessions and a session homed on fedge-v1 to fedge-v2, reports the promoted config and
+    charges the new limits. A fresh deployment (a new epoch) starts from its own declaration.
+
+    On main the rebuilt ingress came back from its spec: stable fedge-v1 (deleted: every call
+    failed), the old fleet config (the next restart redeployed the old adapter) and the old
+    limits. Run: the same steps with the state in the ingress's memory, as on main, gave
+    stable fedge-v1, b"fleet-v1" and the old limits (main itself has no store to point at).
+    The first ingress stops cleanly here; it writes nothing on the way out, so a crash is
+    the same."""
+    spec = IngressSpec(
+        "fedge-v1",
+        fleet=b"fleet-v1",
+        rate_limits=V1_LIMITS,
+        redis_url=fresh_redis.url,
+        redis_password_file=fresh_redis.password_file,
+    )
+    new_limits = RateLimitConfig(verify_rate=5.0, verify_burst=20)
+    with running_ingress(spec) as (front, _):
+        front.call(front.state.remember("Verify", "s1", "fedge-v1", CallResult("OK", replica="r1")))
+        front.call(front.promote("fedge-v2", b"fleet-v2"))
+        front.call(front.set_rate_limits(new_limits))
+    with running_ingress(spec) as (rebuilt, _):
+        assert rebuilt.call(rebuilt.describe())["stable"] == "fedge-v2"
+        assert rebuilt.call(rebuilt.state.target("new")) == ("fedge-v2", "")
+        assert rebuilt.call(rebuilt.state.target("s1")) == ("fedge-v2", "")  # not its dead home
+        assert rebuilt.call(rebuilt.fleet_config()) == b"fleet-v2"
+        assert rebuilt.limits.config == new_limits
+        assert rebuilt.limits.current is not None
+        assert rebuilt.limits.current._limiter.buckets[VERIFY].burst == 20
+    redeployed = IngressSpec(
+        "fedge-v1", redis_url=fresh_redis.url, redis_password_file=fresh_redis.password_file
+    )
+    with running_ingress(redeployed) as (again, _):
+        assert again.call(again.describe())["stable"] == "fedge-v1"
+        assert again.call(again.fleet_config()) == b""
+
+
+def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
+    fresh_redis: RedisServer,
+) -> None:
+    """Ingress A runs a canary (fedge-v2 at 50%, figures recorded) and dies. Rebuilt, it keeps
+    the split and the figures, so the controller's observation goes on; a controller that died
+    too is resolved by `recovery`: rolled back, after which no call goes to fedge-v2. Killed after
+    the promotion but before the progress said so, the rebuilt ingress routes everything (a
+    session homed on fedge-v1 included) to fedge-v2 and recovery finishes: fedge-v1 is deleted.
+
+    On main a restart mid-rollout lost the canary (no split, `arm_stats` raised KeyError in the
+    controller) and left the canary application deployed (read). Run: with the state in the
+    ingress's memory, as on main, the rebuilt ingress had no canary and no figures."""
+
+    async def scenario() -> None:
+        a = ingress_state(fresh_redis)
+        await a.start()
+        await a.set_rollout({"stable": "fedge-v1", "canary": "fedge-v2", "phase": "observing"})
+        await a.set_canary("fedge-v2", 0.5)
+        await a.remember("Verify", "old", "fedge-v1", CallResult("OK", replica="r1"))
+        for app in ("fedge-v1", "fedge-v2"):
+            await a.observe(app, "Verify", "OK", 0.01, 4, 3, f"{app}-s")
+        await a.store.close()
+
+        b = ingress_state(fresh_redis)
+        await b.start()
+        assert await b.describe() == {"stable": "fedge-v1", "canary": "fedge-v2", "fraction": 0.5}
+        figures = await b.arm_stats()
+        assert figures["fedge-v2"]["verifies"] == 1 and figures["fedge-v2"]["accepted"] == 3
+        picks = {(await b.target(f"n{i}"))[0] for i in range(64)}
+        assert picks == {"fedge-v1", "fedge-v2"}  # P(one arm only) = 2 * 2^-64
+
+        plan = recovery(await b.rollout(), await b.describe())
+        assert plan == ("rollback", "fedge-v2")
+        await b.set_canary(None)
+        await b.set_rollout(None)
+        assert {(await b.target(f"m{i}"))[0] for i in range(32)} == {"fedge-v1"}
+
+        await b.set_rollout({"stable": "fedge-v1", "canary": "fedge-v2", "phase": "observing"})
+        await b.set_canary("fedge-v2", 0.5)
+        await b.promote("fedge-v2", b"fleet-v2")
+        await b.store.close()
+
+        c = ingress_state(fresh_redis)
+        await c.start()
+        assert await c.target("old") == ("fedge-v2", "")
+        assert {(await c.target(f"k{i}"))[0] for i in range(32)} == {"fedge-v2"}
+        assert recovery(await c.rollout(), await c.describe()) == ("finish", "fedge-v1")
+        await c.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_admin_changes_through_two_ingresses_do_not_undo_each_other(
+    fresh_redis: RedisServer,
+) -> None:
+    """Ingress B, whose last read of the routing predates A's canary, sets new limits: the canary
+    stays. Run with the whole routing written back (B's stale copy, as this branch first did):
+    the canary was gone (fraction 0.0)."""
+
+    async def scenario() -> None:
+        a, b = ingress_state(fresh_redis), ingress_state(fresh_redis)
+        await a.start()
+        await b.start()
+        stale = b.routing
+        await a.set_canary("fedge-v2", 0.25)
+        limits = RateLimitConfig(verify_rate=3.0, verify_burst=12)
+        await b.store.set_routing(replace(stale, limits=limits), fields=("limits",))
+        assert await b.describe() == {"stable": "fedge-v1", "canary": "fedge-v2", "fraction": 0.25}
+        assert b.routing.limits == limits
+        await a.store.close()
+        await b.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_redis_url_refuses_a_password_and_the_password_file_must_exist(
+    tmp_path: Path,
+) -> None:
+    """A password belongs in the password file, not in a URL that shows up in configs and logs;
+    a missing password file is named; several ingresses without a shared store are refused."""
+    with pytest.raises(ValueError, match="password file"):
+        IngressSpec("fedge-v1", redis_url="redis://:hunter2@127.0.0.1:6379/0")
+    with pytest.raises(ValueError, match="redis://HOST"):
+        IngressSpec("fedge-v1", redis_url="http://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="missing"):
+        RedisState.connect("redis://127.0.0.1:1/0", tmp_path / "nope")
+    with pytest.raises(ValueError, match="ingress_replicas=2 needs redis_url"):
+        FleetConfig(tmp_path, ingress_replicas=2)  # each ingress would hold its own state
