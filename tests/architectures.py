@@ -28,15 +28,17 @@ DECODER = {
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
 }
+SHARPEN = 8.0  # head scale, so that quantization noise alone does not flip greedy choices
 ARCHITECTURES = {
     # name: (config, LoRA-adapted module names "auto" must pick)
     "llama": (transformers.LlamaConfig(**SMALL, **DECODER), {"q_proj", "v_proj"}),
     "qwen2": (transformers.Qwen2Config(**SMALL, **DECODER), {"q_proj", "v_proj"}),
     "mistral": (transformers.MistralConfig(**SMALL, **DECODER), {"q_proj", "v_proj"}),
-    # Gemma ties its head to the embedding, which it scales by sqrt(hidden): at the default
-    # init (0.02) a random one only repeats the last token, so every draft would agree
+    # Gemma and GPT-2 tie their head to the embedding by default: a random tied model scores
+    # the last token highest and only repeats it, so every draft would agree. Untied here
+    # (their classes take either); the micro zoo's tied head has its own export tests
     "gemma": (
-        transformers.GemmaConfig(**SMALL, **DECODER, head_dim=16, initializer_range=0.5),
+        transformers.GemmaConfig(**SMALL, **DECODER, head_dim=16, tie_word_embeddings=False),
         {"q_proj", "v_proj"},
     ),
     "gpt2": (
@@ -48,6 +50,7 @@ ARCHITECTURES = {
             n_head=2,
             bos_token_id=0,
             eos_token_id=0,
+            tie_word_embeddings=False,
         ),
         {"c_attn"},
     ),
@@ -63,7 +66,10 @@ def model_dir(name: str, root: Path, micro_zoo, seed: int = 0) -> Path:  # type:
     config, _ = ARCHITECTURES[name]
     path = root / f"{name}-{seed}"
     torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random logits are nearly flat (top-2 gaps ~1e-3): give them margins
+        model.get_output_embeddings().weight.mul_(SHARPEN)
+    model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(micro_zoo.target_dir / f, path / f)
     return path
