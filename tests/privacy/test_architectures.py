@@ -1,4 +1,4 @@
-"""DP-SGD and SecAgg+ federate GPT-2 and Phi-3 with the default ("auto") LoRA targets.
+"""DP-SGD and SecAgg+ federate GPT-2 and Phi-3 (the other four: `make test-archs`) with "auto" LoRA targets.
 
 GPT-2 adapts a Conv1D (`c_attn`) and Phi-3 fused projections (`qkv_proj`, `gate_up_proj`):
 the shapes that differ most from Llama's. Each runs one round of the real fedge federation
@@ -26,6 +26,7 @@ from tests.privacy.test_matrix import MODES
 from tests.simulations.federations import TINY_TRAINING, client_app
 
 NODES = 3
+OTHERS = ("gemma", "llama", "mistral", "qwen2")  # `make test-archs` only
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,10 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["dp-sgd", "secagg"])
-@pytest.mark.parametrize("name", ["gpt2", "phi3"])
+@pytest.mark.parametrize(
+    "name",
+    ["gpt2", "phi3", *(pytest.param(n, marks=pytest.mark.archs) for n in OTHERS)],
+)
 def test_one_private_federation_round(
     name: str, mode: str, micro_zoo, text_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
