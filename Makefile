@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install demo test test-cluster lint typecheck unit proto clean
+.PHONY: install demo test test-cluster test-archs lint typecheck unit proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ test: lint
 test-cluster: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m cluster tests/cluster -n 0 --durations=5
+
+# `fedge edge export` (fp32, int8, int4, each validated) and ONNX drafts decoding exactly, for
+# each of six Hugging Face architectures (a dynamo export per model, so not part of `make test`),
+# and DP-SGD/SecAgg+ on the four that `make test` leaves to GPT-2 and Phi-3.
+test-archs: $(STAMP)
+	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
+	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m archs tests/archs tests/privacy/test_architectures.py -n 0 --durations=6
 
 proto: $(STAMP)
 	$(BIN)/python -m edge.proto.codegen
