@@ -163,6 +163,8 @@ def test_rate_limits_bind_a_device_across_all_replicas(
             assert [generate("a") for _ in range(6)] == ["OK", "OK"] + ["RESOURCE_EXHAUSTED"] * 4
             assert generate("b") == "OK"  # another device has its own bucket
 
+            opened: list[str] = []
+
             def verify(device: str) -> str:  # 5 drafts + 1 = 6 verify tokens: one per burst
                 request = pb.VerifyRequest(
                     session_id=uuid.uuid4().hex,
@@ -173,11 +175,15 @@ def test_rate_limits_bind_a_device_across_all_replicas(
                     stub.Verify(request, metadata=((DEVICE_KEY, device),))
                 except grpc.RpcError as err:
                     return err.code().name  # type: ignore[attr-defined, no-any-return]
+                opened.append(request.session_id)
                 return "OK"
 
             assert [verify("a") for _ in range(4)] == ["OK"] + ["RESOURCE_EXHAUSTED"] * 3
             fleet.ingress.set_rate_limits.remote(RateLimitConfig()).result()
             assert generate("a") == "OK"  # limits off again
+            # closed, so no session of this test stays mapped to a replica a later test kills
+            for session_id in opened:
+                stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))
     finally:
         fleet.ingress.set_rate_limits.remote(RateLimitConfig()).result()
 
