@@ -1,5 +1,10 @@
 """Fixtures of the fleet tests: adapters that fit, collapse acceptance or do not fit; one Serve fleet
-per worker, put back as started before each test that uses it; the micro target and draft."""
+per fleet test file, put back as started before each test that uses it; the micro target and draft.
+
+The fleet is module-scoped: it stops (and Ray with it) when its file ends, before the worker
+runs another file. Package scope kept it alive to the worker's last test, where a Flower Ray
+simulation run in between had already shut its Ray down (its teardown then failed).
+"""
 
 from __future__ import annotations
 
@@ -74,7 +79,7 @@ def misfit_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_adapter(other, tmp_path_factory.mktemp("misfit"), scale=0.1)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def fleet(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One Serve fleet of two micro-target replicas on 127.0.0.1 for every fleet test, its ingress
     keeping its state in a real Redis (on a fixed port, so a rebuilt ingress binds it again);
