@@ -1,4 +1,4 @@
-"""What tracing and per-device rate limits cost a verify round trip, against the same server without them.
+"""What tracing, rate limits, TLS + auth cost a verify round trip, against the same server without them.
 
 One in-process verifier (micro zoo, loopback gRPC) per configuration, the same
 sequential workload on each (a session per round, drafts of 4 tokens), calls
@@ -6,13 +6,15 @@ alternating across configurations so machine noise hits them alike:
 
 - baseline: tracing off, no rate limit (the default);
 - tracing: server and client traced, spans batched to an in-memory exporter;
-- limits: a per-device verify bucket that never refuses (the check's cost only).
+- limits: a per-device verify bucket that never refuses (the check's cost only);
+- tls+auth: TLS on the listener (a self-signed localhost certificate) and a token per device
+  from a credentials file, the client verifying the certificate and sending its token.
 
 Reported: p50/p99 verify round trip per configuration and its ratio to the baseline;
 and, since "off" cannot be compared against code without the hooks, the measured cost
 of the hooks' off path (the `is None` checks, the no-op context capture and the
 pass-through request iterator) per verify, as a fraction of the baseline p50.
-Usage: ``python bench/tracing_limits.py [--rounds 8] [--verifies 40]``. The last line is
+Goal for tls+auth: p50 <= 1.1x the baseline. Usage: ``python bench/tracing_limits.py [--rounds 8] [--verifies 40]``. The last line is
 one JSON object, also written to ``bench/results/tracing_limits.json``.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 import timeit
 from pathlib import Path
@@ -30,6 +33,9 @@ import numpy as np
 
 if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
     import _bootstrap  # noqa: F401
+
+from bench._fleet_setup import Secure, secure_material
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -48,7 +54,7 @@ def in_memory_provider() -> Any:
     return provider
 
 
-def start(name: str, zoo: Any, model: Any) -> tuple[Any, Any]:
+def start(name: str, zoo: Any, model: Any, secure: Secure) -> tuple[Any, Any]:
     """A verifier and its client for one configuration."""
     from edge.client import ClientConfig, VerifierClient
     from edge.verifier.engine import EngineConfig
@@ -57,18 +63,25 @@ def start(name: str, zoo: Any, model: Any) -> tuple[Any, Any]:
 
     limits = RateLimitConfig(verify_rate=1e9, verify_burst=10**9) if name == "limits" else None
     provider = in_memory_provider() if name == "tracing" else None
+    tls = name == "tls+auth"
     config = ServerConfig(
         zoo.target_dir,
         drain_notice_s=0.0,
         engine=EngineConfig(max_draft=8, batch_window_s=0.0, torch_threads=1),
         rate_limits=limits or RateLimitConfig(),
+        credentials_file=secure.credentials if tls else None,
+        tls_cert=secure.cert if tls else None,
+        tls_key=secure.key if tls else None,
     )
     server = BackgroundServer(config, model, tracer_provider=provider)
     port = server.start()
-    client = VerifierClient(
-        ClientConfig(f"127.0.0.1:{port}", device_id="bench"), tracer_provider=provider
+    client_config = ClientConfig(
+        f"127.0.0.1:{port}",
+        device_id="bench",
+        token=secure.tokens[0] if tls else None,
+        root_cert=secure.cert if tls else None,
     )
-    return server, client
+    return server, VerifierClient(client_config, tracer_provider=provider)
 
 
 def one_round(clients: dict[str, Any], prompt: list[int], verifies: int) -> dict[str, list[float]]:
@@ -114,8 +127,10 @@ def main() -> None:
     zoo = ensure_zoo("micro")
     model = load_causal_lm(zoo.target_dir)
     prompt = heldout_prompts(load_tokenizer(zoo.target_dir), 1, 32)[0]
-    names = ("baseline", "tracing", "limits")
-    running = {name: start(name, zoo, model) for name in names}
+    names = ("baseline", "tracing", "limits", "tls+auth")
+    material = tempfile.TemporaryDirectory(prefix="fedge-bench-tls-")
+    secure = secure_material(Path(material.name), devices=1)
+    running = {name: start(name, zoo, model, secure) for name in names}
     samples: dict[str, list[float]] = {name: [] for name in names}
     clients = {name: client for name, (_, client) in running.items()}
     load_before = os.getloadavg()
@@ -126,6 +141,7 @@ def main() -> None:
     for server, client in running.values():
         client.close_channel()
         server.stop(grace_s=0.2)
+    material.cleanup()
     stats = {
         name: {
             "p50_ms": float(np.percentile(values, 50)) * 1e3,
@@ -134,7 +150,7 @@ def main() -> None:
         for name, values in samples.items()
     }
     base = stats["baseline"]
-    for name in ("tracing", "limits"):
+    for name in names[1:]:
         stats[name]["p50_ratio"] = stats[name]["p50_ms"] / base["p50_ms"]
         stats[name]["p99_ratio"] = stats[name]["p99_ms"] / base["p99_ms"]
     off_ns = off_path_ns()
