@@ -37,12 +37,13 @@ if not __package__:  # run as `python bench/x.py`: put the repo root first (benc
 import numpy as np
 
 from bench._fleet_devices import DevicePool, Endpoint, Load, Record
-from bench._fleet_setup import local_redis, secure_material
+from bench._fleet_setup import secure_material
 from edge.fleet.app import Fleet, FleetConfig, ensure_serve, start_fleet
 from edge.prompts import heldout_prompts
 from edge.verifier.engine import EngineConfig
 from fedge.models import load_tokenizer
 from fedge.zoo import ensure_zoo
+from simulations.local_services import redis_server
 
 RESULTS = Path(__file__).parent / "results" / "fleet.json"
 SHORT, LONG = 8, 96
@@ -174,11 +175,11 @@ def fleet_setup(
         endpoint = replace(endpoint, root_cert=secure.cert, tokens=secure.tokens)
     with contextlib.ExitStack() as stack:
         if args.ingress_replicas > 1:
-            url, password_file = stack.enter_context(local_redis(workdir))
+            redis = stack.enter_context(redis_server(workdir))
             config = replace(
                 config,
-                redis_url=url,
-                redis_password_file=password_file,
+                redis_url=redis.url,
+                redis_password_file=redis.password_file,
                 ingress_replicas=args.ingress_replicas,
             )
         yield config, endpoint

@@ -22,6 +22,7 @@ from edge.verifier.engine import EngineConfig
 from edge.verifier.limits import DEVICE_KEY, VERIFY, RateLimitConfig, retry_after_ms
 from edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
+from simulations.local_services import self_signed_cert
 from tests.edge.harness import (
     LocalIngress,
     NoReplicas,
@@ -29,7 +30,7 @@ from tests.edge.harness import (
     running_ingress,
     write_credentials,
 )
-from tests.edge.test_service import code_of, health_status, self_signed_cert
+from tests.edge.test_service import code_of, health_status
 
 MAX_DRAFT = 8
 LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=MAX_DRAFT + 1, generate_rate=1.0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import threading
 import urllib.request
 from pathlib import Path
@@ -22,6 +21,7 @@ from edge.runtime import TorchDraftRuntime
 from edge.verifier.engine import EngineConfig
 from edge.verifier.server import BackgroundServer, ServerConfig, VerifierServer, load_verifier_model
 from fedge.zoo import ZooPaths
+from simulations.local_services import self_signed_cert
 
 
 def greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
@@ -238,47 +238,6 @@ def test_server_config_names_the_bad_field(tmp_path: Path) -> None:
         ServerConfig(tmp_path, port=70000)
     with pytest.raises(ValueError, match=r"ClientConfig.target must be HOST:PORT"):
         ClientConfig("localhost")
-
-
-def self_signed_cert(directory: Path) -> tuple[Path, Path]:
-    """A real self-signed certificate for localhost/127.0.0.1 (cryptography), as PEM files."""
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
 
 
 def test_sampling_over_grpc_is_reproducible_per_seed(

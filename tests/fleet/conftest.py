@@ -20,8 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from edge.verifier.limits import RateLimitConfig
 from fedge.models import load_causal_lm
 from fedge.zoo import ZooPaths
+from simulations.local_services import redis_server
 from tests.fleet.harness import settled, wait_for
-from tests.redis_server import redis_server
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -34,8 +34,8 @@ from edge.runtime import TorchDraftRuntime
 from edge.verifier.limits import DEVICE_KEY, RateLimitConfig, retry_after_ms
 from fedge.models import load_causal_lm
 from fedge.zoo import ZooPaths
+from simulations.local_services import self_signed_cert
 from tests.edge.harness import write_credentials
-from tests.edge.test_service import self_signed_cert
 from tests.fleet.harness import (
     NEW_TOKENS,
     Load,

