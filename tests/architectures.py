@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,3 +79,11 @@ def write_text(root: Path, clients: int = 2) -> Path:
         (root / f"c{i}").mkdir(parents=True)
         (root / f"c{i}" / "text.txt").write_text(source[6000 * i : 6000 * (i + 1)])
     return root
+
+
+def greedy_reference(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """The model's own greedy continuation of `prompt`: what speculative decoding must equal."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=1
+    )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]

@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -25,7 +24,7 @@ from edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
 from edge.runtime import TorchDraftRuntime, load_draft_runtime
 from edge.verifier.engine import EngineConfig, VerifierEngine
 from fedge.models import load_causal_lm
-from tests.architectures import ARCHITECTURES, model_dir
+from tests.architectures import ARCHITECTURES, greedy_reference, model_dir
 
 pytestmark = pytest.mark.archs
 
@@ -60,12 +59,7 @@ def test_export_is_valid_and_decodes_as_torch_does(name: str, micro_zoo, tmp_pat
         for variant in VARIANTS:
             decoder = SpeculativeDecoder(load_draft_runtime(out, f"onnx-{variant}"), engine, config)
             for prompt in PROMPTS:
-                expected = target.generate(
-                    torch.tensor([prompt]),
-                    max_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                    pad_token_id=1,
-                )[0, len(prompt) :].tolist()
+                expected = greedy_reference(target, prompt, NEW_TOKENS)
                 assert decoder.generate(prompt) == expected, (variant, prompt)
     finally:
         engine.stop()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from edge.client import ClientConfig, VerifierClient
 from edge.decoder import DecodeConfig, SpeculativeDecoder
@@ -21,7 +20,7 @@ from edge.runtime import TorchDraftRuntime
 from edge.verifier.engine import EngineConfig
 from edge.verifier.server import BackgroundServer, ServerConfig, load_verifier_model
 from fedge.models import load_causal_lm
-from tests.architectures import ARCHITECTURES, model_dir
+from tests.architectures import ARCHITECTURES, greedy_reference, model_dir
 
 PROMPTS = [[5, 17, 300, 42], [9], [100, 200, 300, 400, 500, 600, 7, 8, 9, 10, 11]]
 NEW_TOKENS = 16
@@ -48,12 +47,7 @@ def test_greedy_speculative_decoding_over_grpc_equals_the_targets_generate(
                 decoder = SpeculativeDecoder(TorchDraftRuntime(draft), client, decode)
                 accepted[label] = 0
                 for prompt in PROMPTS:
-                    expected = target.generate(
-                        torch.tensor([prompt]),
-                        max_new_tokens=NEW_TOKENS,
-                        do_sample=False,
-                        pad_token_id=1,
-                    )[0, len(prompt) :].tolist()
+                    expected = greedy_reference(target, prompt, NEW_TOKENS)
                     assert decoder.generate(prompt) == expected, (label, prompt)
                     accepted[label] += decoder.stats.accepted
                     assert decoder.stats.tokens == NEW_TOKENS
