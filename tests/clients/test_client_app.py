@@ -33,7 +33,8 @@ SMALL = {
 }
 
 
-def _message(content: RecordDict, message_type: str) -> Message:
+def message_to_node(content: RecordDict, message_type: str) -> Message:
+    """A message from the server (node 0) to node 7, as a SuperNode hands it to the ClientApp."""
     metadata = Metadata(
         run_id=1,
         message_id="m",
@@ -74,7 +75,7 @@ def _setup(micro_zoo, **overrides):  # type: ignore[no-untyped-def]
 def test_train_replies_a_valid_contribution_and_reuses_the_cached_model(micro_zoo) -> None:  # type: ignore[no-untyped-def]
     """Two train calls in one process: one base-model load, a spec-conforming contribution each time."""
     cfg, strategy, state = _setup(micro_zoo)
-    msg = _message(train_content(state, strategy, cfg, 1), "train")
+    msg = message_to_node(train_content(state, strategy, cfg, 1), "train")
     first = client_module.app(msg, _context())
     second = client_module.app(msg, _context())
     for reply in (first, second):
@@ -107,7 +108,7 @@ def test_straggler_work_dropped_by_fedavg_kept_by_fedprox(
     cfg, strat, state = _setup(
         micro_zoo, strategy=strategy, **{"straggler-fraction": 1.0, "local-steps": 4}
     )
-    reply = simulated_app(_message(train_content(state, strat, cfg, 1), "train"), _context())
+    reply = simulated_app(message_to_node(train_content(state, strat, cfg, 1), "train"), _context())
     metrics = dict(reply.content.metric_records[keys.REC_METRICS])
     assert metrics[keys.MET_LOCAL_STEPS] == 1 and metrics[keys.MET_COMPLETED] == 0.25
     contribution = reply.content.array_records[keys.REC_CONTRIB]
@@ -118,7 +119,9 @@ def test_scaffold_client_keeps_its_control_variate_in_the_node_state(micro_zoo) 
     """A SCAFFOLD train call stores c_i+ in Context.state and sends ctrl/ deltas of the adapter's shapes."""
     cfg, strategy, state = _setup(micro_zoo, strategy="scaffold")
     context = _context()
-    reply = client_module.app(_message(train_content(state, strategy, cfg, 1), "train"), context)
+    reply = client_module.app(
+        message_to_node(train_content(state, strategy, cfg, 1), "train"), context
+    )
     record = reply.content.array_records[keys.REC_CONTRIB]
     assert validate_contribution(record, strategy.contribution_spec(state)) is None
     saved = ContextStore(context.state).load(2)
@@ -136,7 +139,7 @@ def test_evaluate_reports_heldout_loss(micro_zoo) -> None:  # type: ignore[no-un
     """Evaluate returns a finite loss near ln(vocab) or below for the untrained adapter."""
     cfg, strategy, state = _setup(micro_zoo)
     reply = client_module.app(
-        _message(train_content(state, strategy, cfg, 1), "evaluate"), _context(2)
+        message_to_node(train_content(state, strategy, cfg, 1), "evaluate"), _context(2)
     )
     metrics = dict(reply.content.metric_records[keys.REC_METRICS])
     assert 0 < metrics[keys.MET_EVAL_LOSS] < np.log(1024) + 1
@@ -146,7 +149,7 @@ def test_evaluate_reports_heldout_loss(micro_zoo) -> None:  # type: ignore[no-un
 def test_a_message_without_config_is_refused_with_the_record_name(micro_zoo) -> None:  # type: ignore[no-untyped-def]
     """No 'config' ConfigRecord: the handler says which record is missing."""
     with pytest.raises(ValueError, match="'config' ConfigRecord"):
-        client_module.app(_message(RecordDict(), "train"), _context())
+        client_module.app(message_to_node(RecordDict(), "train"), _context())
 
 
 def test_train_config_errors_name_the_key() -> None:
@@ -169,7 +172,9 @@ def test_device_population_caps_local_work() -> None:
 def test_the_deployed_client_app_ignores_device_keys(micro_zoo) -> None:  # type: ignore[no-untyped-def]
     """Without the simulation's device mod, straggler keys change nothing: all local steps run."""
     cfg, strat, state = _setup(micro_zoo, **{"straggler-fraction": 1.0, "local-steps": 2})
-    reply = client_module.app(_message(train_content(state, strat, cfg, 1), "train"), _context())
+    reply = client_module.app(
+        message_to_node(train_content(state, strat, cfg, 1), "train"), _context()
+    )
     assert dict(reply.content.metric_records[keys.REC_METRICS])[keys.MET_LOCAL_STEPS] == 2
 
 
@@ -194,7 +199,7 @@ def test_a_rejected_scaffold_reply_leaves_c_i_unchanged(micro_zoo) -> None:  # t
     store = ContextStore(context.state)
     for server_round in (1, 2):
         content = train_content(state, strategy, cfg, server_round, committed={pid: 0})
-        reply = client_module.app(_message(content, "train"), context)
+        reply = client_module.app(message_to_node(content, "train"), context)
     pending = store.load(3)
     assert pending is not None and store.load(2) is not None  # both rounds kept as pending
     for name, delta in _ctrl(reply).items():
@@ -206,11 +211,11 @@ def test_an_accepted_scaffold_reply_advances_c_i(micro_zoo) -> None:  # type: ig
     cfg, strategy, state = _setup(micro_zoo, strategy="scaffold")
     context = _context()
     client_module.app(
-        _message(train_content(state, strategy, cfg, 1, committed={1: 0}), "train"), context
+        message_to_node(train_content(state, strategy, cfg, 1, committed={1: 0}), "train"), context
     )
     c_1 = ContextStore(context.state).load(2)
     reply = client_module.app(
-        _message(train_content(state, strategy, cfg, 2, committed={1: 1}), "train"), context
+        message_to_node(train_content(state, strategy, cfg, 2, committed={1: 1}), "train"), context
     )
     c_2 = ContextStore(context.state).load(3)
     assert c_1 is not None and c_2 is not None

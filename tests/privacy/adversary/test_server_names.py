@@ -14,16 +14,16 @@ model or data is loaded, and nothing outside the roots is read or written.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 import clients.app as client_module
 from fedge import keys
 from fedge.lm import holder
 from fedge.names import UnsafeName, resolve_config
+from tests.clients.test_client_app import message_to_node
 
 ATTACKED = [
     keys.CFG_DATA_SOURCE,
@@ -76,19 +76,8 @@ def _aim(key: str, how: str, node_config: dict[str, object], outside: Path) -> s
 
 
 def _train_message(config: dict[str, object]) -> Message:
-    metadata = Metadata(
-        run_id=1,
-        message_id="m",
-        src_node_id=0,
-        dst_node_id=7,
-        reply_to_message_id="",
-        group_id="1",
-        created_at=time.time(),
-        ttl=3600.0,
-        message_type="train",
-    )
     content = RecordDict({keys.REC_CONFIG: ConfigRecord(config)})  # type: ignore[arg-type]
-    return Message(content=content, metadata=metadata)
+    return message_to_node(content, "train")
 
 
 @pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
