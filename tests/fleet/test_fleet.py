@@ -423,6 +423,8 @@ def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
     wait_for(lambda: replicas() == 1 and seen[-1][1] == 1, 90, "idleness to take one away")
     start = len(seen)
     with Load(fleet.port, work, threads=4) as load:
-        wait_for(lambda: replicas() == 2, 60, "queue depth to add a replica")
+        # the autoscaler's decision is a second replica starting; under the suite's load a
+        # replica takes ~40 s to load its model, so waiting for RUNNING timed out in CI
+        wait_for(lambda: replicas() >= 1 and seen[-1][1] == 2, 60, "queue depth to add a replica")
     assert load.failures == []
     assert all(running >= 1 and alive <= 2 for running, alive in seen[start:])
