@@ -1,129 +1,43 @@
-"""The same apps under `flwr run .` (local simulation) and under the Deployment Engine (real processes)."""
+"""The fedge app under the Deployment Engine: a real SuperLink and SuperNodes, nodes leaving,
+joining and reconnecting mid-run (`flwr run` on the local simulation: tests/server/test_flwr_run.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from simulations.localnet import (
-    local_superlink_command,
     start_listening,
-    stop_marked,
     superlink_command,
     supernode_command,
-    wait_healthy,
     write_flwr_home,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-MARKER = f"fedge-engine-test-{uuid.uuid4().hex}"  # inherited by every process these tests start
-
-
-def _env(flwr_home: Path, model: Path) -> dict[str, str]:
-    """The processes' environment; the nodes' model root holds the run's model (the server
-    names it by its directory name, each node resolves it under its own root)."""
-    return {
-        **os.environ,
-        "FEDGE_MODEL_ROOT": str(model.resolve().parent),
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "FLWR_HOME": str(flwr_home),
-        "FEDGE_TEST_MARKER": MARKER,
-    }
-
-
-def _stop_marked() -> None:
-    """Stop, by pid, every process started with this module's marker (SuperLink, SuperNodes, apps)."""
-    stop_marked("FEDGE_TEST_MARKER", MARKER)
+from tests.server.engines import (
+    REPO,
+    engine_env,
+    metrics_rows,
+    short_run_config,
+    stop_engine_processes,
+)
 
 
 @pytest.fixture(autouse=True)
 def _cleanup():  # type: ignore[no-untyped-def]
     yield
-    _stop_marked()
-
-
-def _run_config(run_dir: Path, model: Path, rounds: int) -> str:
-    """A short run: the engines are under test, not the training (the defaults train longer)."""
-    return (
-        f"run-dir='{run_dir}' num-server-rounds={rounds} model='{model}' client-eval=false "
-        "server-eval-batches=4 local-steps=2 batch-size=4 seq-len=64"
-    )
-
-
-def _rows(run_dir: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_flwr_run_local_simulation_reuses_the_cached_model(micro_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """`flwr run . local` with 3 supernodes, 2 rounds: completes; each actor loads the base model once.
-
-    The local simulation SuperLink runs on this test's own port and FLWR_HOME (Flower's fixed
-    port would reuse any SuperLink already listening there). The test starts it, as `flwr run`
-    would, and waits until it is healthy (`flwr run` gives it a fixed 15 s, too short on a
-    loaded machine); `flwr run` then finds it there, and it is stopped by pid afterwards.
-    """
-    run_dir = tmp_path / "run"
-    home = tmp_path / "flwr"
-    env = _env(home, micro_zoo.target_dir)
-    superlink, http = start_listening(
-        lambda port: local_superlink_command(port, home), tmp_path / "superlink.log", env=env
-    )
-    try:
-        wait_healthy(http)
-        cmd = [
-            "flwr",
-            "run",
-            str(REPO),
-            "local",
-            "--stream",
-            "--federation-config",
-            "num-supernodes=3",
-            "--run-config",
-            _run_config(run_dir, micro_zoo.target_dir, 2),
-        ]
-        out = subprocess.run(
-            cmd,
-            env={**env, "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http)},
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=420,
-            check=False,
-        )
-        assert superlink.poll() is None  # ours served the run: `flwr run` started none
-    finally:
-        superlink.terminate()  # the SuperLink outlives a run: stopped by pid
-        superlink.wait(timeout=30)
-        _stop_marked()
-    log = out.stdout[-3000:] + out.stderr[-3000:]
-    assert "Starting local SuperLink" not in out.stdout, log
-    assert (run_dir / "status.json").is_file(), log
-    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
-    trained = [r for r in _rows(run_dir) if r["round"] != 0]
-    assert [r["clients_succeeded"] for r in trained] == [3, 3]
-    assert all(r["model_loads_max"] == 1 for r in trained)
-    assert max(float(r["worker_calls_max"]) for r in trained) >= 3  # one actor served several calls
-    assert (run_dir / "final" / "adapter" / "adapter_config.json").is_file()
-    with socket.socket() as probe:  # nothing left on its port
-        assert probe.connect_ex(("127.0.0.1", http)) != 0
+    stop_engine_processes()
 
 
 def _wait_round(run_dir: Path, server_round: int, proc: subprocess.Popen[bytes]) -> None:
     """Poll metrics.jsonl until ``server_round`` has a row (or the run ended)."""
     deadline = time.monotonic() + 420
     while time.monotonic() < deadline and proc.poll() is None:
-        rows = _rows(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        rows = metrics_rows(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         if any(r["round"] == server_round for r in rows):
             return
         time.sleep(0.5)
@@ -143,7 +57,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
     logs = tmp_path / "logs"
     logs.mkdir()
     started: dict[str, subprocess.Popen[bytes]] = {}
-    env = _env(home, micro_zoo.target_dir)
+    env = engine_env(home, micro_zoo.target_dir)
 
     def spawn(name: str, command: Callable[[int], list[str]]) -> int:
         """Start `command(port)` on a free port (retried if taken first); returns the port."""
@@ -158,7 +72,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
     supernode("a", 0)
     supernode("b", 1)
     run_dir = tmp_path / "run"
-    run_config = _run_config(run_dir, micro_zoo.target_dir, 3) + " min-train-nodes=1"
+    run_config = short_run_config(run_dir, micro_zoo.target_dir, 3) + " min-train-nodes=1"
     cmd = ["flwr", "run", str(REPO), "dep", "--stream", "--run-config", run_config]
     with (logs / "flwr-run.log").open("wb") as fh:
         run = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
@@ -181,11 +95,11 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
         for proc in [run, *started.values()]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=15)
-        _stop_marked()
+        stop_engine_processes()
     log_tail = "".join((logs / n).read_text()[-1500:] for n in ("superlink.log", "a.log"))
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "completed", status["message"] + log_tail
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     assert rows[1]["partitions_trained"] == [0, 1]
     later = {p for r in rows[2:] for p in r["partitions_trained"]}  # type: ignore[attr-defined]
