@@ -4,26 +4,32 @@ GPT-2 adapts a Conv1D (`c_attn`) and Phi-3 fused projections (`qkv_proj`, `gate_
 the shapes that differ most from Llama's. Each runs one round of the real fedge federation
 (ServerApp + the deployed ClientApp behind fedge's mods, in-process grid, three nodes) with
 Opacus DP-SGD on every client, or with the SecAgg+ aggregator, and must complete with a
-moved adapter and its privacy figures reported.
+moved adapter and its privacy figures reported; under SecAgg+ the server's grid records
+every reply, and only keys, masked inputs and shares reached it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from flwr.app import Message
 
 from clients.privacy.ledger import STATE_DIR_ENV
+from fedge import keys
+from fedge.secagg import wire
 from server.app import OutcomeBox, make_server_app
 from server.config import RunConfig
 from server.rundir import MetricsLog
+from server.secagg.aggregator import MASKED_RECORD
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 from simulations.runner import client_roots
 from tests.architectures import model_dir, write_text
 from tests.privacy.test_matrix import MODES
-from tests.simulations.federations import TINY_TRAINING, client_app
+from tests.simulations.federations import TINY_TRAINING, RecordingGrid, client_app
 
 NODES = 3
 OTHERS = ("gemma", "llama", "mistral", "qwen2")  # `make test-archs` only
@@ -62,8 +68,9 @@ def test_one_private_federation_round(
     monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "node-state"))  # DP-SGD ledgers
     box = OutcomeBox()
     with client_roots(cfg):
-        grid = InProcessGrid(client_app(), DeviceTable(NODES), tmp_path / "state")
-        run_inprocess(make_server_app(cfg, box=box), grid)
+        grid = RecordingGrid(InProcessGrid(client_app(), DeviceTable(NODES), tmp_path / "state"))
+        run_inprocess(make_server_app(cfg, box=box), grid)  # type: ignore[arg-type]
+
     assert box.outcome is not None and box.outcome.status == "completed", box.outcome
     adapter = box.outcome.state.adapter  # type: ignore[union-attr]
     initial = holder.get_lora_model(str(model), cfg.train).initial
@@ -74,3 +81,17 @@ def test_one_private_federation_round(
         assert row["dp_sgd_epsilon"] > 0  # every client's Opacus accountant spent budget
     else:
         assert row["dp_sgd_epsilon"] is None
+        _assert_masked(grid.replies)
+
+
+def _assert_masked(replies: list[Message]) -> None:
+    """SecAgg+ ran: every node advertised keys, sent a masked input and its shares, and no
+    train reply carried a contribution in the clear."""
+    trains = [m for m in replies if m.metadata.message_type == "train"]
+    assert all(keys.REC_CONTRIB not in m.content.array_records for m in trains)
+    stages = Counter(
+        str(m.content.config_records[wire.SECAGG_RECORD][wire.KEY_STAGE]) for m in trains
+    )
+    assert stages == {stage: NODES for stage in wire.STAGES}
+    collected = [m for m in trains if MASKED_RECORD in m.content.array_records]
+    assert len(collected) == NODES

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from flwr.app import Message
 from flwr.clientapp import ClientApp
+
+from server.grid import ReplyHookGrid
+from simulations.inprocess import InProcessGrid
 
 # One local step on tiny windows at LoRA rank 2, no client evaluation, no merged model: the
 # training part of every small real federation in the tests.
@@ -37,3 +41,15 @@ def client_app() -> ClientApp:
     app.query()(deployed.query)
     app.train()(deployed.train)
     return app
+
+
+class RecordingGrid(ReplyHookGrid):
+    """An in-process grid that keeps every reply the ServerApp receives."""
+
+    def __init__(self, grid: InProcessGrid) -> None:
+        super().__init__(grid)
+        self.replies: list[Message] = []
+
+    def on_reply(self, msg: Message) -> Message:
+        self.replies.append(msg)
+        return msg

@@ -16,27 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import Message
 
 from clients.privacy.ledger import STATE_DIR_ENV
 from fedge import keys
-from server.grid import ReplyHookGrid
 from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from tests.simulations.federations import RecordingGrid
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-app"
 NUM_NODES, NUM_ROUNDS = 4, 3
-
-
-class RecordingGrid(ReplyHookGrid):
-    """The in-process grid, keeping every reply the ServerApp receives."""
-
-    def __init__(self, grid: InProcessGrid) -> None:
-        super().__init__(grid)
-        self.replies: list[Message] = []
-
-    def on_reply(self, msg: Message) -> Message:
-        self.replies.append(msg)
-        return msg
 
 
 @pytest.fixture(scope="module")
