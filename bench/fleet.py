@@ -9,9 +9,10 @@ end-to-end latency; per run: tokens/s. Each p50 and p99.
 
 Runs: first 1 vs 2 replicas without a slowed one (does a second replica add throughput
 at all? if not, the load does not queue and no policy can win); then round robin vs
-least-outstanding vs token-aware, all with session affinity, with the rank-0 replica's
-forward passes each `--slow-ms` longer (a fixed delay); per policy the calls, sessions
-and tokens each replica got. Then token-aware with a replica killed a third of the way
+least-outstanding vs token-aware, all with session affinity, with the rank-0 replica
+answering every call `--slowdown` times as late (4x: a replica on a slower machine); per
+policy the calls, sessions and tokens each replica got, and each replica's verify p50, so
+the run shows that the slowed replica was slowed. Then token-aware with a replica killed a third of the way
 in (failed requests counted; a lost session is reopened from its committed tokens, as
 the edge's recovery does), and a rolling restart (every replica replaced) likewise.
 `--secure` puts the ingress on TLS with a token per device; `--ingress-replicas 2` runs two
@@ -93,15 +94,15 @@ def summarize(records: list[Record], wall: float) -> dict[str, Any]:
 def replica_choices(fleet: Fleet, stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per replica: the calls, sessions and tokens the policy sent it, and its added delay
     (the figures of the ingress that answers: with several ingresses, that one's share)."""
-    delays = {}
+    slowdowns = {}
     for replica in fleet.replica_actors():
         try:
-            delays[replica] = fleet.call_replica(replica, "added_delay_ms")
+            slowdowns[replica] = fleet.call_replica(replica, "slowed_by")
         except Exception:  # a replica killed or replaced meanwhile
-            delays[replica] = None
+            slowdowns[replica] = None
     return {
         replica: {
-            "slow_ms": delays.get(replica),
+            "slowdown": slowdowns.get(replica),
             "calls": figures["calls"],
             "sessions": figures["sessions"],
             "tokens": figures["tokens"],
@@ -193,10 +194,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before each")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument(
-        "--slow-ms",
+        "--slowdown",
         type=float,
-        default=10.0,
-        help="delay added to each forward pass of the slowed (rank-0) replica, ms",
+        default=4.0,
+        help="the slowed (rank-0) replica answers every call this many times as late",
     )
     parser.add_argument("--long-share", type=float, default=0.3)
     parser.add_argument("--speculative-share", type=float, default=0.7)
@@ -251,7 +252,7 @@ def main() -> None:
                     "gain; raise --sessions or free the machine",
                     flush=True,
                 )
-            slowed = replace(fleet, slow_forward_ms=args.slow_ms)
+            slowed = replace(fleet, slowdown=args.slowdown)
             policies = {
                 policy: measure(replace(slowed, policy=policy), pool, endpoint, args, policy)
                 for policy in policy_names
@@ -277,7 +278,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "prompts": {"short": SHORT, "long": LONG, "long_share": args.long_share},
             "speculative_share": args.speculative_share,
-            "slow_forward_ms_rank0": args.slow_ms,
+            "slowdown_rank0": args.slowdown,
             "secure": args.secure,
             "ingress_replicas": args.ingress_replicas,
         },

@@ -70,7 +70,7 @@ class FleetConfig:
     health_period_s: float = 2.0  # Serve probes each replica's verifier health this often
     health_timeout_s: float = 10.0
     replica_cpus: float = 1.0  # logical CPUs each replica reserves in Ray
-    slow_forward_ms: float = 0.0  # bench: each forward pass of the rank-0 replica takes this longer
+    slowdown: float = 1.0  # bench: the rank-0 replica answers this many times as late
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
     tracing: TracingConfig = field(default_factory=TracingConfig)  # ingress and replicas
 
@@ -124,7 +124,7 @@ class FleetConfig:
             self.model_dir,
             adapter_dir or self.adapter_dir,
             self.engine,
-            self.slow_forward_ms,
+            self.slowdown,
             replace(self.tracing, service_name=REPLICA_SERVICE),
         )
 

@@ -10,6 +10,7 @@ never needs to know the verifier's internals. Failures come back as values
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -51,30 +52,27 @@ class ReplicaSpec:
     model_dir: Path
     adapter_dir: Path | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
-    slow_forward_ms: float = 0.0  # bench: the rank-0 replica's forward passes each take this
-    # much longer (a fixed delay, so the slowed replica is slower however fast the machine)
+    slowdown: float = 1.0  # bench: the rank-0 replica answers every call (and every streamed
+    # reply) this many times as late as it would, like a replica on a slower machine
     tracing: TracingConfig = field(
         default_factory=lambda: TracingConfig(service_name=REPLICA_SERVICE)
     )
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.slow_forward_ms < 10_000:
-            raise ValueError(
-                f"ReplicaSpec.slow_forward_ms must lie in [0, 10000), got {self.slow_forward_ms}"
-            )
+        if not 1.0 <= self.slowdown <= 100.0:
+            raise ValueError(f"ReplicaSpec.slowdown must lie in [1, 100], got {self.slowdown}")
 
 
-def _slow_down(model: Any, delay_ms: float) -> None:
-    """Add `delay_ms` to every forward pass, as a slower machine would (the engine waits it out).
+async def _held_back(started: float, slowdown: float) -> None:
+    """Wait until `slowdown` times the time since `started` has passed (1.0: no wait).
 
-    A fixed delay rather than a multiple of the pass: the micro target's pass takes 1-2 ms,
-    so a multiple of it barely slowed the replica on a quiet machine.
+    The whole call is scaled, not the forward pass alone: on the micro models a forward
+    takes 1-2 ms of a call's ~80 ms (the relay, gRPC and the engine's bookkeeping), so a
+    slower forward hardly slowed the replica, whereas a real model's call is mostly its
+    forward. The wait is a sleep: the slowed replica is late, it takes no CPU from the others.
     """
-
-    def after(*_: object) -> None:
-        time.sleep(delay_ms / 1e3)
-
-    model.register_forward_hook(after)
+    if slowdown > 1.0:
+        await asyncio.sleep((slowdown - 1.0) * (time.perf_counter() - started))
 
 
 class VerifierReplica:
@@ -86,9 +84,7 @@ class VerifierReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         model = load_verifier_model(spec.model_dir, spec.adapter_dir)
-        self.slow_forward_ms = spec.slow_forward_ms if context.rank.rank == 0 else 0.0
-        if self.slow_forward_ms > 0:
-            _slow_down(model, self.slow_forward_ms)
+        self.slowdown = spec.slowdown if context.rank.rank == 0 else 1.0
         # the private verifier answers only this replica's relay, which names the caller the
         # ingress authenticated; the secret is made here and never leaves the process
         self._relay_secret = secrets.token_hex(32)
@@ -163,10 +159,12 @@ class VerifierReplica:
         if refused is not None:
             return refused
         call = self._open_channel().unary_unary(SERVICE_PATH + method)
+        started = time.perf_counter()
         try:
             reply = await call(payload, metadata=self._vouch(metadata), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             return self._fail(error)
+        await _held_back(started, self.slowdown)
         return CallResult("OK", "", reply, self.replica_id)
 
     async def stream(
@@ -183,9 +181,12 @@ class VerifierReplica:
             yield refused
             return
         call = self._open_channel().unary_stream(SERVICE_PATH + method)
+        started = time.perf_counter()
         try:
             async for reply in call(payload, metadata=self._vouch(metadata), timeout=timeout_s):
+                await _held_back(started, self.slowdown)
                 yield CallResult("OK", "", reply, self.replica_id)
+                started = time.perf_counter()
         except grpc.aio.AioRpcError as error:
             yield self._fail(error)
 
@@ -243,12 +244,12 @@ class VerifierReplica:
         engine = server.engine if server is not None else None
         return len(engine.sessions) if engine is not None else 0
 
-    def added_delay_ms(self, **hints: object) -> float:
-        """The delay added to each of this replica's forward passes (bench: the slowed one)."""
+    def slowed_by(self, **hints: object) -> float:
+        """How many times as late this replica answers (bench: the slowed one; else 1.0)."""
         pin = self._pinned_elsewhere(hints)
         if pin:
             raise LookupError(f"replica {pin} is gone")
-        return self.slow_forward_ms
+        return self.slowdown
 
     def __del__(self) -> None:
         """Stop the private verifier when Serve stops the replica (after Serve's own drain)."""
