@@ -25,7 +25,6 @@ MICRO_CHARS_PER_CLIENT = 20_000  # the micro zoo's own corpus size per package
 # workers do not end on them one after another while the short files wait behind.
 LONG_FILES = (
     "server/test_flower_engines.py",
-    "server/test_flwr_run.py",
     "fleet/test_fleet_rollout.py",
     "fleet/test_fleet.py",
     "simulations/test_simulate.py",
