@@ -2,18 +2,24 @@
 
 No Ray here: the ingress's routing logic (`IngressState`) and the real ingress class
 (`running_ingress`, its gRPC server outside Serve) run against a real redis-server on
-127.0.0.1 (`fresh_redis`, tests/conftest.py), emptied before each test.
+127.0.0.1 (`fresh_redis`, tests/conftest.py), emptied before each test; where calls must
+reach a model, in front of real verifier replicas (`LocalReplicas`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedModel
 
+from edge.client import ClientConfig, VerifierClient
+from edge.decoder import DecodeConfig, SpeculativeDecoder
 from edge.fleet.app import FleetConfig
 from edge.fleet.ingress import IngressSpec
 from edge.fleet.ingress_state import IngressState
@@ -21,12 +27,21 @@ from edge.fleet.redis_state import RedisState
 from edge.fleet.rollout import recovery
 from edge.fleet.state import MemoryState, Routing
 from edge.fleet.wire import CallResult
+from edge.runtime import TorchDraftRuntime
 from edge.verifier.limits import VERIFY, RateLimiter
 from edge.verifier.rate_config import RateLimitConfig
+from fedge.zoo import ZooPaths
 from simulations.local_services import RedisServer
-from tests.edge.harness import running_ingress
+from simulations.netem import NetworkEmulator
+from tests.architectures import greedy_reference
+from tests.edge.harness import LocalReplicas, running_ingress
+from tests.fleet.harness import wait_for
 
 V1_LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=10)
+DEVICES = 4  # the Service spreads their connections over both ingresses: two on each
+NEW_TOKENS = 24
+ENDPOINT_REMOVAL_S = 0.5  # a dead pod stays in the Service's endpoints this long (new
+# connections to it are reset meanwhile), as until Kubernetes marks it not ready
 
 
 def ingress_state(server: RedisServer, epoch: str = "deploy-1") -> IngressState:
@@ -204,3 +219,109 @@ def test_the_redis_url_refuses_a_password_and_the_password_file_must_exist(
         RedisState.connect("redis://127.0.0.1:1/0", tmp_path / "nope")
     with pytest.raises(ValueError, match="ingress_replicas=2 needs redis_url"):
         FleetConfig(tmp_path, ingress_replicas=2)  # each ingress would hold its own state
+
+
+def decode_through(
+    port: int,
+    device: str,
+    draft: PreTrainedModel,
+    prompt: list[int],
+    ready: threading.Barrier,
+    go: threading.Event,
+) -> tuple[list[int], VerifierClient]:
+    """One device's speculative decode (its own channel) of `prompt` through the Service at `port`;
+    after its first verify it waits at `ready` until `go`."""
+    tokens: list[int] = []
+    with VerifierClient(ClientConfig(f"127.0.0.1:{port}", device_id=device)) as client:
+        decoder = SpeculativeDecoder(
+            TorchDraftRuntime(draft), client, DecodeConfig(max_new_tokens=NEW_TOKENS)
+        )
+        for chunk in decoder.stream(prompt):
+            if not tokens:
+                ready.wait(timeout=60)
+                go.wait(timeout=60)
+            tokens += chunk
+    return tokens, client
+
+
+def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_home(
+    fresh_redis: RedisServer,
+    micro_zoo: ZooPaths,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """Two ingresses over one Redis in front of two real verifier replicas; four devices decode
+    speculatively through one address that spreads connections over the ingresses, as a
+    Kubernetes Service does (`NetworkEmulator.spread`). Each device's session is open (one
+    verify done) when ingress A's next replies are held: each of A's devices has a verify
+    applied on its replica and unanswered. Then A dies: its connections are reset (what the
+    kernel does to a dead pod's), its server stops without grace, and for half a second the
+    Service still sends new connections to it (they are reset). Every device finishes its
+    request with the target's own greedy continuation; A's devices reconnect through B, which
+    finds their sessions' homes in Redis and sends them to the same replica (no reopen: the
+    retried verify is replayed there, not prefilled again).
+
+    A regression guard of the promise in docs/fleet.md ("Shared state"), not a bug found: the
+    fleet kept it on main. Its first run failed only its own check that the devices were
+    spread: all four reached A, because gRPC shares one TCP connection among a process's
+    channels to one address (now each edge client has its own, as each phone does). It fails
+    when the property breaks (run): with B keeping its own state (no `redis_url`) a session
+    of A's was reopened on the replica B picked (`reopens` 1, three runs of three); devices
+    that do not retry UNAVAILABLE (`unreachable_after_s=0`) failed with VerifierUnreachable.
+    """
+    target, draft = models
+    spec = IngressSpec(
+        "fedge-v1", redis_url=fresh_redis.url, redis_password_file=fresh_redis.password_file
+    )
+    chosen = prompts[:DEVICES]
+    expected = [greedy_reference(target, prompt, NEW_TOKENS) for prompt in chosen]
+    ready, go = threading.Barrier(DEVICES + 1), threading.Event()
+    outcomes: dict[str, tuple[list[int], VerifierClient]] = {}
+    failures: list[str] = []
+    with contextlib.ExitStack() as stack:
+        replicas = stack.enter_context(LocalReplicas(micro_zoo.target_dir, 2))
+        handle_a = replicas.handle("A")
+        a, _ = stack.enter_context(running_ingress(spec, handle_a))
+        b, _ = stack.enter_context(running_ingress(spec, replicas.handle("B")))
+        service = stack.enter_context(NetworkEmulator(a.port()))
+        service.spread([a.port(), b.port()])
+
+        def device(index: int) -> None:
+            name = f"device-{index}"
+            try:
+                outcomes[name] = decode_through(service.port, name, draft, chosen[index], ready, go)
+            except Exception as error:  # every failure is a finding of the test
+                failures.append(f"{name}: {error!r}")
+                ready.abort()
+
+        threads = [threading.Thread(target=device, args=(i,)) for i in range(DEVICES)]
+        for thread in threads:
+            thread.start()
+        ready.wait(timeout=60)  # every session open, homed on a replica
+        via_a = {r.device for r in replicas.relayed if r.ingress == "A"}
+        handle_a.holding.set()
+        go.set()
+        wait_for(lambda: handle_a.held == len(via_a), 10, "a verify of each A device held")
+        killed_at = len(replicas.relayed)
+        service.reset(a.port())  # A's pod dies: the kernel resets its connections
+        a.call(a.server.stop(None))  # and its process answers nothing more
+        handle_a.holding.clear()
+        time.sleep(ENDPOINT_REMOVAL_S)
+        service.spread([b.port()])  # Kubernetes drops the dead pod from the Service
+        for thread in threads:
+            thread.join(timeout=60)
+
+    assert failures == []
+    assert 0 < len(via_a) < DEVICES  # the Service spread the devices over both ingresses
+    for index in range(DEVICES):
+        tokens, client = outcomes[f"device-{index}"]
+        assert tokens == expected[index], f"device-{index} decoded other tokens"
+        assert client.reopens == 0  # no session was lost and prefilled again
+    after = [r for r in replicas.relayed[killed_at:] if r.method == "Verify"]
+    for name in via_a:
+        assert outcomes[name][1].retries >= 1  # it felt A's death
+        continued = [r for r in after if r.device == name]
+        assert {r.ingress for r in continued} == {"B"}
+        assert all(r.home == r.replica for r in continued), f"B did not know {name}'s home"
+        homes = {r.replica for r in replicas.relayed if r.device == name and r.method == "Verify"}
+        assert len(homes) == 1, f"{name}'s session moved between replicas: {homes}"
