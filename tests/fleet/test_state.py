@@ -26,6 +26,7 @@ from edge.fleet.ingress_state import IngressState
 from edge.fleet.redis_state import RedisState
 from edge.fleet.rollout import recovery
 from edge.fleet.state import MemoryState, Routing
+from edge.fleet.stats import CallOutcome
 from edge.fleet.wire import CallResult
 from edge.runtime import TorchDraftRuntime
 from edge.verifier.limits import VERIFY, RateLimiter
@@ -151,7 +152,7 @@ def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
         await a.set_canary("fedge-v2", 0.5)
         await a.remember("Verify", "old", "fedge-v1", CallResult("OK", replica="r1"))
         for app in ("fedge-v1", "fedge-v2"):
-            await a.observe(app, "Verify", "OK", 0.01, 4, 3, f"{app}-s")
+            await a.observe(app, CallOutcome("Verify", "OK", 0.01, 4, 3, f"{app}-s"))
         await a.store.close()
 
         b = ingress_state(fresh_redis)
