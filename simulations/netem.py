@@ -14,8 +14,8 @@ all connections, as one access link is). On command the proxy can
 
 It can also stand for a load balancer: ``spread(ports)`` sends new connections round robin over
 several endpoints, as a Kubernetes Service spreads them over its pods (a connection stays on its
-endpoint for life; one that cannot reach its endpoint is reset), and ``reset(port)`` aborts only
-the connections to one endpoint, as its pod's death does.
+endpoint for life; one that cannot reach its endpoint is reset), and ``cut(port)`` kills one
+endpoint as a pod's death does: its connections and every new one sent to it are reset.
 
 Run it in a background thread (``NetworkEmulator(...).start() -> port``, ``stop()``) or as
 ``python -m simulations.netem --listen 127.0.0.1:7000 --target 127.0.0.1:50051 --rtt-ms 100``.
@@ -115,6 +115,7 @@ class NetworkEmulator:
     ) -> None:
         self.targets = [(target_host, target_port)]  # new connections go round robin over these
         self._turn = 0
+        self._dead: set[int] = set()  # ports of endpoints cut: new connections to them are reset
         self.listen = (listen_host, listen_port)
         self.link = link or LinkConfig()
         self.rng = random.Random(seed)
@@ -204,10 +205,15 @@ class NetworkEmulator:
             raise ValueError("NetworkEmulator.spread needs at least one port")
         self.targets = [(host, port) for port in ports]
 
-    def reset(self, port: int | None = None) -> int:
-        """Abort every open connection (to the endpoint on `port` only, when given) with a RST;
-        returns how many there were."""
-        return self._call(self._reset_all(port))
+    def reset(self) -> int:
+        """Abort every open connection with a RST; returns how many there were."""
+        return self._call(self._reset_all())
+
+    def cut(self, port: int) -> int:
+        """The endpoint on `port` dies, as a pod does: its connections are reset (RST), and so is
+        every new one sent to it while it stays listed (`spread` drops it); returns how many
+        connections it had."""
+        return self._call(self._cut(port))
 
     @property
     def bytes_up(self) -> int:
@@ -240,6 +246,10 @@ class NetworkEmulator:
         for task in handlers:
             task.cancel()
         await asyncio.gather(*handlers, return_exceptions=True)
+
+    async def _cut(self, port: int) -> int:
+        self._dead.add(port)
+        return await self._reset_all(port)
 
     async def _reset_all(self, port: int | None = None) -> int:
         doomed = [c for c in self.connections if port is None or c.endpoint[1] == port]
@@ -289,11 +299,16 @@ class NetworkEmulator:
         endpoint = self.target
         self._turn += 1
         try:
+            if endpoint[1] in self._dead:
+                raise ConnectionRefusedError(f"endpoint {endpoint} was cut")
             t_reader, t_writer = await asyncio.open_connection(*endpoint)
         except OSError:
             writer.transport.abort()  # target down: the client sees a reset, as from a real host
             return
         conn = _Connection(writer, t_writer, endpoint)
+        if endpoint[1] in self._dead:  # cut while this connection was being made
+            conn.abort()
+            return
         self.connections.add(conn)
         pumps = [
             asyncio.create_task(self._pump(reader, t_writer, self.up, conn)),

@@ -304,8 +304,8 @@ def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_hom
         go.set()
         wait_for(lambda: handle_a.held == len(via_a), 10, "a verify of each A device held")
         killed_at = len(replicas.relayed)
-        service.reset(a.port())  # A's pod dies: the kernel resets its connections
-        a.call(a.server.stop(None))  # and its process answers nothing more
+        service.cut(a.port())  # A's pod dies: its connections, and new ones to it, are reset
+        a.call(a.server.stop(None))  # its relays end unanswered
         handle_a.holding.clear()
         time.sleep(ENDPOINT_REMOVAL_S)
         service.spread([b.port()])  # Kubernetes drops the dead pod from the Service
