@@ -4,7 +4,8 @@ Round trips: after the first session (a real OpenSession, to learn the verifier'
 session is opened by its first Verify, which carries the prompt under an id the client chose;
 CloseSession is not waited for. Recovery: the client keeps each session's committed tokens,
 sends the expected length with every Verify and retries UNAVAILABLE / DEADLINE_EXCEEDED with
-the same request (the verifier replays a verify it already applied); NOT_FOUND reopens the
+the same request (the verifier replays a verify it already applied), as it retries an
+OpenSession (a session a lost attempt opened expires unused); NOT_FOUND reopens the
 session from the committed tokens, ABORTED reopens it under a fresh id. When the verifier
 stays unreachable for `unreachable_after_s`, calls raise `VerifierUnreachable`.
 """
@@ -74,12 +75,22 @@ class VerifierClient(Transport):
         return replace(limits, session_id=local_id)
 
     def open_remote(self, prompt_ids: Sequence[int], sampling: Sampling) -> SessionInfo:
-        """OpenSession: the verifier prefills the prompt now and picks the id."""
-        reply = self.unary(
-            self.stub.OpenSession,
-            pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling)),
-            pb.OpenSessionReply,
-        )
+        """OpenSession: the verifier prefills the prompt now and picks the id.
+
+        Transient failures are retried (`unreachable_after_s`), as a verify's are: the
+        ingress that took the call may have died with the answer (the session it opened
+        then goes unused, and the verifier drops it at its time-to-live).
+        """
+        request = pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling))
+        retry = TransientRetries(self.config, self)
+        while True:
+            try:
+                reply = self.unary(self.stub.OpenSession, request, pb.OpenSessionReply)
+                break
+            except grpc.RpcError as err:
+                if err.code() not in TRANSIENT:  # type: ignore[attr-defined]
+                    raise
+                retry.wait(err)
         info = SessionInfo(
             reply.session_id,
             reply.vocab_size,
@@ -143,8 +154,7 @@ class VerifierClient(Transport):
         request.expected_length = len(session.committed)
         if not session.known:
             self._attach_committed(session, request)
-        delay = self.config.backoff_s
-        give_up = time.monotonic() + self.config.unreachable_after_s
+        retry = TransientRetries(self.config, self)
         while True:
             try:
                 return self.unary(self.stub.Verify, request, pb.VerifyReply)
@@ -164,14 +174,7 @@ class VerifierClient(Transport):
                     continue
                 if code not in (*TRANSIENT, RETRY_RACE):
                     raise
-                if time.monotonic() > give_up:
-                    raise VerifierUnreachable(
-                        f"verifier at {self.config.target} answered {code.name} for "
-                        f"{self.config.unreachable_after_s} s; decode on the device"
-                    ) from err
-                self.retries += 1
-                time.sleep(delay)
-                delay = min(2 * delay, 0.5)
+                retry.wait(err)
 
     def _attach_committed(self, session: EdgeSession, request: pb.VerifyRequest) -> None:
         """Make the request (re)open the session from the edge's committed tokens."""
@@ -227,6 +230,27 @@ class VerifierClient(Transport):
         for reply in itertools.chain([] if first is None else [first], stream):
             self.bytes_down += reply.ByteSize()
             yield int(reply.token_id)
+
+
+class TransientRetries:
+    """Waits between the retries of one call after transient failures, doubling up to 0.5 s;
+    past `unreachable_after_s` from the first call, VerifierUnreachable instead."""
+
+    def __init__(self, config: ClientConfig, counter: VerifierClient) -> None:
+        self.config, self.counter = config, counter
+        self.delay = config.backoff_s
+        self.give_up = time.monotonic() + config.unreachable_after_s
+
+    def wait(self, err: grpc.RpcError) -> None:
+        """Wait before the next retry after `err`, or raise VerifierUnreachable."""
+        if time.monotonic() > self.give_up:
+            raise VerifierUnreachable(
+                f"verifier at {self.config.target} answered {err.code().name} for "  # type: ignore[attr-defined]
+                f"{self.config.unreachable_after_s} s; decode on the device"
+            ) from err
+        self.counter.retries += 1
+        time.sleep(self.delay)
+        self.delay = min(2 * self.delay, 0.5)
 
 
 def _version_gone(err: grpc.RpcError) -> bool:

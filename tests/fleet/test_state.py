@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ from fedge.zoo import ZooPaths
 from simulations.local_services import RedisServer
 from simulations.netem import NetworkEmulator
 from tests.architectures import greedy_reference
-from tests.edge.harness import LocalReplicas, running_ingress
+from tests.edge.harness import LocalIngress, LocalReplicas, ReplicaHandle, running_ingress
 from tests.fleet.harness import wait_for
 
 V1_LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=10)
@@ -222,16 +223,50 @@ def test_the_redis_url_refuses_a_password_and_the_password_file_must_exist(
         FleetConfig(tmp_path, ingress_replicas=2)  # each ingress would hold its own state
 
 
+@dataclass
+class Fleet:
+    """Two ingresses over one Redis in front of `replicas`, behind one `service` address."""
+
+    replicas: LocalReplicas
+    handle_a: ReplicaHandle  # ingress A's deployment handle (hold its answers with it)
+    a: LocalIngress
+    b: LocalIngress
+    service: NetworkEmulator
+
+    def kill_a(self) -> None:
+        """Ingress A's pod dies: its connections, and new ones to it, are reset; its relays end
+        unanswered; the Service drops it `ENDPOINT_REMOVAL_S` later."""
+        self.service.cut(self.a.port())
+        self.a.call(self.a.server.stop(None))
+        self.handle_a.holding.clear()
+        time.sleep(ENDPOINT_REMOVAL_S)
+        self.service.spread([self.b.port()])
+
+
+@contextlib.contextmanager
+def fleet_behind_a_service(redis: RedisServer, zoo: ZooPaths) -> Iterator[Fleet]:
+    """Two real verifier replicas, ingresses A and B over one Redis, and a Service spreading new
+    connections over A then B in turn."""
+    spec = IngressSpec("fedge-v1", redis_url=redis.url, redis_password_file=redis.password_file)
+    with contextlib.ExitStack() as stack:
+        replicas = stack.enter_context(LocalReplicas(zoo.target_dir, 2))
+        handle_a = replicas.handle("A")
+        a, _ = stack.enter_context(running_ingress(spec, handle_a))
+        b, _ = stack.enter_context(running_ingress(spec, replicas.handle("B")))
+        service = stack.enter_context(NetworkEmulator(a.port()))
+        service.spread([a.port(), b.port()])
+        yield Fleet(replicas, handle_a, a, b, service)
+
+
 def decode_through(
     port: int,
     device: str,
     draft: PreTrainedModel,
     prompt: list[int],
-    ready: threading.Barrier,
-    go: threading.Event,
+    after_first: Callable[[], object] = lambda: None,
 ) -> tuple[list[int], VerifierClient]:
     """One device's speculative decode (its own channel) of `prompt` through the Service at `port`;
-    after its first verify it waits at `ready` until `go`."""
+    `after_first` runs once its first verify is answered."""
     tokens: list[int] = []
     with VerifierClient(ClientConfig(f"127.0.0.1:{port}", device_id=device)) as client:
         decoder = SpeculativeDecoder(
@@ -239,8 +274,7 @@ def decode_through(
         )
         for chunk in decoder.stream(prompt):
             if not tokens:
-                ready.wait(timeout=60)
-                go.wait(timeout=60)
+                after_first()
             tokens += chunk
     return tokens, client
 
@@ -271,26 +305,23 @@ def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_hom
     that do not retry UNAVAILABLE (`unreachable_after_s=0`) failed with VerifierUnreachable.
     """
     target, draft = models
-    spec = IngressSpec(
-        "fedge-v1", redis_url=fresh_redis.url, redis_password_file=fresh_redis.password_file
-    )
     chosen = prompts[:DEVICES]
     expected = [greedy_reference(target, prompt, NEW_TOKENS) for prompt in chosen]
     ready, go = threading.Barrier(DEVICES + 1), threading.Event()
     outcomes: dict[str, tuple[list[int], VerifierClient]] = {}
     failures: list[str] = []
-    with contextlib.ExitStack() as stack:
-        replicas = stack.enter_context(LocalReplicas(micro_zoo.target_dir, 2))
-        handle_a = replicas.handle("A")
-        a, _ = stack.enter_context(running_ingress(spec, handle_a))
-        b, _ = stack.enter_context(running_ingress(spec, replicas.handle("B")))
-        service = stack.enter_context(NetworkEmulator(a.port()))
-        service.spread([a.port(), b.port()])
+
+    def pause() -> None:
+        ready.wait(timeout=60)
+        go.wait(timeout=60)
+
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
 
         def device(index: int) -> None:
             name = f"device-{index}"
             try:
-                outcomes[name] = decode_through(service.port, name, draft, chosen[index], ready, go)
+                port = fleet.service.port
+                outcomes[name] = decode_through(port, name, draft, chosen[index], pause)
             except Exception as error:  # every failure is a finding of the test
                 failures.append(f"{name}: {error!r}")
                 ready.abort()
@@ -299,16 +330,13 @@ def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_hom
         for thread in threads:
             thread.start()
         ready.wait(timeout=60)  # every session open, homed on a replica
-        via_a = {r.device for r in replicas.relayed if r.ingress == "A"}
-        handle_a.holding.set()
+        relayed = fleet.replicas.relayed
+        via_a = {r.device for r in relayed if r.ingress == "A"}
+        fleet.handle_a.holding.set()
         go.set()
-        wait_for(lambda: handle_a.held == len(via_a), 10, "a verify of each A device held")
-        killed_at = len(replicas.relayed)
-        service.cut(a.port())  # A's pod dies: its connections, and new ones to it, are reset
-        a.call(a.server.stop(None))  # its relays end unanswered
-        handle_a.holding.clear()
-        time.sleep(ENDPOINT_REMOVAL_S)
-        service.spread([b.port()])  # Kubernetes drops the dead pod from the Service
+        wait_for(lambda: fleet.handle_a.held == len(via_a), 10, "a verify of each A device held")
+        killed_at = len(relayed)
+        fleet.kill_a()
         for thread in threads:
             thread.join(timeout=60)
 
@@ -318,11 +346,50 @@ def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_hom
         tokens, client = outcomes[f"device-{index}"]
         assert tokens == expected[index], f"device-{index} decoded other tokens"
         assert client.reopens == 0  # no session was lost and prefilled again
-    after = [r for r in replicas.relayed[killed_at:] if r.method == "Verify"]
+    after = [r for r in relayed[killed_at:] if r.method == "Verify"]
     for name in via_a:
         assert outcomes[name][1].retries >= 1  # it felt A's death
         continued = [r for r in after if r.device == name]
         assert {r.ingress for r in continued} == {"B"}
         assert all(r.home == r.replica for r in continued), f"B did not know {name}'s home"
-        homes = {r.replica for r in replicas.relayed if r.device == name and r.method == "Verify"}
+        homes = {r.replica for r in relayed if r.device == name and r.method == "Verify"}
         assert len(homes) == 1, f"{name}'s session moved between replicas: {homes}"
+
+
+def test_an_ingress_killed_while_a_devices_first_open_is_unanswered_fails_no_request(
+    fresh_redis: RedisServer,
+    micro_zoo: ZooPaths,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """A device's first call is a real OpenSession (it learns the verifier's limits); it goes
+    through ingress A (the Service's first turn), a replica opens the session, and A dies
+    before the answer is out. The device's request completes through B with the target's
+    greedy continuation.
+
+    On main it failed: the client retried a verify's UNAVAILABLE but not an OpenSession's,
+    so the device's request raised UNAVAILABLE ("Connection reset by peer"; the edge's
+    EdgeClient would have finished it on the draft alone). Now an OpenSession is retried
+    as a verify is; the session the lost attempt opened expires unused at its time-to-live.
+    """
+    target, draft = models
+    failures: list[str] = []
+    outcome: list[tuple[list[int], VerifierClient]] = []
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
+
+        def device() -> None:
+            try:
+                outcome.append(decode_through(fleet.service.port, "device-0", draft, prompts[0]))
+            except Exception as error:  # every failure is a finding of the test
+                failures.append(repr(error))
+
+        fleet.handle_a.holding.set()
+        thread = threading.Thread(target=device)
+        thread.start()
+        wait_for(lambda: fleet.handle_a.held == 1, 10, "the OpenSession answered, held in A")
+        fleet.kill_a()
+        thread.join(timeout=60)
+
+    assert failures == []
+    assert [(r.ingress, r.method) for r in fleet.replicas.relayed[:1]] == [("A", "OpenSession")]
+    assert outcome[0][0] == greedy_reference(target, prompts[0], NEW_TOKENS)
