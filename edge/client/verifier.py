@@ -24,6 +24,7 @@ from opentelemetry.trace import TracerProvider
 from edge.client.config import ClientConfig, TokenizerMismatch, VerifierUnreachable
 from edge.client.transport import Transport
 from edge.proto import verifier_pb2 as pb
+from edge.proto.streams import resume_generate
 from edge.tracing import VERIFY_SPAN
 from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 from edge.verifier.errors import VERSION_GONE_KEY
@@ -211,14 +212,39 @@ class VerifierClient(Transport):
         sampling: Sampling | None = None,
         stop_token_id: int | None = None,
     ) -> Iterator[int]:
-        """Cloud-only decoding: yields the target's tokens as the server streams them."""
+        """Cloud-only decoding: yields the target's tokens as the server streams them.
+
+        A stream cut by a transient failure (the ingress or verifier serving it was lost)
+        resumes from the prompt plus the tokens already streamed, for the tokens still owed
+        (`edge.proto.streams`, as the fleet's ingress resumes a stream whose replica died),
+        retried within `unreachable_after_s` of the cut; the verifier's draws depend on the
+        position, so the continuation is the one the cut stream would have sent.
+        """
         sampling = sampling or Sampling()
-        request = pb.GenerateRequest(
+        original = pb.GenerateRequest(
             prompt_ids=list(prompt_ids),
             max_new_tokens=max_new_tokens,
             sampling=_sampling(sampling),
             stop_token_id=stop_token_id,
         )
+        streamed: list[int] = []
+        request: pb.GenerateRequest | None = original
+        retry = TransientRetries(self.config, self)
+        while request is not None:
+            before = len(streamed)
+            try:
+                yield from self._stream(request, streamed)
+                return
+            except grpc.RpcError as err:
+                if err.code() not in TRANSIENT:  # type: ignore[attr-defined]
+                    raise
+                if len(streamed) > before:  # it had streamed since the last cut: a new outage
+                    retry = TransientRetries(self.config, self)
+                retry.wait(err)
+            request = resume_generate(original, streamed)
+
+    def _stream(self, request: pb.GenerateRequest, streamed: list[int]) -> Iterator[int]:
+        """One Generate call: yields its tokens, appending each to `streamed`."""
 
         def start() -> tuple[Iterator[pb.GenerateReply], pb.GenerateReply | None]:
             stream = self.stub.Generate(
@@ -229,6 +255,7 @@ class VerifierClient(Transport):
         stream, first = self.attempt(request, start)
         for reply in itertools.chain([] if first is None else [first], stream):
             self.bytes_down += reply.ByteSize()
+            streamed.append(int(reply.token_id))
             yield int(reply.token_id)
 
 

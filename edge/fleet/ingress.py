@@ -53,7 +53,6 @@ from edge.fleet.relay import (
     failure_kind,
     failure_result,
     relay_metadata,
-    resume_generate,
     routing_tokens,
     session_of,
 )
@@ -62,6 +61,7 @@ from edge.fleet.state import Routing, open_state
 from edge.fleet.stats import CallOutcome, ReplicaFigures
 from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from edge.proto import verifier_pb2 as pb
+from edge.proto.streams import resume_generate
 from edge.tracing import server_interceptors, shutdown, tracer_provider
 from edge.verifier.limits import RateLimitConfig
 

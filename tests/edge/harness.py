@@ -9,7 +9,7 @@ import datetime
 import itertools
 import secrets
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -157,6 +157,20 @@ class LocalReplicas:
         names = sorted(self.replicas)
         return names[next(self._turn) % len(names)]
 
+    def _route(
+        self, ingress: str, method: str, payload: bytes, metadata: Metadata, hints: dict[str, Any]
+    ) -> str:
+        """The replica a relayed call goes to; the call is recorded."""
+        name = self.pick(hints)
+        request_cls = message_factory.GetMessageClass(
+            pb.DESCRIPTOR.services_by_name["Verifier"].methods_by_name[method].input_type
+        )
+        device = dict(metadata).get(DEVICE_KEY, "")
+        session = session_of(request_cls.FromString(payload))
+        home = str(hints.get(ROUTE_REPLICA) or "")
+        self.relayed.append(Relay(ingress, method, device, session, home, name))
+        return name
+
     async def unary(
         self,
         ingress: str,
@@ -167,16 +181,38 @@ class LocalReplicas:
         **hints: Any,
     ) -> CallResult:
         """Relay one unary call on the chosen replica's loop; record it."""
-        name = self.pick(hints)
-        request_cls = message_factory.GetMessageClass(
-            pb.DESCRIPTOR.services_by_name["Verifier"].methods_by_name[method].input_type
-        )
-        device = dict(metadata).get(DEVICE_KEY, "")
-        session = session_of(request_cls.FromString(payload))
-        home = str(hints.get(ROUTE_REPLICA) or "")
-        self.relayed.append(Relay(ingress, method, device, session, home, name))
+        name = self._route(ingress, method, payload, metadata, hints)
         call = self.replicas[name].unary(method, payload, metadata, *args, **hints)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loops[name]))
+
+    async def stream(
+        self,
+        ingress: str,
+        method: str,
+        payload: bytes,
+        metadata: Metadata,
+        *args: Any,
+        **hints: Any,
+    ) -> AsyncIterator[CallResult]:
+        """Relay one streaming call from the chosen replica's loop, message by message; record it."""
+        name = self._route(ingress, method, payload, metadata, hints)
+        caller = asyncio.get_running_loop()
+        messages: asyncio.Queue[CallResult | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                replica = self.replicas[name]
+                async for result in replica.stream(method, payload, metadata, *args, **hints):
+                    caller.call_soon_threadsafe(messages.put_nowait, result)
+            finally:
+                caller.call_soon_threadsafe(messages.put_nowait, None)
+
+        pumping = asyncio.run_coroutine_threadsafe(pump(), self._loops[name])
+        try:
+            while (result := await messages.get()) is not None:
+                yield result
+        finally:
+            pumping.cancel()
 
     def close(self) -> None:
         """Stop every replica's verifier, as Serve does when it stops a replica, and its loop."""
@@ -192,33 +228,59 @@ class LocalReplicas:
 
 
 class ReplicaHandle:
-    """One ingress's deployment handle over `LocalReplicas` (unary calls, as Serve's is called).
+    """One ingress's deployment handle over `LocalReplicas`, called as Serve's is.
 
-    While `holding` is set, each answer a replica gave waits in the ingress before it is
-    returned (`held` counts them): the call has been applied, its reply is not out yet.
+    While `holding` is set, each answer a replica gave (each streamed message past the
+    first `pass_messages` of a stream) waits in the ingress before it is returned (`held`
+    counts them): the call has been applied, its reply is not out yet.
     """
 
     def __init__(self, replicas: LocalReplicas, ingress: str) -> None:
         self.replicas, self.ingress = replicas, ingress
         self.holding = threading.Event()
         self.held = 0
+        self.pass_messages = 0
 
     @property
     def unary(self) -> ReplicaHandle:
         return self
 
+    @property
+    def stream(self) -> ReplicaStreams:
+        return ReplicaStreams(self)
+
     def options(self, **_: Any) -> ReplicaHandle:
         return self
 
-    async def remote(self, *args: Any, **hints: Any) -> CallResult:
-        result = await self.replicas.unary(self.ingress, *args, **hints)
+    async def hold(self) -> None:
+        """Wait while `holding` is set (counted in `held`)."""
         self.held += 1
         try:
             while self.holding.is_set():
                 await asyncio.sleep(0.005)
         finally:
             self.held -= 1
+
+    async def remote(self, *args: Any, **hints: Any) -> CallResult:
+        result = await self.replicas.unary(self.ingress, *args, **hints)
+        await self.hold()
         return result
+
+
+class ReplicaStreams:
+    """`handle.stream`: streaming calls through a `ReplicaHandle`."""
+
+    def __init__(self, handle: ReplicaHandle) -> None:
+        self.handle = handle
+
+    async def remote(self, *args: Any, **hints: Any) -> AsyncIterator[CallResult]:
+        handle = self.handle
+        passed = 0
+        async for result in handle.replicas.stream(handle.ingress, *args, **hints):
+            if passed >= handle.pass_messages:
+                await handle.hold()
+            passed += 1
+            yield result
 
 
 @contextlib.contextmanager

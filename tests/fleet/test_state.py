@@ -242,6 +242,25 @@ class Fleet:
         time.sleep(ENDPOINT_REMOVAL_S)
         self.service.spread([self.b.port()])
 
+    def kill_a_under(self, device: Callable[[], object], held: str) -> list[str]:
+        """Run one `device` in a thread with A's answers held; once one is (`held` names it), A
+        dies. Returns what the device raised (every failure is a finding of the test)."""
+        failures: list[str] = []
+
+        def run() -> None:
+            try:
+                device()
+            except Exception as error:
+                failures.append(repr(error))
+
+        self.handle_a.holding.set()
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_for(lambda: self.handle_a.held == 1, 10, held)
+        self.kill_a()
+        thread.join(timeout=60)
+        return failures
+
 
 @contextlib.contextmanager
 def fleet_behind_a_service(redis: RedisServer, zoo: ZooPaths) -> Iterator[Fleet]:
@@ -373,23 +392,46 @@ def test_an_ingress_killed_while_a_devices_first_open_is_unanswered_fails_no_req
     as a verify is; the session the lost attempt opened expires unused at its time-to-live.
     """
     target, draft = models
-    failures: list[str] = []
     outcome: list[tuple[list[int], VerifierClient]] = []
     with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
-
-        def device() -> None:
-            try:
-                outcome.append(decode_through(fleet.service.port, "device-0", draft, prompts[0]))
-            except Exception as error:  # every failure is a finding of the test
-                failures.append(repr(error))
-
-        fleet.handle_a.holding.set()
-        thread = threading.Thread(target=device)
-        thread.start()
-        wait_for(lambda: fleet.handle_a.held == 1, 10, "the OpenSession answered, held in A")
-        fleet.kill_a()
-        thread.join(timeout=60)
+        port = fleet.service.port
+        failures = fleet.kill_a_under(
+            lambda: outcome.append(decode_through(port, "device-0", draft, prompts[0])),
+            "the OpenSession answered, held in A",
+        )
 
     assert failures == []
     assert [(r.ingress, r.method) for r in fleet.replicas.relayed[:1]] == [("A", "OpenSession")]
     assert outcome[0][0] == greedy_reference(target, prompts[0], NEW_TOKENS)
+
+
+def test_an_ingress_killed_mid_generate_stream_fails_no_request(
+    fresh_redis: RedisServer,
+    micro_zoo: ZooPaths,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """A device decodes cloud-only: one Generate stream through ingress A (the Service's first
+    turn). After three tokens reached the device, A holds the fourth and dies. The device's
+    request completes through B with the target's greedy continuation, every token once.
+
+    On main it failed: the ingress resumes a stream cut by a replica's death, but nothing
+    resumed one cut by the ingress's own: the device's stream raised UNAVAILABLE ("Connection
+    reset by peer"; EdgeClient would have finished the request on the draft alone). Now the
+    client resumes it from the prompt plus the tokens streamed, as the ingress does.
+    """
+    target, _ = models
+    streamed: list[int] = []
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
+        config = ClientConfig(f"127.0.0.1:{fleet.service.port}", device_id="device-0")
+
+        def device() -> None:
+            with VerifierClient(config) as client:
+                streamed.extend(client.generate(prompts[0], NEW_TOKENS))
+
+        fleet.handle_a.pass_messages = 3
+        failures = fleet.kill_a_under(device, "the stream's fourth token held in A")
+
+    assert failures == []
+    assert streamed == greedy_reference(target, prompts[0], NEW_TOKENS)
+    assert [r.ingress for r in fleet.replicas.relayed if r.method == "Generate"] == ["A", "B"]
