@@ -12,6 +12,11 @@ all connections, as one access link is). On command the proxy can
 - ``blackhole(s)``: drop every byte and leave new connections unanswered for `s` seconds, then
   reset every connection that lived through it (a partition long enough that TCP state is lost).
 
+It can also stand for a load balancer: ``spread(ports)`` sends new connections round robin over
+several endpoints, as a Kubernetes Service spreads them over its pods (a connection stays on its
+endpoint for life; one that cannot reach its endpoint is reset), and ``cut(port)`` kills one
+endpoint as a pod's death does: its connections and every new one sent to it are reset.
+
 Run it in a background thread (``NetworkEmulator(...).start() -> port``, ``stop()``) or as
 ``python -m simulations.netem --listen 127.0.0.1:7000 --target 127.0.0.1:50051 --rtt-ms 100``.
 """
@@ -26,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -74,9 +79,12 @@ class _Direction:
 class _Connection:
     """A proxied TCP connection: client side, target side, and the pumps between them."""
 
-    def __init__(self, client: asyncio.StreamWriter, target: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, client: asyncio.StreamWriter, target: asyncio.StreamWriter, endpoint: tuple[str, int]
+    ) -> None:
         self.client = client
         self.target = target
+        self.endpoint = endpoint  # (host, port) the connection was sent to
         self.tasks: list[asyncio.Task[None]] = []
         self.lost = False  # lived through a blackhole: reset when it ends
 
@@ -105,7 +113,9 @@ class NetworkEmulator:
         listen_port: int = 0,
         seed: int = 0,
     ) -> None:
-        self.target = (target_host, target_port)
+        self.targets = [(target_host, target_port)]  # new connections go round robin over these
+        self._turn = 0
+        self._dead: set[int] = set()  # ports of endpoints cut: new connections to them are reset
         self.listen = (listen_host, listen_port)
         self.link = link or LinkConfig()
         self.rng = random.Random(seed)
@@ -180,13 +190,30 @@ class NetworkEmulator:
         """Drop everything for `seconds` (new connections hang), then reset what lived through it."""
         self._call(self._outage(seconds, drop=True))
 
+    @property
+    def target(self) -> tuple[str, int]:
+        """The endpoint the next connection goes to."""
+        return self.targets[self._turn % len(self.targets)]
+
     def retarget(self, port: int, host: str = "127.0.0.1") -> None:
         """Send new connections to another endpoint (a restarted server, as a load balancer would)."""
-        self.target = (host, port)
+        self.spread([port], host)
+
+    def spread(self, ports: Sequence[int], host: str = "127.0.0.1") -> None:
+        """Send new connections round robin over these endpoints (a Service over its pods)."""
+        if not ports:
+            raise ValueError("NetworkEmulator.spread needs at least one port")
+        self.targets = [(host, port) for port in ports]
 
     def reset(self) -> int:
         """Abort every open connection with a RST; returns how many there were."""
         return self._call(self._reset_all())
+
+    def cut(self, port: int) -> int:
+        """The endpoint on `port` dies, as a pod does: its connections are reset (RST), and so is
+        every new one sent to it while it stays listed (`spread` drops it); returns how many
+        connections it had."""
+        return self._call(self._cut(port))
 
     @property
     def bytes_up(self) -> int:
@@ -220,12 +247,16 @@ class NetworkEmulator:
             task.cancel()
         await asyncio.gather(*handlers, return_exceptions=True)
 
-    async def _reset_all(self) -> int:
-        count = len(self.connections)
-        for conn in list(self.connections):
+    async def _cut(self, port: int) -> int:
+        self._dead.add(port)
+        return await self._reset_all(port)
+
+    async def _reset_all(self, port: int | None = None) -> int:
+        doomed = [c for c in self.connections if port is None or c.endpoint[1] == port]
+        for conn in doomed:
             conn.abort()
-        self.connections.clear()
-        return count
+            self.connections.discard(conn)
+        return len(doomed)
 
     async def _outage(self, seconds: float, drop: bool) -> None:
         """Start an outage now and end it `seconds` later, without blocking the caller."""
@@ -265,12 +296,19 @@ class NetworkEmulator:
             await self._flowing.wait()
             writer.transport.abort()
             return
+        endpoint = self.target
+        self._turn += 1
         try:
-            t_reader, t_writer = await asyncio.open_connection(*self.target)
+            if endpoint[1] in self._dead:
+                raise ConnectionRefusedError(f"endpoint {endpoint} was cut")
+            t_reader, t_writer = await asyncio.open_connection(*endpoint)
         except OSError:
             writer.transport.abort()  # target down: the client sees a reset, as from a real host
             return
-        conn = _Connection(writer, t_writer)
+        conn = _Connection(writer, t_writer, endpoint)
+        if endpoint[1] in self._dead:  # cut while this connection was being made
+            conn.abort()
+            return
         self.connections.add(conn)
         pumps = [
             asyncio.create_task(self._pump(reader, t_writer, self.up, conn)),

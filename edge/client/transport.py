@@ -33,11 +33,14 @@ from edge.verifier.limits import DEVICE_KEY, retry_after_ms
 
 T = TypeVar("T", bound=Message)
 R = TypeVar("R")
-# reconnect quickly after an outage (gRPC's default backoff grows to two minutes)
+# reconnect quickly after an outage (gRPC's default backoff grows to two minutes); a connection
+# of its own per client, as each device has: gRPC otherwise shares one TCP connection among the
+# channels of a process to one address, so simulated devices reached one pod behind a Service
 RECONNECT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.use_local_subchannel_pool", 1),
 )
 
 

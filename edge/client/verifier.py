@@ -4,7 +4,8 @@ Round trips: after the first session (a real OpenSession, to learn the verifier'
 session is opened by its first Verify, which carries the prompt under an id the client chose;
 CloseSession is not waited for. Recovery: the client keeps each session's committed tokens,
 sends the expected length with every Verify and retries UNAVAILABLE / DEADLINE_EXCEEDED with
-the same request (the verifier replays a verify it already applied); NOT_FOUND reopens the
+the same request (the verifier replays a verify it already applied), as it retries an
+OpenSession (a session a lost attempt opened expires unused); NOT_FOUND reopens the
 session from the committed tokens, ABORTED reopens it under a fresh id. When the verifier
 stays unreachable for `unreachable_after_s`, calls raise `VerifierUnreachable`.
 """
@@ -23,6 +24,7 @@ from opentelemetry.trace import TracerProvider
 from edge.client.config import ClientConfig, TokenizerMismatch, VerifierUnreachable
 from edge.client.transport import Transport
 from edge.proto import verifier_pb2 as pb
+from edge.proto.streams import resume_generate
 from edge.tracing import VERIFY_SPAN
 from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 from edge.verifier.errors import VERSION_GONE_KEY
@@ -74,12 +76,22 @@ class VerifierClient(Transport):
         return replace(limits, session_id=local_id)
 
     def open_remote(self, prompt_ids: Sequence[int], sampling: Sampling) -> SessionInfo:
-        """OpenSession: the verifier prefills the prompt now and picks the id."""
-        reply = self.unary(
-            self.stub.OpenSession,
-            pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling)),
-            pb.OpenSessionReply,
-        )
+        """OpenSession: the verifier prefills the prompt now and picks the id.
+
+        Transient failures are retried (`unreachable_after_s`), as a verify's are: the
+        ingress that took the call may have died with the answer (the session it opened
+        then goes unused, and the verifier drops it at its time-to-live).
+        """
+        request = pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling))
+        retry = TransientRetries(self.config, self)
+        while True:
+            try:
+                reply = self.unary(self.stub.OpenSession, request, pb.OpenSessionReply)
+                break
+            except grpc.RpcError as err:
+                if err.code() not in TRANSIENT:  # type: ignore[attr-defined]
+                    raise
+                retry.wait(err)
         info = SessionInfo(
             reply.session_id,
             reply.vocab_size,
@@ -143,8 +155,7 @@ class VerifierClient(Transport):
         request.expected_length = len(session.committed)
         if not session.known:
             self._attach_committed(session, request)
-        delay = self.config.backoff_s
-        give_up = time.monotonic() + self.config.unreachable_after_s
+        retry = TransientRetries(self.config, self)
         while True:
             try:
                 return self.unary(self.stub.Verify, request, pb.VerifyReply)
@@ -164,14 +175,7 @@ class VerifierClient(Transport):
                     continue
                 if code not in (*TRANSIENT, RETRY_RACE):
                     raise
-                if time.monotonic() > give_up:
-                    raise VerifierUnreachable(
-                        f"verifier at {self.config.target} answered {code.name} for "
-                        f"{self.config.unreachable_after_s} s; decode on the device"
-                    ) from err
-                self.retries += 1
-                time.sleep(delay)
-                delay = min(2 * delay, 0.5)
+                retry.wait(err)
 
     def _attach_committed(self, session: EdgeSession, request: pb.VerifyRequest) -> None:
         """Make the request (re)open the session from the edge's committed tokens."""
@@ -208,14 +212,39 @@ class VerifierClient(Transport):
         sampling: Sampling | None = None,
         stop_token_id: int | None = None,
     ) -> Iterator[int]:
-        """Cloud-only decoding: yields the target's tokens as the server streams them."""
+        """Cloud-only decoding: yields the target's tokens as the server streams them.
+
+        A stream cut by a transient failure (the ingress or verifier serving it was lost)
+        resumes from the prompt plus the tokens already streamed, for the tokens still owed
+        (`edge.proto.streams`, as the fleet's ingress resumes a stream whose replica died),
+        retried within `unreachable_after_s` of the cut; the verifier's draws depend on the
+        position, so the continuation is the one the cut stream would have sent.
+        """
         sampling = sampling or Sampling()
-        request = pb.GenerateRequest(
+        original = pb.GenerateRequest(
             prompt_ids=list(prompt_ids),
             max_new_tokens=max_new_tokens,
             sampling=_sampling(sampling),
             stop_token_id=stop_token_id,
         )
+        streamed: list[int] = []
+        request: pb.GenerateRequest | None = original
+        retry = TransientRetries(self.config, self)
+        while request is not None:
+            before = len(streamed)
+            try:
+                yield from self._stream(request, streamed)
+                return
+            except grpc.RpcError as err:
+                if err.code() not in TRANSIENT:  # type: ignore[attr-defined]
+                    raise
+                if len(streamed) > before:  # it had streamed since the last cut: a new outage
+                    retry = TransientRetries(self.config, self)
+                retry.wait(err)
+            request = resume_generate(original, streamed)
+
+    def _stream(self, request: pb.GenerateRequest, streamed: list[int]) -> Iterator[int]:
+        """One Generate call: yields its tokens, appending each to `streamed`."""
 
         def start() -> tuple[Iterator[pb.GenerateReply], pb.GenerateReply | None]:
             stream = self.stub.Generate(
@@ -226,7 +255,29 @@ class VerifierClient(Transport):
         stream, first = self.attempt(request, start)
         for reply in itertools.chain([] if first is None else [first], stream):
             self.bytes_down += reply.ByteSize()
+            streamed.append(int(reply.token_id))
             yield int(reply.token_id)
+
+
+class TransientRetries:
+    """Waits between the retries of one call after transient failures, doubling up to 0.5 s;
+    past `unreachable_after_s` from the first call, VerifierUnreachable instead."""
+
+    def __init__(self, config: ClientConfig, counter: VerifierClient) -> None:
+        self.config, self.counter = config, counter
+        self.delay = config.backoff_s
+        self.give_up = time.monotonic() + config.unreachable_after_s
+
+    def wait(self, err: grpc.RpcError) -> None:
+        """Wait before the next retry after `err`, or raise VerifierUnreachable."""
+        if time.monotonic() > self.give_up:
+            raise VerifierUnreachable(
+                f"verifier at {self.config.target} answered {err.code().name} for "  # type: ignore[attr-defined]
+                f"{self.config.unreachable_after_s} s; decode on the device"
+            ) from err
+        self.counter.retries += 1
+        time.sleep(self.delay)
+        self.delay = min(2 * self.delay, 0.5)
 
 
 def _version_gone(err: grpc.RpcError) -> bool:

@@ -53,15 +53,15 @@ from edge.fleet.relay import (
     failure_kind,
     failure_result,
     relay_metadata,
-    resume_generate,
     routing_tokens,
     session_of,
 )
 from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_TOKENS
 from edge.fleet.state import Routing, open_state
-from edge.fleet.stats import ReplicaFigures
+from edge.fleet.stats import CallOutcome, ReplicaFigures
 from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from edge.proto import verifier_pb2 as pb
+from edge.proto.streams import resume_generate
 from edge.tracing import server_interceptors, shutdown, tracer_provider
 from edge.verifier.limits import RateLimitConfig
 
@@ -409,7 +409,12 @@ class FleetIngress:
         started: float,
     ) -> None:
         """Feed the application's canary figures (while a canary runs)."""
-        drafted = len(getattr(request, "draft_ids", ()))
-        accepted = int(getattr(reply, "accepted", 0)) if reply is not None else 0
-        elapsed = time.perf_counter() - started
-        await self.state.observe(app, method, code, elapsed, drafted, accepted, session_of(request))
+        call = CallOutcome(
+            method,
+            code,
+            seconds=time.perf_counter() - started,
+            drafted=len(getattr(request, "draft_ids", ())),
+            accepted=int(getattr(reply, "accepted", 0)) if reply is not None else 0,
+            session_id=session_of(request),
+        )
+        await self.state.observe(app, call)

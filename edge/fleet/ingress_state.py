@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from edge.fleet.state import FleetState, Routing
+from edge.fleet.stats import CallOutcome
 from edge.fleet.wire import CallResult
 from edge.verifier.rate_config import RateLimitConfig
 
@@ -118,19 +119,10 @@ class IngressState:
         if info.model_id:
             await self.store.learn_version(f"{info.model_id}/{info.adapter_id}", app)
 
-    async def observe(
-        self,
-        app: str,
-        method: str,
-        code: str,
-        seconds: float,
-        drafted: int,
-        accepted: int,
-        session_id: str,
-    ) -> None:
+    async def observe(self, app: str, call: CallOutcome) -> None:
         """Feed the canary figures of `app` while a canary runs (every ingress into one count)."""
         if self.routing.canary is not None and self.routing.live(app):
-            await self.store.record_arm(app, method, code, seconds, drafted, accepted, session_id)
+            await self.store.record_arm(app, call)
 
     # ------------------------------------------------------------------ admin
     async def describe(self) -> dict[str, Any]:

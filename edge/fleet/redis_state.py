@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from edge.fleet.state import ROUTING, Routing
-from edge.fleet.stats import ArmStats
+from edge.fleet.stats import ArmStats, CallOutcome
 from edge.verifier.rate_config import RateLimitConfig
 
 SESSION_TTL_S = 24 * 3600  # a session's home is forgotten this long after it last moved
@@ -242,18 +242,9 @@ class RedisState:
     def buckets(self, kind: str, rate: float, burst: int) -> RedisBuckets:
         return RedisBuckets(self, kind, rate, burst)
 
-    async def record_arm(
-        self,
-        app: str,
-        method: str,
-        code: str,
-        seconds: float,
-        drafted: int,
-        accepted: int,
-        session_id: str,
-    ) -> None:
+    async def record_arm(self, app: str, call: CallOutcome) -> None:
         probe = ArmStats()
-        probe.record(method, code, seconds, drafted, accepted, session_id)
+        probe.record(call)
         counts = self.key("arm", app)
         async with self.client.pipeline(transaction=True) as pipe:
             for name in ("calls", "errors", "verifies", "drafted", "accepted"):

@@ -23,7 +23,6 @@ from google.protobuf.message import Message
 from opentelemetry import propagate
 
 from edge.fleet.wire import CallResult, Metadata, ReplicaStopping, clean_metadata
-from edge.proto import verifier_pb2 as pb
 from edge.verifier.auth import AUTH_HEADER, CALLER, IDENTITY_KEY, bearer_token, token_identity
 from edge.verifier.limits import RETRY_AFTER_KEY
 
@@ -134,17 +133,3 @@ def routing_tokens(request: Message) -> int:
 def session_of(message: Message) -> str:
     """The message's session id, or "" when it has none."""
     return str(getattr(message, SESSION_FIELD, "") or "")
-
-
-def resume_generate(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest | None:
-    """The Generate request that continues after `streamed` tokens; None when none remain."""
-    remaining = request.max_new_tokens - len(streamed)
-    stopped = request.HasField("stop_token_id") and streamed[-1:] == [request.stop_token_id]
-    if stopped or remaining <= 0:
-        return None
-    resumed = pb.GenerateRequest()
-    resumed.CopyFrom(request)
-    del resumed.prompt_ids[:]
-    resumed.prompt_ids.extend([*request.prompt_ids, *streamed])
-    resumed.max_new_tokens = remaining
-    return resumed

@@ -78,13 +78,20 @@ async def _held_back(started: float, slowdown: float) -> None:
 class VerifierReplica:
     """Ray Serve deployment class: loads the model once, serves it through a private verifier."""
 
-    def __init__(self, spec: ReplicaSpec) -> None:
-        from ray import serve
+    def __init__(self, spec: ReplicaSpec, replica_id: str = "", rank: int = 0) -> None:
+        """Load the model and start the private verifier.
 
-        context = serve.get_replica_context()
-        self.replica_id = context.replica_id.unique_id
+        `replica_id` and `rank` are Serve's (read from the replica context) unless an id is
+        given: outside Serve (the Ray-free tests) the caller names the replica.
+        """
+        if not replica_id:
+            from ray import serve
+
+            context = serve.get_replica_context()
+            replica_id, rank = context.replica_id.unique_id, context.rank.rank
+        self.replica_id = replica_id
         model = load_verifier_model(spec.model_dir, spec.adapter_dir)
-        self.slowdown = spec.slowdown if context.rank.rank == 0 else 1.0
+        self.slowdown = spec.slowdown if rank == 0 else 1.0
         # the private verifier answers only this replica's relay, which names the caller the
         # ingress authenticated; the secret is made here and never leaves the process
         self._relay_secret = secrets.token_hex(32)

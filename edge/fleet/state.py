@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge.fleet.stats import ArmStats
+from edge.fleet.stats import ArmStats, CallOutcome
 from edge.verifier.limits import DeviceBuckets
 from edge.verifier.rate_config import RateLimitConfig
 
@@ -102,16 +102,7 @@ class FleetState(Protocol):
         """The shared buckets of one kind of token."""
         ...
 
-    async def record_arm(
-        self,
-        app: str,
-        method: str,
-        code: str,
-        seconds: float,
-        drafted: int,
-        accepted: int,
-        session_id: str,
-    ) -> None:
+    async def record_arm(self, app: str, call: CallOutcome) -> None:
         """Count one finished call of canary arm `app`."""
         ...
 
@@ -218,19 +209,8 @@ class MemoryState:
             )
         return self._buckets[key]
 
-    async def record_arm(
-        self,
-        app: str,
-        method: str,
-        code: str,
-        seconds: float,
-        drafted: int,
-        accepted: int,
-        session_id: str,
-    ) -> None:
-        self._arms.setdefault(app, ArmStats()).record(
-            method, code, seconds, drafted, accepted, session_id
-        )
+    async def record_arm(self, app: str, call: CallOutcome) -> None:
+        self._arms.setdefault(app, ArmStats()).record(call)
 
     async def arm_stats(self, apps: tuple[str, ...]) -> dict[str, ArmStats]:
         return {app: self._arms.get(app, ArmStats()) for app in apps}

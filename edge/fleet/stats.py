@@ -17,6 +17,22 @@ LATENCY_WINDOW = 20_000  # most recent calls kept for the percentiles
 SESSION_WINDOW = 20_000  # most recent sessions kept for the per-session acceptance
 
 
+@dataclass(frozen=True)
+class CallOutcome:
+    """One finished call as the canary figures count it: what it was, how it ended, what it cost.
+
+    The ingress builds one per relayed call and carries it to whichever state keeps the
+    figures (`FleetState.record_arm`), so the fields are named once.
+    """
+
+    method: str  # the Verifier method's short name, e.g. "Verify"
+    code: str  # the gRPC status code's name, e.g. "OK"
+    seconds: float  # from the ingress receiving the call to its answer
+    drafted: int  # draft tokens the call carried (0 for other methods)
+    accepted: int  # of those, accepted by the target
+    session_id: str = ""
+
+
 @dataclass
 class ArmStats:
     """Running figures of one application (the stable adapter or the canary).
@@ -39,31 +55,23 @@ class ArmStats:
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
     sessions: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)  # drafted, accepted
 
-    def record(
-        self,
-        method: str,
-        code: str,
-        seconds: float,
-        drafted: int,
-        accepted: int,
-        session_id: str = "",
-    ) -> None:
+    def record(self, call: CallOutcome) -> None:
         """Count one finished call."""
         self.calls += 1
-        self.errors += code in ERROR_CODES
-        if code == "OK" and method == "Verify":
+        self.errors += call.code in ERROR_CODES
+        if call.code == "OK" and call.method == "Verify":
             self.verifies += 1
-            self.drafted += drafted
-            self.accepted += accepted
-            if session_id and drafted > 0:
-                counts = self.sessions.setdefault(session_id, [0, 0])
-                counts[0] += drafted
-                counts[1] += accepted
-                self.sessions.move_to_end(session_id)
+            self.drafted += call.drafted
+            self.accepted += call.accepted
+            if call.session_id and call.drafted > 0:
+                counts = self.sessions.setdefault(call.session_id, [0, 0])
+                counts[0] += call.drafted
+                counts[1] += call.accepted
+                self.sessions.move_to_end(call.session_id)
                 if len(self.sessions) > SESSION_WINDOW:
                     self.sessions.popitem(last=False)
-        if code == "OK" and method in LATENCY_METHODS:  # a fast refusal is no serving time
-            self.latencies.append(seconds)
+        if call.code == "OK" and call.method in LATENCY_METHODS:  # a fast refusal: no serving time
+            self.latencies.append(call.seconds)
 
     def summary(self) -> dict[str, float]:
         """Counts, acceptance (pooled and per session, with its standard error), error rate

@@ -1,18 +1,27 @@
 """Test helpers: per-device credentials, client certificates signed by a test CA, a fleet
-ingress running outside Ray Serve."""
+ingress and its verifier replicas running outside Ray Serve."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import datetime
+import itertools
 import secrets
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
+
+from google.protobuf import message_factory
 
 from edge.fleet.ingress import FleetIngress, IngressSpec
+from edge.fleet.relay import session_of
+from edge.fleet.replica import ReplicaSpec, VerifierReplica
+from edge.fleet.routers import ROUTE_REPLICA
+from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
+from edge.proto import verifier_pb2 as pb
+from edge.verifier.limits import DEVICE_KEY
 
 T = TypeVar("T")
 
@@ -101,9 +110,185 @@ class NoReplicas:
         raise self.fail()
 
 
+class Relay(NamedTuple):
+    """One call an ingress relayed: which ingress, method, device, session, the home replica the
+    ingress named ("" when it knew none) and the replica that got the call."""
+
+    ingress: str
+    method: str
+    device: str
+    session: str
+    home: str
+    replica: str
+
+
+class LocalReplicas:
+    """Real verifier replicas outside Ray; `handle(name)` stands where an ingress's deployment
+    handle is.
+
+    Each replica is a `VerifierReplica` (its model, private verifier and relay), its
+    relays run on an event loop of its own, as each Serve replica is an actor with its
+    own loop. A call goes where the fleet's routers send it with session affinity: a
+    pinned call to its replica (to any when that one is gone: it refuses), a session's
+    call to its home, any other round robin. Every relay is recorded in `relayed`.
+    """
+
+    def __init__(self, model_dir: Path, count: int) -> None:
+        self.relayed: list[Relay] = []
+        self.replicas: dict[str, VerifierReplica] = {}
+        self._loops: dict[str, asyncio.AbstractEventLoop] = {}
+        self._turn = itertools.count()
+        for index in range(count):
+            name = f"replica-{index}"
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True).start()
+            self._loops[name] = loop
+            self.replicas[name] = VerifierReplica(ReplicaSpec(model_dir), name, index)
+
+    def handle(self, ingress: str) -> ReplicaHandle:
+        """The deployment handle of the ingress named `ingress` (its relays are recorded so)."""
+        return ReplicaHandle(self, ingress)
+
+    def pick(self, hints: dict[str, object]) -> str:
+        """The replica a call goes to: pinned, else its session's home, else the next in turn."""
+        for wanted in (hints.get(ROUTE_PIN), hints.get(ROUTE_REPLICA)):
+            if wanted in self.replicas:
+                return str(wanted)
+        names = sorted(self.replicas)
+        return names[next(self._turn) % len(names)]
+
+    def _route(
+        self, ingress: str, method: str, payload: bytes, metadata: Metadata, hints: dict[str, Any]
+    ) -> str:
+        """The replica a relayed call goes to; the call is recorded."""
+        name = self.pick(hints)
+        request_cls = message_factory.GetMessageClass(
+            pb.DESCRIPTOR.services_by_name["Verifier"].methods_by_name[method].input_type
+        )
+        device = dict(metadata).get(DEVICE_KEY, "")
+        session = session_of(request_cls.FromString(payload))
+        home = str(hints.get(ROUTE_REPLICA) or "")
+        self.relayed.append(Relay(ingress, method, device, session, home, name))
+        return name
+
+    async def unary(
+        self,
+        ingress: str,
+        method: str,
+        payload: bytes,
+        metadata: Metadata,
+        *args: Any,
+        **hints: Any,
+    ) -> CallResult:
+        """Relay one unary call on the chosen replica's loop; record it."""
+        name = self._route(ingress, method, payload, metadata, hints)
+        call = self.replicas[name].unary(method, payload, metadata, *args, **hints)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loops[name]))
+
+    async def stream(
+        self,
+        ingress: str,
+        method: str,
+        payload: bytes,
+        metadata: Metadata,
+        *args: Any,
+        **hints: Any,
+    ) -> AsyncIterator[CallResult]:
+        """Relay one streaming call from the chosen replica's loop, message by message; record it."""
+        name = self._route(ingress, method, payload, metadata, hints)
+        caller = asyncio.get_running_loop()
+        messages: asyncio.Queue[CallResult | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                replica = self.replicas[name]
+                async for result in replica.stream(method, payload, metadata, *args, **hints):
+                    caller.call_soon_threadsafe(messages.put_nowait, result)
+            finally:
+                caller.call_soon_threadsafe(messages.put_nowait, None)
+
+        pumping = asyncio.run_coroutine_threadsafe(pump(), self._loops[name])
+        try:
+            while (result := await messages.get()) is not None:
+                yield result
+        finally:
+            pumping.cancel()
+
+    def close(self) -> None:
+        """Stop every replica's verifier, as Serve does when it stops a replica, and its loop."""
+        for name, replica in self.replicas.items():
+            replica.__del__()
+            self._loops[name].call_soon_threadsafe(self._loops[name].stop)
+
+    def __enter__(self) -> LocalReplicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ReplicaHandle:
+    """One ingress's deployment handle over `LocalReplicas`, called as Serve's is.
+
+    While `holding` is set, each answer a replica gave (each streamed message past the
+    first `pass_messages` of a stream) waits in the ingress before it is returned (`held`
+    counts them): the call has been applied, its reply is not out yet.
+    """
+
+    def __init__(self, replicas: LocalReplicas, ingress: str) -> None:
+        self.replicas, self.ingress = replicas, ingress
+        self.holding = threading.Event()
+        self.held = 0
+        self.pass_messages = 0
+
+    @property
+    def unary(self) -> ReplicaHandle:
+        return self
+
+    @property
+    def stream(self) -> ReplicaStreams:
+        return ReplicaStreams(self)
+
+    def options(self, **_: Any) -> ReplicaHandle:
+        return self
+
+    async def hold(self) -> None:
+        """Wait while `holding` is set (counted in `held`)."""
+        self.held += 1
+        try:
+            while self.holding.is_set():
+                await asyncio.sleep(0.005)
+        finally:
+            self.held -= 1
+
+    async def remote(self, *args: Any, **hints: Any) -> CallResult:
+        result = await self.replicas.unary(self.ingress, *args, **hints)
+        await self.hold()
+        return result
+
+
+class ReplicaStreams:
+    """`handle.stream`: streaming calls through a `ReplicaHandle`."""
+
+    def __init__(self, handle: ReplicaHandle) -> None:
+        self.handle = handle
+
+    async def remote(self, *args: Any, **hints: Any) -> AsyncIterator[CallResult]:
+        handle = self.handle
+        passed = 0
+        async for result in handle.replicas.stream(handle.ingress, *args, **hints):
+            if passed >= handle.pass_messages:
+                await handle.hold()
+            passed += 1
+            yield result
+
+
 @contextlib.contextmanager
-def running_ingress(spec: IngressSpec) -> Iterator[tuple[LocalIngress, NoReplicas]]:
-    """A real fleet ingress (its gRPC server, auth, limits) on a loop thread, relaying to nobody."""
+def running_ingress(
+    spec: IngressSpec, handle: Any = None
+) -> Iterator[tuple[LocalIngress, NoReplicas]]:
+    """A real fleet ingress (its gRPC server, auth, limits) on a loop thread, relaying to nobody
+    (`NoReplicas`) or through `handle` (e.g. a `LocalReplicas.handle`)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -111,7 +296,7 @@ def running_ingress(spec: IngressSpec) -> Iterator[tuple[LocalIngress, NoReplica
     front.loop = loop
     asyncio.run_coroutine_threadsafe(front.__init__(spec), loop).result()  # type: ignore[func-returns-value]
     replicas = NoReplicas()
-    front._handle = lambda app: replicas  # type: ignore[method-assign]
+    front._handle = lambda app: handle or replicas  # type: ignore[method-assign]
     try:
         yield front, replicas
     finally:

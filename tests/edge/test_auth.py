@@ -30,7 +30,7 @@ from tests.edge.harness import (
     running_ingress,
     write_credentials,
 )
-from tests.edge.test_service import code_of, health_status
+from tests.edge.test_service import code_of, given_up_on, health_status
 
 MAX_DRAFT = 8
 LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=MAX_DRAFT + 1, generate_rate=1.0)
@@ -260,10 +260,11 @@ def test_mtls_names_the_device_by_its_certificate(
             assert background.server is not None and background.server.engine is not None
             owners = {s.owner for s in background.server.engine.sessions._sessions.values()}
             assert owners == {"cert:phone-7"}
-        with VerifierClient(
-            ClientConfig(address, root_cert=cert, tls_server_name="localhost", timeout_s=3)
-        ) as anonymous:
-            assert code_of(lambda: anonymous.open([1, 2, 3])) == grpc.StatusCode.UNAVAILABLE
+        without = ClientConfig(
+            address, root_cert=cert, tls_server_name="localhost", timeout_s=3, unreachable_after_s=0
+        )
+        with VerifierClient(without) as anonymous:
+            assert given_up_on(lambda: anonymous.open([1, 2, 3])) == grpc.StatusCode.UNAVAILABLE
 
 
 # ------------------------------------------------------------------- fleet ingress (no Ray)

@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, EdgeClient, VerifierClient
+from edge.client import ClientConfig, EdgeClient, VerifierClient, VerifierUnreachable
 from edge.decoder import DecodeConfig, SpeculativeDecoder
 from edge.proto import verifier_pb2 as pb
 from edge.proto import verifier_pb2_grpc as pb_grpc
@@ -41,6 +41,15 @@ def code_of(call: object) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as caught:
         call()  # type: ignore[operator]
     return caught.value.code()  # type: ignore[attr-defined,no-any-return]
+
+
+def given_up_on(call: object) -> grpc.StatusCode:
+    """Run a zero-argument call expected to give up (VerifierUnreachable, after the client's
+    retries of a transient failure); return the status it gave up on."""
+    with pytest.raises(VerifierUnreachable) as caught:
+        call()  # type: ignore[operator]
+    assert isinstance(caught.value.__cause__, grpc.RpcError)
+    return caught.value.__cause__.code()  # type: ignore[attr-defined,no-any-return]
 
 
 def health_status(port: int, root_cert: bytes | None = None) -> int:
@@ -157,8 +166,10 @@ def test_bearer_token_tls_and_metrics(
         missing = VerifierClient(ClientConfig(target, root_cert=cert, tls_server_name="localhost"))
         assert code_of(lambda: wrong.open([1])) == grpc.StatusCode.UNAUTHENTICATED
         assert code_of(lambda: list(missing.generate([1], 2))) == grpc.StatusCode.UNAUTHENTICATED
-        plain = VerifierClient(ClientConfig(target, token="s3cret", timeout_s=2))
-        assert code_of(lambda: plain.open([1])) == grpc.StatusCode.UNAVAILABLE  # no TLS: no talk
+        plain = VerifierClient(
+            ClientConfig(target, token="s3cret", timeout_s=2, unreachable_after_s=0)
+        )
+        assert given_up_on(lambda: plain.open([1])) == grpc.StatusCode.UNAVAILABLE  # no TLS
         assert good.ping() > 0  # health needs no token
         assert server.server is not None and server.server.metrics_port
         text = (
@@ -190,8 +201,9 @@ def test_health_not_serving_while_loading_and_draining(
     try:
         port = run(server.listen())
         assert health_status(port) == health_pb2.HealthCheckResponse.NOT_SERVING
-        with VerifierClient(ClientConfig(f"127.0.0.1:{port}", timeout_s=5)) as client:
-            assert code_of(lambda: client.open([1])) == grpc.StatusCode.UNAVAILABLE
+        loading = ClientConfig(f"127.0.0.1:{port}", timeout_s=5, unreachable_after_s=0)
+        with VerifierClient(loading) as client:
+            assert given_up_on(lambda: client.open([1])) == grpc.StatusCode.UNAVAILABLE
             run(server.load(micro_target))
             assert health_status(port) == health_pb2.HealthCheckResponse.SERVING
             sid = client.open([1, 2]).session_id

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from edge.fleet.adapters import AdapterMismatch, check_adapter
 from edge.fleet.app import FleetConfig
-from edge.fleet.stats import ArmStats
+from edge.fleet.stats import ArmStats, CallOutcome
 from edge.verifier.engine import EngineConfig
 from edge.verifier.limits import RateLimitConfig
 
@@ -37,10 +37,12 @@ def test_fast_refusals_do_not_dilute_an_arms_latency() -> None:
     passed the latency gate (checked on main: p50 0.1 ms)."""
     arm = ArmStats()
     for index in range(50):
-        arm.record("Verify", "OK", 0.040, drafted=4, accepted=3, session_id=f"s{index % 10}")
+        arm.record(
+            CallOutcome("Verify", "OK", 0.040, drafted=4, accepted=3, session_id=f"s{index % 10}")
+        )
     for _ in range(200):
-        arm.record("Verify", "UNAUTHENTICATED", 0.0001, drafted=4, accepted=0)
-        arm.record("OpenSession", "INVALID_ARGUMENT", 0.0001, drafted=0, accepted=0)
+        arm.record(CallOutcome("Verify", "UNAUTHENTICATED", 0.0001, drafted=4, accepted=0))
+        arm.record(CallOutcome("OpenSession", "INVALID_ARGUMENT", 0.0001, drafted=0, accepted=0))
     figures = arm.summary()
     assert figures["latency_p50_ms"] == pytest.approx(40.0)
     assert figures["calls"] == 450 and figures["verifies"] == 50

@@ -29,7 +29,7 @@ from edge.fleet.routers import (
     relative_slowness,
     should_spill,
 )
-from edge.fleet.stats import ArmStats
+from edge.fleet.stats import ArmStats, CallOutcome
 from edge.fleet.wire import ROUTE_PIN, SERVING
 from fedge.manifest import write_manifest
 
@@ -296,11 +296,15 @@ def test_a_few_long_lucky_sessions_cannot_promote_a_canary(tmp_path: Path) -> No
     """
     stable, canary = ArmStats(), ArmStats()
     for i in range(20):
-        stable.record("Verify", "OK", 0.01, drafted=100, accepted=60, session_id=f"s{i}")
+        stable.record(
+            CallOutcome("Verify", "OK", 0.01, drafted=100, accepted=60, session_id=f"s{i}")
+        )
     for i in range(2):
-        canary.record("Verify", "OK", 0.01, drafted=1000, accepted=700, session_id=f"lucky{i}")
+        canary.record(
+            CallOutcome("Verify", "OK", 0.01, drafted=1000, accepted=700, session_id=f"lucky{i}")
+        )
     for i in range(18):
-        canary.record("Verify", "OK", 0.01, drafted=20, accepted=4, session_id=f"c{i}")
+        canary.record(CallOutcome("Verify", "OK", 0.01, drafted=20, accepted=4, session_id=f"c{i}"))
     ours, theirs = canary.summary(), stable.summary()
     assert ours["acceptance"] == pytest.approx(1472 / 2360) and ours["acceptance"] > 0.6
     assert ours["session_acceptance"] == pytest.approx(0.25)
@@ -317,8 +321,8 @@ def test_a_few_long_lucky_sessions_cannot_promote_a_canary(tmp_path: Path) -> No
 def test_one_session_counts_as_the_widest_noise_and_a_long_one_as_one_observation() -> None:
     arm = ArmStats()
     for _ in range(5):  # five verifies of one session: one observation, not five
-        arm.record("Verify", "OK", 0.01, drafted=4, accepted=2, session_id="only")
-    arm.record("Verify", "NOT_FOUND", 0.01, drafted=4, accepted=0, session_id="lost")
+        arm.record(CallOutcome("Verify", "OK", 0.01, drafted=4, accepted=2, session_id="only"))
+    arm.record(CallOutcome("Verify", "NOT_FOUND", 0.01, drafted=4, accepted=0, session_id="lost"))
     figures = arm.summary()
     assert (figures["sessions"], figures["verifies"], figures["drafted"]) == (1, 5, 20)
     assert figures["session_acceptance_se"] == 0.5  # a rate in [0, 1] has sd <= 0.5

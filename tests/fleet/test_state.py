@@ -2,31 +2,48 @@
 
 No Ray here: the ingress's routing logic (`IngressState`) and the real ingress class
 (`running_ingress`, its gRPC server outside Serve) run against a real redis-server on
-127.0.0.1 (`fresh_redis`, tests/conftest.py), emptied before each test.
+127.0.0.1 (`fresh_redis`, tests/conftest.py), emptied before each test; where calls must
+reach a model, in front of real verifier replicas (`LocalReplicas`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedModel
 
+from edge.client import ClientConfig, VerifierClient
+from edge.decoder import DecodeConfig, SpeculativeDecoder
 from edge.fleet.app import FleetConfig
 from edge.fleet.ingress import IngressSpec
 from edge.fleet.ingress_state import IngressState
 from edge.fleet.redis_state import RedisState
 from edge.fleet.rollout import recovery
 from edge.fleet.state import MemoryState, Routing
+from edge.fleet.stats import CallOutcome
 from edge.fleet.wire import CallResult
+from edge.runtime import TorchDraftRuntime
 from edge.verifier.limits import VERIFY, RateLimiter
 from edge.verifier.rate_config import RateLimitConfig
+from fedge.zoo import ZooPaths
 from simulations.local_services import RedisServer
-from tests.edge.harness import running_ingress
+from simulations.netem import NetworkEmulator
+from tests.architectures import greedy_reference
+from tests.edge.harness import LocalIngress, LocalReplicas, ReplicaHandle, running_ingress
+from tests.fleet.harness import wait_for
 
 V1_LIMITS = RateLimitConfig(verify_rate=1.0, verify_burst=10)
+DEVICES = 4  # the Service spreads their connections over both ingresses: two on each
+NEW_TOKENS = 24
+ENDPOINT_REMOVAL_S = 0.5  # a dead pod stays in the Service's endpoints this long (new
+# connections to it are reset meanwhile), as until Kubernetes marks it not ready
 
 
 def ingress_state(server: RedisServer, epoch: str = "deploy-1") -> IngressState:
@@ -136,7 +153,7 @@ def test_an_ingress_killed_mid_rollout_resumes_the_canary_or_cleanly_rolls_back(
         await a.set_canary("fedge-v2", 0.5)
         await a.remember("Verify", "old", "fedge-v1", CallResult("OK", replica="r1"))
         for app in ("fedge-v1", "fedge-v2"):
-            await a.observe(app, "Verify", "OK", 0.01, 4, 3, f"{app}-s")
+            await a.observe(app, CallOutcome("Verify", "OK", 0.01, 4, 3, f"{app}-s"))
         await a.store.close()
 
         b = ingress_state(fresh_redis)
@@ -204,3 +221,217 @@ def test_the_redis_url_refuses_a_password_and_the_password_file_must_exist(
         RedisState.connect("redis://127.0.0.1:1/0", tmp_path / "nope")
     with pytest.raises(ValueError, match="ingress_replicas=2 needs redis_url"):
         FleetConfig(tmp_path, ingress_replicas=2)  # each ingress would hold its own state
+
+
+@dataclass
+class Fleet:
+    """Two ingresses over one Redis in front of `replicas`, behind one `service` address."""
+
+    replicas: LocalReplicas
+    handle_a: ReplicaHandle  # ingress A's deployment handle (hold its answers with it)
+    a: LocalIngress
+    b: LocalIngress
+    service: NetworkEmulator
+
+    def kill_a(self) -> None:
+        """Ingress A's pod dies: its connections, and new ones to it, are reset; its relays end
+        unanswered; the Service drops it `ENDPOINT_REMOVAL_S` later."""
+        self.service.cut(self.a.port())
+        self.a.call(self.a.server.stop(None))
+        self.handle_a.holding.clear()
+        time.sleep(ENDPOINT_REMOVAL_S)
+        self.service.spread([self.b.port()])
+
+    def kill_a_under(self, device: Callable[[], object], held: str) -> list[str]:
+        """Run one `device` in a thread with A's answers held; once one is (`held` names it), A
+        dies. Returns what the device raised (every failure is a finding of the test)."""
+        failures: list[str] = []
+
+        def run() -> None:
+            try:
+                device()
+            except Exception as error:
+                failures.append(repr(error))
+
+        self.handle_a.holding.set()
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_for(lambda: self.handle_a.held == 1, 10, held)
+        self.kill_a()
+        thread.join(timeout=60)
+        return failures
+
+
+@contextlib.contextmanager
+def fleet_behind_a_service(redis: RedisServer, zoo: ZooPaths) -> Iterator[Fleet]:
+    """Two real verifier replicas, ingresses A and B over one Redis, and a Service spreading new
+    connections over A then B in turn."""
+    spec = IngressSpec("fedge-v1", redis_url=redis.url, redis_password_file=redis.password_file)
+    with contextlib.ExitStack() as stack:
+        replicas = stack.enter_context(LocalReplicas(zoo.target_dir, 2))
+        handle_a = replicas.handle("A")
+        a, _ = stack.enter_context(running_ingress(spec, handle_a))
+        b, _ = stack.enter_context(running_ingress(spec, replicas.handle("B")))
+        service = stack.enter_context(NetworkEmulator(a.port()))
+        service.spread([a.port(), b.port()])
+        yield Fleet(replicas, handle_a, a, b, service)
+
+
+def decode_through(
+    port: int,
+    device: str,
+    draft: PreTrainedModel,
+    prompt: list[int],
+    after_first: Callable[[], object] = lambda: None,
+) -> tuple[list[int], VerifierClient]:
+    """One device's speculative decode (its own channel) of `prompt` through the Service at `port`;
+    `after_first` runs once its first verify is answered."""
+    tokens: list[int] = []
+    with VerifierClient(ClientConfig(f"127.0.0.1:{port}", device_id=device)) as client:
+        decoder = SpeculativeDecoder(
+            TorchDraftRuntime(draft), client, DecodeConfig(max_new_tokens=NEW_TOKENS)
+        )
+        for chunk in decoder.stream(prompt):
+            if not tokens:
+                after_first()
+            tokens += chunk
+    return tokens, client
+
+
+def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_home(
+    fresh_redis: RedisServer,
+    micro_zoo: ZooPaths,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """Two ingresses over one Redis in front of two real verifier replicas; four devices decode
+    speculatively through one address that spreads connections over the ingresses, as a
+    Kubernetes Service does (`NetworkEmulator.spread`). Each device's session is open (one
+    verify done) when ingress A's next replies are held: each of A's devices has a verify
+    applied on its replica and unanswered. Then A dies: its connections are reset (what the
+    kernel does to a dead pod's), its server stops without grace, and for half a second the
+    Service still sends new connections to it (they are reset). Every device finishes its
+    request with the target's own greedy continuation; A's devices reconnect through B, which
+    finds their sessions' homes in Redis and sends them to the same replica (no reopen: the
+    retried verify is replayed there, not prefilled again).
+
+    A regression guard of the promise in docs/fleet.md ("Shared state"), not a bug found: the
+    fleet kept it on main. Its first run failed only its own check that the devices were
+    spread: all four reached A, because gRPC shares one TCP connection among a process's
+    channels to one address (now each edge client has its own, as each phone does). It fails
+    when the property breaks (run): with B keeping its own state (no `redis_url`) a session
+    of A's was reopened on the replica B picked (`reopens` 1, three runs of three); devices
+    that do not retry UNAVAILABLE (`unreachable_after_s=0`) failed with VerifierUnreachable.
+    """
+    target, draft = models
+    chosen = prompts[:DEVICES]
+    expected = [greedy_reference(target, prompt, NEW_TOKENS) for prompt in chosen]
+    ready, go = threading.Barrier(DEVICES + 1), threading.Event()
+    outcomes: dict[str, tuple[list[int], VerifierClient]] = {}
+    failures: list[str] = []
+
+    def pause() -> None:
+        ready.wait(timeout=60)
+        go.wait(timeout=60)
+
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
+
+        def device(index: int) -> None:
+            name = f"device-{index}"
+            try:
+                port = fleet.service.port
+                outcomes[name] = decode_through(port, name, draft, chosen[index], pause)
+            except Exception as error:  # every failure is a finding of the test
+                failures.append(f"{name}: {error!r}")
+                ready.abort()
+
+        threads = [threading.Thread(target=device, args=(i,)) for i in range(DEVICES)]
+        for thread in threads:
+            thread.start()
+        ready.wait(timeout=60)  # every session open, homed on a replica
+        relayed = fleet.replicas.relayed
+        via_a = {r.device for r in relayed if r.ingress == "A"}
+        fleet.handle_a.holding.set()
+        go.set()
+        wait_for(lambda: fleet.handle_a.held == len(via_a), 10, "a verify of each A device held")
+        killed_at = len(relayed)
+        fleet.kill_a()
+        for thread in threads:
+            thread.join(timeout=60)
+
+    assert failures == []
+    assert 0 < len(via_a) < DEVICES  # the Service spread the devices over both ingresses
+    for index in range(DEVICES):
+        tokens, client = outcomes[f"device-{index}"]
+        assert tokens == expected[index], f"device-{index} decoded other tokens"
+        assert client.reopens == 0  # no session was lost and prefilled again
+    after = [r for r in relayed[killed_at:] if r.method == "Verify"]
+    for name in via_a:
+        assert outcomes[name][1].retries >= 1  # it felt A's death
+        continued = [r for r in after if r.device == name]
+        assert {r.ingress for r in continued} == {"B"}
+        assert all(r.home == r.replica for r in continued), f"B did not know {name}'s home"
+        homes = {r.replica for r in relayed if r.device == name and r.method == "Verify"}
+        assert len(homes) == 1, f"{name}'s session moved between replicas: {homes}"
+
+
+def test_an_ingress_killed_while_a_devices_first_open_is_unanswered_fails_no_request(
+    fresh_redis: RedisServer,
+    micro_zoo: ZooPaths,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """A device's first call is a real OpenSession (it learns the verifier's limits); it goes
+    through ingress A (the Service's first turn), a replica opens the session, and A dies
+    before the answer is out. The device's request completes through B with the target's
+    greedy continuation.
+
+    On main it failed: the client retried a verify's UNAVAILABLE but not an OpenSession's,
+    so the device's request raised UNAVAILABLE ("Connection reset by peer"; the edge's
+    EdgeClient would have finished it on the draft alone). Now an OpenSession is retried
+    as a verify is; the session the lost attempt opened expires unused at its time-to-live.
+    """
+    target, draft = models
+    outcome: list[tuple[list[int], VerifierClient]] = []
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
+        port = fleet.service.port
+        failures = fleet.kill_a_under(
+            lambda: outcome.append(decode_through(port, "device-0", draft, prompts[0])),
+            "the OpenSession answered, held in A",
+        )
+
+    assert failures == []
+    assert [(r.ingress, r.method) for r in fleet.replicas.relayed[:1]] == [("A", "OpenSession")]
+    assert outcome[0][0] == greedy_reference(target, prompts[0], NEW_TOKENS)
+
+
+def test_an_ingress_killed_mid_generate_stream_fails_no_request(
+    fresh_redis: RedisServer,
+    micro_zoo: ZooPaths,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """A device decodes cloud-only: one Generate stream through ingress A (the Service's first
+    turn). After three tokens reached the device, A holds the fourth and dies. The device's
+    request completes through B with the target's greedy continuation, every token once.
+
+    On main it failed: the ingress resumes a stream cut by a replica's death, but nothing
+    resumed one cut by the ingress's own: the device's stream raised UNAVAILABLE ("Connection
+    reset by peer"; EdgeClient would have finished the request on the draft alone). Now the
+    client resumes it from the prompt plus the tokens streamed, as the ingress does.
+    """
+    target, _ = models
+    streamed: list[int] = []
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
+        config = ClientConfig(f"127.0.0.1:{fleet.service.port}", device_id="device-0")
+
+        def device() -> None:
+            with VerifierClient(config) as client:
+                streamed.extend(client.generate(prompts[0], NEW_TOKENS))
+
+        fleet.handle_a.pass_messages = 3
+        failures = fleet.kill_a_under(device, "the stream's fourth token held in A")
+
+    assert failures == []
+    assert streamed == greedy_reference(target, prompts[0], NEW_TOKENS)
+    assert [r.ingress for r in fleet.replicas.relayed if r.method == "Generate"] == ["A", "B"]

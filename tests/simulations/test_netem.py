@@ -110,6 +110,46 @@ def test_reset_fails_inflight_then_next_call_succeeds(grpc_port: int) -> None:
         assert _call(channel, ECHO, b"again") == b"again"
 
 
+def _was_reset(sock: socket.socket) -> bool:
+    """Whether the proxy closed `sock` (RST or EOF) rather than leaving it open."""
+    sock.settimeout(5.0)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_spread_takes_turns_and_cut_kills_one_endpoint() -> None:
+    """Four connections through a proxy spread over two endpoints land on them in turn. Cut, the
+    first endpoint's two connections are reset, and so is a new one sent to it (its turn), while
+    the other endpoint's connections carry bytes on; once dropped from the spread, new connections
+    reach the live endpoint only."""
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    ports = [listener.getsockname()[1] for listener in listeners]
+    for listener in listeners:
+        listener.settimeout(5.0)
+    with NetworkEmulator(ports[0]) as proxy:
+        proxy.spread(ports)
+        clients = [socket.create_connection(("127.0.0.1", proxy.port)) for _ in range(4)]
+        accepted = [listeners[i % 2].accept()[0] for i in range(4)]  # times out when out of turn
+        deadline = time.monotonic() + 5.0
+        while len(proxy.connections) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the proxy registers each connection once its own connect returns
+        assert proxy.cut(ports[0]) == 2
+        assert _was_reset(clients[0]) and _was_reset(clients[2])
+        assert _was_reset(
+            socket.create_connection(("127.0.0.1", proxy.port))
+        )  # the dead one's turn
+        clients[1].sendall(b"y")
+        assert accepted[1].recv(1) == b"y"
+        proxy.spread(ports[1:])
+        late = socket.create_connection(("127.0.0.1", proxy.port))
+        late.sendall(b"z")
+        assert listeners[1].accept()[0].recv(1) == b"z"
+    for sock in [*clients, *accepted, *listeners, late]:
+        sock.close()
+
+
 def test_blackhole_then_recovery(grpc_port: int) -> None:
     """During a blackhole calls time out; after it, the channel reconnects and calls succeed."""
     with (
