@@ -5,15 +5,16 @@ The zoo's base model is pre-trained on the stdlib corpus, so clients holding tha
 moved its participants' held-out perplexity by under 1% in 4 rounds, too little to tell what
 privacy costs. ``corpus:indent2`` is the same programs indented by two spaces per level
 instead of PEP 8's four, the house style of many code bases: a shift the base model has not
-learnt (every indented line starts with a token it rarely saw; held-out perplexity rises from
-about 54 to 93 on the demo zoo) and one a small adapter learns fast, because the same rule
-holds on every line of every client (a rank-4 adapter on q and v, B alone trained, recovered
-8% in 60 centralised steps, measured here). Other shifts tried here were learnt far more
-slowly: seven frequent words renamed (``self`` -> ``me``, ...) 1-3% in 60-240 steps, since
-the confusion they cause spreads to the tokens after them; comments stripped: none.
-It is built offline and deterministically from the text every machine has, with the corpus's
-own train/held-out split (paths are unchanged), so held-out perplexity still measures
-generalisation to files no client trained on.
+learnt (every indented line starts with a token it rarely saw: the demo zoo's held-out
+perplexity is 92.8 on it against 69.3 on the stdlib, 32 windows of 64 tokens) and one a
+small adapter learns fast, because the same rule holds on every line of every client (a
+rank-4 adapter on q and v, B alone trained, recovered 8% in 60 centralised steps, measured
+here). Other shifts tried here were learnt far more slowly: seven frequent words renamed
+(``self`` -> ``me``, ...) 1-3% in 60-240 steps, since the confusion they cause spreads to
+the tokens after them; comments stripped: none. It is built offline and deterministically
+from the text every machine has, with the corpus's own train/held-out split (paths are
+unchanged), so held-out perplexity still measures generalisation to files no client
+trained on.
 """
 
 from __future__ import annotations
