@@ -1,7 +1,7 @@
 """Names the server gives client-side data, models and state: identifiers, resolved under node roots.
 
 The server never names a path on a client. For each key below it sends an identifier (the
-last component of its own path, a ``zoo:<preset>`` or a hub id); the client resolves it under
+last component of its own path, a ``zoo:<preset>``, a ``corpus:<name>`` or a hub id); the client resolves it under
 a root its own operator sets (node config, else environment, else ``$FEDGE_HOME``) and refuses
 an absolute name, a ``..`` step, or a name whose real path (symlinks followed) leaves the root.
 """
@@ -40,6 +40,7 @@ NAMED_KEYS: Mapping[str, RootKind] = {
     keys.CFG_CLIENT_STATE_DIR: STATE,
 }
 ZOO_PREFIX = "zoo:"
+CORPUS_PREFIX = "corpus:"  # data-source "corpus:<name>": a built-in corpus (fedge.data.dialect)
 
 
 def _root_key(key: str) -> str:
@@ -57,7 +58,7 @@ class UnsafeName(ValueError):
 
 def wire_name(value: str) -> str:
     """What the server sends for one of its own paths: its last component (zoo/hub ids as given)."""
-    if not value or value.startswith(ZOO_PREFIX):
+    if not value or value.startswith((ZOO_PREFIX, CORPUS_PREFIX)):
         return value
     path = Path(value).expanduser()
     return path.resolve().name if path.is_absolute() or path.exists() else value
@@ -136,9 +137,19 @@ def resolve_model(key: str, value: str, node_config: Mapping[str, object]) -> st
 
 
 def resolve_data(key: str, value: str, node_config: Mapping[str, object]) -> str:
-    """A data source: "" (the stdlib corpus) or a directory/JSONL file under the data roots."""
+    """A data source: "" (the stdlib corpus), a built-in ``corpus:<name>``, or a directory/JSONL
+    file under the data roots."""
     if not value:
         return ""
+    if value.startswith(CORPUS_PREFIX):
+        from fedge.data.dialect import BUILTIN_CORPORA
+
+        if value.removeprefix(CORPUS_PREFIX) not in BUILTIN_CORPORA:
+            raise UnsafeName(
+                f"config key '{key}' = {value!r} names no built-in corpus; choose one of "
+                f"{', '.join(CORPUS_PREFIX + name for name in BUILTIN_CORPORA)}"
+            )
+        return value
     search = roots(DATA, node_config)
     found = resolve_existing(key, value, search)
     if found is None:

@@ -16,7 +16,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
@@ -162,6 +161,5 @@ def resolve_partition_count(cfg: RunConfig, population: int) -> RunConfig:
         return cfg
     from fedge.data import load_documents
 
-    source = Path(cfg.data_source) if cfg.data_source else None
-    documents = len(load_documents(source, cfg.max_chars_per_client or None))
+    documents = len(load_documents(cfg.data_source or None, cfg.max_chars_per_client or None))
     return cfg.with_overrides({keys.CFG_NUM_PARTITIONS: min(population, documents)})

@@ -174,8 +174,8 @@ def _population_caveats(
         lines += [
             "",
             f"The plain population run itself gained only {gained:.1%} in {plain['rounds']} "
-            "rounds: the phones hold the corpus the base model was trained on, so these few "
-            "rounds leave little to learn, and a gap between runs this small says little. What "
+            "rounds, so a gap between runs this small says little (phones holding the corpus "
+            'the base model was trained on, data-source "", leave it little to learn). What '
             f"the stage does show is the epsilon: {private['epsilon']:.2f} for cohorts of "
             f"{private['cohort']} phones against {small.get('epsilon') or float('inf'):.2f} for "
             f"{_clients(small)} "

@@ -91,7 +91,7 @@ def build_federated_corpus(
     num_partitions: int | None = None,
     alpha: float = 0.5,
     seed: int = 0,
-    source: Path | None = None,
+    source: Path | str | None = None,
     max_chars_per_client: int | None = None,
     cache_root: Path | None = None,
 ) -> FederatedCorpus:

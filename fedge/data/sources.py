@@ -1,4 +1,4 @@
-"""Where client documents come from: the stdlib corpus, a directory per client, or a JSONL file.
+"""Where client documents come from: a built-in corpus, a directory per client, or a JSONL file.
 
 Every document carries a label: its stdlib package, or the client id of bring-your-own data.
 """
@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedge.data.corpus import is_heldout, stdlib_sources
+from fedge.data.dialect import BUILTIN_CORPORA
 from fedge.errors import DataError
+from fedge.names import CORPUS_PREFIX
 
 CHUNK_CHARS = 4000  # partitioning unit: small enough that Dirichlet draws have items to move
 
@@ -44,11 +46,22 @@ def chunk_document(path: str, label: str, text: str, size: int = CHUNK_CHARS) ->
     return [Document(f"{path}#{k}", label, piece) for k, piece in enumerate(pieces)]
 
 
-def load_documents(source: Path | None, max_chars_per_client: int | None = None) -> list[Document]:
-    """Documents of the stdlib corpus (`source=None`), a client-per-directory tree or a JSONL file."""
-    if source is None:
+def load_documents(
+    source: Path | str | None, max_chars_per_client: int | None = None
+) -> list[Document]:
+    """Documents of the stdlib corpus (`source` None or ""), a built-in ``corpus:<name>``
+    (:mod:`fedge.data.dialect`), a client-per-directory tree or a JSONL file."""
+    if not source or str(source).startswith(CORPUS_PREFIX):
+        name = str(source or CORPUS_PREFIX + "stdlib").removeprefix(CORPUS_PREFIX)
+        if name not in BUILTIN_CORPORA:
+            raise DataError(
+                f"Data source {source!r} names no built-in corpus; choose one of "
+                f"{', '.join(CORPUS_PREFIX + known for known in BUILTIN_CORPORA)}."
+            )
+        transform = BUILTIN_CORPORA[name]
         files = stdlib_sources(max_chars_per_label=max_chars_per_client)
-        return [d for f in files for d in chunk_document(f.path, f.label, f.text)]
+        return [d for f in files for d in chunk_document(f.path, f.label, transform(f.text))]
+    source = Path(source)
     if source.is_dir():
         docs = _from_directory(source)
     elif source.is_file() and source.suffix in {".jsonl", ".json"}:

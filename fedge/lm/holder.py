@@ -168,7 +168,7 @@ def get_corpus(config: Mapping[str, ConfigValue]) -> FederatedCorpus:
             num_partitions=num or None,
             alpha=float(cache_key[3]),  # type: ignore[arg-type]
             seed=int(cache_key[4]),  # type: ignore[call-overload]
-            source=Path(source) if source else None,
+            source=source or None,
             max_chars_per_client=max_chars or None,
         )
         STATS["corpus_loads"] += 1

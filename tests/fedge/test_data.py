@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fedge.data import (
+    Document,
     FederatedCorpus,
     PartitionSpec,
     build_federated_corpus,
@@ -16,6 +18,7 @@ from fedge.data import (
     partition_documents,
 )
 from fedge.data.corpus import TOPLEVEL_LABEL, stdlib_sources
+from fedge.data.dialect import two_space_indent
 from fedge.errors import DataError
 from fedge.zoo import ZooPaths
 
@@ -95,7 +98,6 @@ def test_client_tokens_are_memory_mapped_and_cached(
 def test_client_streams_decode_to_their_documents(
     micro_zoo: ZooPaths, micro_corpus: FederatedCorpus
 ) -> None:
-    from fedge.data.sources import Document
     from fedge.models import load_tokenizer
 
     tokenizer = load_tokenizer(micro_zoo.target_dir)
@@ -179,3 +181,41 @@ def test_bad_partition_spec_names_the_field() -> None:
         PartitionSpec("zipf")
     with pytest.raises(ValueError, match="alpha=0"):
         PartitionSpec("dirichlet", alpha=0)
+
+
+def test_two_space_indent_halves_whole_indentation_levels_only() -> None:
+    """Hand-derived: each line's leading 4-space levels become 2 spaces each (17 leading spaces:
+    4 levels and 1 of alignment -> 9); spaces inside a line and tab indentation are kept."""
+    text = "def f(x):\n    if x:\n        return g(x,\n                 y)  # a    b\n\tz = 1\n"
+    assert two_space_indent(text) == (
+        "def f(x):\n  if x:\n    return g(x,\n         y)  # a    b\n\tz = 1\n"
+    )
+
+
+def test_the_indent2_corpus_is_the_stdlib_reindented_with_the_same_split() -> None:
+    """``corpus:indent2`` holds the same files, labels and train/held-out split as the stdlib
+    corpus (""), each file's text re-indented (chunks may be cut elsewhere: lines are shorter),
+    line by line; an unknown built-in name is refused, listing the known."""
+
+    def by_file(docs: list[Document]) -> dict[tuple[str, str, bool], str]:
+        files: dict[tuple[str, str, bool], str] = {}
+        for d in docs:
+            key = (d.path.split("#", 1)[0], d.label, d.heldout)
+            files[key] = files.get(key, "") + d.text
+        return files
+
+    plain = by_file(load_documents("", CHARS))
+    indent2 = by_file(load_documents("corpus:indent2", CHARS))
+    assert plain.keys() == indent2.keys() and any(held for _, _, held in plain)
+    indented = {k for k in plain if re.search(r"^    ", plain[k], re.MULTILINE)}
+    assert {k for k in plain if indent2[k] != plain[k]} == indented
+    assert len(indented) > 0.8 * len(plain)
+    for k in plain:  # line by line: same text after the indentation, 4k + m spaces -> 2k + m
+        lines, relined = plain[k].splitlines(), indent2[k].splitlines()
+        assert len(lines) == len(relined)
+        for a, b in zip(lines, relined, strict=True):
+            lead = len(a) - len(a.lstrip(" "))
+            assert b == " " * (lead - 2 * (lead // 4)) + a.lstrip(" ")
+    assert load_documents("corpus:stdlib", CHARS) == load_documents(None, CHARS)
+    with pytest.raises(DataError, match="corpus:stdlib, corpus:indent2"):
+        load_documents("corpus:pirate", CHARS)

@@ -12,7 +12,9 @@ from simulations.runner import load_scenario
 )
 def test_population_scenarios_account_at_one_over_the_population(name: str) -> None:
     """delta = 1/N, Poisson cohorts with no over-selection, SecAgg+ with distributed DP, diurnal
-    phones: the settings the bench's epsilon figures rest on."""
+    phones: the settings the bench's epsilon figures rest on; and phones holding a corpus the
+    base model has not learnt (corpus:indent2), so that the plain run these figures are
+    weighed against learns something."""
     from server.sampling import sampling_scheme
 
     scenario = load_scenario(name)
@@ -22,6 +24,7 @@ def test_population_scenarios_account_at_one_over_the_population(name: str) -> N
     assert scenario.config.aggregator.endswith("secagg_distributed_dp")
     assert scenario.engine == "inprocess" and scenario.devices is not None
     assert scenario.devices.availability == "diurnal"
+    assert scenario.config.data_source == "corpus:indent2"
 
 
 def test_the_verdict_counts_only_dp_runs_close_to_a_plain_run_that_learnt() -> None:

@@ -124,3 +124,17 @@ def test_identifiers_under_the_roots_resolve_to_the_nodes_own_paths(
     assert hub[keys.CFG_MODEL] == "Qwen/Qwen2.5-0.5B-Instruct"
     with pytest.raises(UnsafeName, match="zoo preset"):
         resolve_config({keys.CFG_MODEL: "zoo:../../x"}, node_config)
+
+
+def test_a_built_in_corpus_is_named_not_resolved_and_nothing_else_passes_as_one(
+    node: tuple[dict[str, object], Path],
+) -> None:
+    """``corpus:indent2`` names a corpus built from the node's own stdlib, so it passes as given
+    (no root is searched); a ``corpus:`` name that is not built in, such as a path smuggled
+    behind the prefix, is refused naming the key, before any data is loaded."""
+    node_config, outside = node
+    resolved = resolve_config({keys.CFG_DATA_SOURCE: "corpus:indent2"}, node_config)  # type: ignore[arg-type]
+    assert resolved[keys.CFG_DATA_SOURCE] == "corpus:indent2"
+    for value in ("corpus:../../outside/data", f"corpus:{outside / 'data'}", "corpus:"):
+        with pytest.raises(UnsafeName, match=f"'{keys.CFG_DATA_SOURCE}'.*corpus:indent2"):
+            resolve_config({keys.CFG_DATA_SOURCE: value}, node_config)  # type: ignore[arg-type]
