@@ -69,13 +69,16 @@ def update_norm(contribution: Arrays) -> float:
     """L2 norm of the client's unscaled update: delta/weight and its ctrl/ part jointly."""
     weight = float(contribution[keys.KEY_WEIGHT][0])
     scale = 1.0 / weight if weight > 0 else 0.0
-    total = 0.0
+    delta = control = 0.0
     for k, v in contribution.items():
-        if k.startswith(keys.PREFIX_DELTA):
-            total += float(np.sum((v.astype(np.float64) * scale) ** 2))
-        elif k.startswith(keys.PREFIX_CONTROL):
-            total += float(np.sum(v.astype(np.float64) ** 2))
-    return float(np.sqrt(total))
+        if k.startswith((keys.PREFIX_DELTA, keys.PREFIX_CONTROL)):
+            flat = v.astype(np.float64).reshape(-1)  # one float64 copy, one dot: no temporaries
+            squares = float(flat @ flat)
+            if k.startswith(keys.PREFIX_DELTA):
+                delta += squares
+            else:
+                control += squares
+    return float(np.sqrt(delta * scale * scale + control))
 
 
 def apply_bounds(contribution: Arrays, cfg: RobustConfig) -> tuple[Arrays, str | None]:
@@ -115,8 +118,10 @@ def clip_contribution(contribution: Arrays, cfg: RobustConfig) -> Arrays:
     weight, then scale its update (``delta/weight`` and ``ctrl/`` jointly) to at most
     ``max_update_norm``, so its share of the sum is within :func:`aggregate_problem`'s bound."""
     capped = cap_weight(contribution, cfg.max_weight)
+    if not cfg.max_update_norm > 0:  # no bound: the norm is not needed
+        return capped
     norm = update_norm(capped)
-    if not (cfg.max_update_norm > 0 and norm > cfg.max_update_norm):
+    if not norm > cfg.max_update_norm:
         return capped
     factor = np.float32(cfg.max_update_norm / norm * (1 - 1e-6))  # float32 rounding stays below
     return {

@@ -25,6 +25,7 @@ a policy (``clients.secagg.engine``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -117,15 +118,21 @@ class PrivacyPolicy:
             values[known[key].name] = kind(value)  # type: ignore[call-arg]
         return cls(**values)  # type: ignore[arg-type]
 
-    @classmethod
-    def load(cls, path: Path) -> PrivacyPolicy:
-        """Read a policy file; a missing or malformed file is an error, never an empty policy.
-
-        A relative ``trusted-keys`` path is read beside the policy file.
-        """
+    @staticmethod
+    def read(path: Path) -> str:
+        """The text of a policy file; a missing or unreadable file is an error."""
         try:
-            raw = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            return path.read_text()
+        except OSError as exc:
+            raise ValueError(f"privacy policy {path}: cannot read it ({exc})") from exc
+
+    @classmethod
+    def parse(cls, text: str, path: Path) -> PrivacyPolicy:
+        """Build from the TOML ``text`` of the policy file ``path``; a malformed file is an
+        error, never an empty policy. A relative ``trusted-keys`` path is read beside the file."""
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"privacy policy {path}: cannot read it ({exc})") from exc
         if isinstance(raw.get("trusted-keys"), str) and raw["trusted-keys"]:
             raw["trusted-keys"] = str(path.parent / Path(raw["trusted-keys"]).expanduser())
@@ -135,7 +142,16 @@ class PrivacyPolicy:
 def node_policy(node_config: Mapping[str, object]) -> PrivacyPolicy:
     """This node's policy: the file named by its node config, else by the environment, else none."""
     path = str(node_config.get(NODE_POLICY_KEY, "") or os.environ.get(POLICY_ENV, ""))
-    return PrivacyPolicy.load(Path(path)) if path else PrivacyPolicy()
+    if not path:
+        return PrivacyPolicy()
+    return _parsed_policy(path, PrivacyPolicy.read(Path(path)))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_policy(path: str, text: str) -> PrivacyPolicy:
+    """The policy ``text`` read from ``path``, parsed once per distinct content: the file is
+    read for every message (an edit applies at once), the TOML parsed only when it changed."""
+    return PrivacyPolicy.parse(text, Path(path))
 
 
 @dataclass(frozen=True)

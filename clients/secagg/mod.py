@@ -100,12 +100,22 @@ def _load_identity(path: Path) -> Ed25519PrivateKey:
 def node_rules(context: Context) -> ClientRules:
     """The SecAgg+ rules of this node's privacy policy (minimum neighbourhood, trust list)."""
     policy = node_policy(context.node_config)
-    trusted = ident.load_trust_list(Path(policy.trusted_keys)) if policy.trusted_keys else None
+    keys_file = policy.trusted_keys
+    trusted = (
+        _parsed_trust_list(keys_file, ident.read_trust_list(Path(keys_file))) if keys_file else None
+    )
     return ClientRules(
         min_neighbours=policy.secagg_min_neighbours,
         min_threshold=policy.secagg_min_threshold,
         trusted=trusted,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_trust_list(path: str, text: str) -> frozenset[bytes]:
+    """The trust list ``text`` parsed once per distinct content (read for every message, so
+    an edited list applies at once; parsed, hex-decoded and checked only when it changed)."""
+    return ident.parse_trust_list(text, path)
 
 
 def _metric_arrays(content: RecordDict, rec: ConfigRecord) -> dict[str, np.ndarray]:

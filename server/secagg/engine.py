@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedge.errors import FedgeError
 from fedge.secagg import wire
@@ -227,7 +227,8 @@ class SecAggServerEngine:
             rec = self._reply_record(v, content, wire.STAGE_COLLECT)
             if rec is None or v not in self._r.neighbours:
                 continue
-            if self.masked_record not in content.array_records:
+            masked = content.get(self.masked_record)
+            if not isinstance(masked, ArrayRecord):
                 log.warning("SecAgg+: node %d sent no %r record; dropped", v, self.masked_record)
                 continue
             try:
@@ -241,7 +242,7 @@ class SecAggServerEngine:
                     "SecAgg+: node %d did not share its seed with its neighbours; dropped", v
                 )
                 continue
-            arrays = {k: a.numpy() for k, a in content.array_records[self.masked_record].items()}
+            arrays = {k: a.numpy() for k, a in masked.items()}
             if not self._expected_layout(v, arrays):
                 continue
             layout = Layout.of(arrays, dict(self._scales()))

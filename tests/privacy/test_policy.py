@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr.app import Context, RecordDict
 
 from clients.privacy.policy import PrivacyPolicy, dpsgd_budget, node_policy, requested_dp
+from clients.secagg.mod import node_rules
 
 
 def test_a_policy_file_is_read_and_a_bad_one_is_never_an_empty_policy(tmp_path: Path) -> None:
@@ -24,6 +26,28 @@ def test_a_policy_file_is_read_and_a_bad_one_is_never_an_empty_policy(tmp_path: 
         node_policy({"privacy-policy": str(typo)})
     with pytest.raises(ValueError, match="cannot read it"):
         node_policy({"privacy-policy": str(tmp_path / "missing.toml")})
+
+
+def test_an_edited_policy_or_trust_list_applies_at_the_next_message(tmp_path: Path) -> None:
+    """Both files are parsed once per content, not once per message: an operator who
+    tightens either sees it at the very next message. Each rewrite keeps the file's inode
+    and size within one mtime tick, so a cache keyed on the path or on the file's stat
+    would serve the old, weaker rules here (seen with a path-keyed cache)."""
+    # Prepare
+    policy, trust = tmp_path / "policy.toml", tmp_path / "trust.txt"
+    key_a, key_b = bytes(range(32)), bytes(range(1, 33))
+    policy.write_text('secagg-min-neighbours = 2\ntrusted-keys = "trust.txt"\n')
+    trust.write_text(key_a.hex() + "\n")
+    context = Context(0, 1, {"privacy-policy": str(policy)}, RecordDict(), {})
+    before = node_rules(context)
+    # Execute: tighten both, in place
+    policy.write_text('secagg-min-neighbours = 7\ntrusted-keys = "trust.txt"\n')
+    trust.write_text(key_b.hex() + "\n")
+    after = node_rules(context)
+    # Assert
+    assert (before.min_neighbours, before.trusted) == (2, frozenset({key_a}))
+    assert (after.min_neighbours, after.trusted) == (7, frozenset({key_b}))
+    assert node_policy(context.node_config).secagg_min_neighbours == 7
 
 
 def test_requested_dp_reads_the_released_sums_multiplier() -> None:
