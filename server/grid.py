@@ -53,8 +53,7 @@ class ReplyHookGrid(Grid):
 
 FIRST_PULL_S = 0.002  # first wait after the push; replies of fast clients arrive within ms
 MAX_PULL_S = 0.05  # the backoff's ceiling: a gRPC pull per 50 ms at most
-MAX_LOCAL_PULL_S = 0.003  # in simulation a pull is a call on the in-process LinkState (tens of
-# us): cheap enough to look every 3 ms, so the last reply of an exchange waits 1.5 ms on average
+MAX_LOCAL_PULL_S = 0.01  # in simulation a pull is a call on the in-process LinkState: cheap
 
 
 def exchange_messages(
@@ -66,7 +65,7 @@ def exchange_messages(
     Deployment Engine's HTTP grid) between pulls, which a protocol of several exchanges per
     round pays at every barrier. On those grids (bare, or behind a ``ReplyHookGrid`` that
     only edits replies) this pushes, then pulls after 2 ms, 1.5x longer each time, at most
-    50 ms over gRPC and 3 ms in simulation. A grid with its own ``send_and_receive`` (a device simulation, an in-process
+    50 ms over gRPC and 10 ms in simulation. A grid with its own ``send_and_receive`` (a device simulation, an in-process
     engine) keeps it: the exchange goes through it unchanged.
     """
     if not _polls_like_flower(grid):
