@@ -83,7 +83,7 @@ class VerifierClient(Transport):
         then goes unused, and the verifier drops it at its time-to-live).
         """
         request = pb.OpenSessionRequest(prompt_ids=list(prompt_ids), sampling=_sampling(sampling))
-        retry = TransientRetries(self.config, self)
+        retry = TransientRetries(self)
         while True:
             try:
                 reply = self.unary(self.stub.OpenSession, request, pb.OpenSessionReply)
@@ -155,7 +155,7 @@ class VerifierClient(Transport):
         request.expected_length = len(session.committed)
         if not session.known:
             self._attach_committed(session, request)
-        retry = TransientRetries(self.config, self)
+        retry = TransientRetries(self)
         while True:
             try:
                 return self.unary(self.stub.Verify, request, pb.VerifyReply)
@@ -229,7 +229,7 @@ class VerifierClient(Transport):
         )
         streamed: list[int] = []
         request: pb.GenerateRequest | None = original
-        retry = TransientRetries(self.config, self)
+        retry = TransientRetries(self)
         while request is not None:
             before = len(streamed)
             try:
@@ -239,7 +239,7 @@ class VerifierClient(Transport):
                 if err.code() not in TRANSIENT:  # type: ignore[attr-defined]
                     raise
                 if len(streamed) > before:  # it had streamed since the last cut: a new outage
-                    retry = TransientRetries(self.config, self)
+                    retry = TransientRetries(self)
                 retry.wait(err)
             request = resume_generate(original, streamed)
 
@@ -263,19 +263,20 @@ class TransientRetries:
     """Waits between the retries of one call after transient failures, doubling up to 0.5 s;
     past `unreachable_after_s` from the first call, VerifierUnreachable instead."""
 
-    def __init__(self, config: ClientConfig, counter: VerifierClient) -> None:
-        self.config, self.counter = config, counter
-        self.delay = config.backoff_s
-        self.give_up = time.monotonic() + config.unreachable_after_s
+    def __init__(self, client: VerifierClient) -> None:
+        self.client = client
+        self.delay = client.config.backoff_s
+        self.give_up = time.monotonic() + client.config.unreachable_after_s
 
     def wait(self, err: grpc.RpcError) -> None:
         """Wait before the next retry after `err`, or raise VerifierUnreachable."""
+        config = self.client.config
         if time.monotonic() > self.give_up:
             raise VerifierUnreachable(
-                f"verifier at {self.config.target} answered {err.code().name} for "  # type: ignore[attr-defined]
-                f"{self.config.unreachable_after_s} s; decode on the device"
+                f"verifier at {config.target} answered {err.code().name} for "  # type: ignore[attr-defined]
+                f"{config.unreachable_after_s} s; decode on the device"
             ) from err
-        self.counter.retries += 1
+        self.client.retries += 1
         time.sleep(self.delay)
         self.delay = min(2 * self.delay, 0.5)
 
