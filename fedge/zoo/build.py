@@ -259,7 +259,7 @@ class _Builder:
         if directory.exists():
             shutil.rmtree(directory)
         model.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
+        save_tokenizer(tokenizer, directory)
         (directory / RUN_RECORD).write_text(json.dumps(run, indent=2))
         write_manifest(directory, {"fedge_zoo_preset": self.preset.name, "seed": self.seed})
         require_intact(directory)

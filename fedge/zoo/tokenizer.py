@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -10,6 +11,10 @@ from transformers import PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+# How a tokenizer was loaded, not what it is: `from_pretrained` records the hub's offline mode
+# (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE) here, so the same build under another environment
+# would write other bytes.
+LOADER_STATE_KEYS = ("local_files_only",)
 
 
 def train_tokenizer(
@@ -36,5 +41,11 @@ def train_tokenizer(
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
-    """Write the tokenizer files into a model directory."""
+    """Write the tokenizer files into a model directory, the same bytes whatever the environment
+    it was loaded under (the zoo's manifests hash them)."""
     tokenizer.save_pretrained(directory)
+    config_path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for key in LOADER_STATE_KEYS:
+        config.pop(key, None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")

@@ -13,6 +13,7 @@ from fedge.errors import CorruptModelError, ModelNotFoundError
 from fedge.manifest import MANIFEST_NAME, verify_manifest
 from fedge.models import load_causal_lm, load_tokenizer
 from fedge.zoo import ZooPaths, build_zoo, ensure_zoo, get_preset, zoo_problems
+from fedge.zoo.tokenizer import save_tokenizer
 
 
 def test_tokenizer_round_trips_code_and_unicode(micro_zoo: ZooPaths) -> None:
@@ -22,6 +23,26 @@ def test_tokenizer_round_trips_code_and_unicode(micro_zoo: ZooPaths) -> None:
     assert tokenizer.decode(ids) == text
     assert len(ids) < len(text.encode())  # BPE merged something
     assert load_tokenizer(micro_zoo.draft_dir).get_vocab() == tokenizer.get_vocab()
+
+
+def test_a_tokenizer_saves_the_same_bytes_whichever_way_it_was_loaded(
+    micro_zoo: ZooPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loaded online or offline, the zoo's tokenizer writes identical files. Before, its config
+    recorded `local_files_only`, so a zoo built with HF_HUB_OFFLINE set (as `make test` builds
+    it) differed from one built without, and the rebuild-equals-cache test failed."""
+    from transformers import PreTrainedTokenizerFast, tokenization_utils_base
+
+    for offline in (False, True):  # the hub's offline mode as transformers reads it
+        monkeypatch.setattr(tokenization_utils_base, "is_offline_mode", lambda o=offline: o)
+        loaded = PreTrainedTokenizerFast.from_pretrained(
+            micro_zoo.target_dir, local_files_only=offline
+        )
+        save_tokenizer(loaded, tmp_path / str(offline))
+    files = sorted(p.name for p in (tmp_path / "True").iterdir())
+    assert "tokenizer_config.json" in files
+    for name in files:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes()
 
 
 def test_built_dirs_load_with_from_pretrained(micro_zoo: ZooPaths) -> None:
