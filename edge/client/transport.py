@@ -136,13 +136,15 @@ class Transport:
         """Drop the recorded durations (the network changed)."""
         self._durations.clear()
 
-    def send(self, method: Any, request: Message) -> None:
-        """A call whose reply nobody waits for: it costs bytes, not a round trip (`one_way`)."""
+    def send(self, method: Any, request: Message) -> grpc.Future:
+        """A call whose reply nobody waits for: it costs bytes, not a round trip (`one_way`).
+        Returns the call, for a caller that wants to know how it ended."""
         self.one_way += 1
         self.bytes_up += request.ByteSize()
         call = method.future(request, timeout=self.config.timeout_s, metadata=self.metadata)
         self._in_flight.add(call)  # a dropped call object would cancel the RPC when collected
         call.add_done_callback(self._in_flight.discard)
+        return call
 
     def health(self) -> int:
         """The verifier's overall health status (a `HealthCheckResponse.ServingStatus` value)."""

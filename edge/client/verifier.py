@@ -7,12 +7,15 @@ sends the expected length with every Verify and retries UNAVAILABLE / DEADLINE_E
 the same request (the verifier replays a verify it already applied), as it retries an
 OpenSession (a session a lost attempt opened expires unused); NOT_FOUND reopens the
 session from the committed tokens, ABORTED reopens it under a fresh id. When the verifier
-stays unreachable for `unreachable_after_s`, calls raise `VerifierUnreachable`.
+stays unreachable for `unreachable_after_s`, calls raise `VerifierUnreachable`. A
+CloseSession lost to a transient failure (an ingress that died with it) is sent again with
+the client's next call, so the session does not hold memory and quota until its time-to-live.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -53,8 +56,11 @@ class VerifierClient(Transport):
         self.retries = 0  # transient failures retried
         self.reopens = 0  # sessions reopened after NOT_FOUND or ABORTED
         self.version_changes = 0  # sessions restarted on other weights after theirs were gone
+        self.closes_resent = 0  # CloseSessions sent again after a transient failure
         self._limits: SessionInfo | None = None  # the verifier's, from the first open
         self._sessions: dict[str, EdgeSession] = {}
+        self._lost_closes: set[str] = set()  # wire ids whose CloseSession never arrived
+        self._lost_closes_lock = threading.Lock()  # gRPC's callback threads add to it
 
     def __enter__(self) -> VerifierClient:
         return self
@@ -62,6 +68,7 @@ class VerifierClient(Transport):
     # ---- sessions -------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], sampling: Sampling | None = None) -> SessionInfo:
         """Start a session: a real OpenSession the first time, later opened by its first verify."""
+        self._resend_lost_closes()
         sampling = sampling or Sampling()
         if self._limits is None:
             info = self.open_remote(prompt_ids, sampling)
@@ -123,6 +130,7 @@ class VerifierClient(Transport):
         draft_dists: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
     ) -> VerifyResult:
         """Send a draft; returns how many were accepted and the next token (retried, reopened)."""
+        self._resend_lost_closes()
         request = pb.VerifyRequest(
             session_id=session_id,
             draft_ids=list(draft_ids),
@@ -191,8 +199,29 @@ class VerifierClient(Transport):
         if session is not None and not session.known:
             return len(session.committed)  # the verifier never saw it
         wire_id = session.wire_id if session else session_id
-        self.send(self.stub.CloseSession, pb.CloseSessionRequest(session_id=wire_id))
+        self._resend_lost_closes()
+        self._send_close(wire_id)
         return len(session.committed) if session else 0
+
+    def _send_close(self, wire_id: str) -> None:
+        """CloseSession without waiting; if it fails in transit, it is kept for the next call."""
+        call = self.send(self.stub.CloseSession, pb.CloseSessionRequest(session_id=wire_id))
+        call.add_done_callback(lambda done: self._note_close(wire_id, done))
+
+    def _note_close(self, wire_id: str, call: grpc.Future) -> None:
+        """Keep `wire_id` when its close ended UNAVAILABLE / DEADLINE_EXCEEDED (never applied,
+        or not known to be); any other answer (OK, NOT_FOUND: already gone) settles it."""
+        if call.code() in TRANSIENT:  # type: ignore[attr-defined]
+            with self._lost_closes_lock:
+                self._lost_closes.add(wire_id)
+
+    def _resend_lost_closes(self) -> None:
+        """Send again each close that was lost (a second loss keeps it for the call after)."""
+        with self._lost_closes_lock:
+            lost, self._lost_closes = self._lost_closes, set()
+        for wire_id in lost:
+            self.closes_resent += 1
+            self._send_close(wire_id)
 
     def close_remote(self, session_id: str) -> int:
         """CloseSession, waiting for the reply: the tokens the verifier held."""
@@ -220,6 +249,7 @@ class VerifierClient(Transport):
         retried within `unreachable_after_s` of the cut; the verifier's draws depend on the
         position, so the continuation is the one the cut stream would have sent.
         """
+        self._resend_lost_closes()
         sampling = sampling or Sampling()
         original = pb.GenerateRequest(
             prompt_ids=list(prompt_ids),

@@ -232,13 +232,16 @@ class ReplicaHandle:
 
     While `holding` is set, each answer a replica gave (each streamed message past the
     first `pass_messages` of a stream) waits in the ingress before it is returned (`held`
-    counts them): the call has been applied, its reply is not out yet.
+    counts them): the call has been applied, its reply is not out yet. While `stalling` is
+    set, each unary call waits in the ingress before any replica sees it (`stalled`).
     """
 
     def __init__(self, replicas: LocalReplicas, ingress: str) -> None:
         self.replicas, self.ingress = replicas, ingress
         self.holding = threading.Event()
         self.held = 0
+        self.stalling = threading.Event()
+        self.stalled = 0
         self.pass_messages = 0
 
     @property
@@ -261,7 +264,17 @@ class ReplicaHandle:
         finally:
             self.held -= 1
 
+    async def stall(self) -> None:
+        """Wait while `stalling` is set (counted in `stalled`)."""
+        self.stalled += 1
+        try:
+            while self.stalling.is_set():
+                await asyncio.sleep(0.005)
+        finally:
+            self.stalled -= 1
+
     async def remote(self, *args: Any, **hints: Any) -> CallResult:
+        await self.stall()
         result = await self.replicas.unary(self.ingress, *args, **hints)
         await self.hold()
         return result

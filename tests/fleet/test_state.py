@@ -435,3 +435,36 @@ def test_an_ingress_killed_mid_generate_stream_fails_no_request(
     assert failures == []
     assert streamed == greedy_reference(target, prompts[0], NEW_TOKENS)
     assert [r.ingress for r in fleet.replicas.relayed if r.method == "Generate"] == ["A", "B"]
+
+
+def test_a_close_lost_with_its_ingress_is_sent_again_and_frees_the_session(
+    fresh_redis: RedisServer, micro_zoo: ZooPaths, prompts: list[list[int]]
+) -> None:
+    """A device opens a session through ingress A (the Service's first turn); its CloseSession
+    reaches A, and A dies before relaying it. The device's next call (an open, through B)
+    sends the close again: the replica that held the session holds only the new one.
+
+    On main the close was fire-and-forget and never sent again (run): the replica kept the
+    first session (two open sessions after the second open) until its time-to-live, its
+    memory and the device's session quota taken meanwhile.
+    """
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
+        config = ClientConfig(f"127.0.0.1:{fleet.service.port}", device_id="device-0")
+        with VerifierClient(config) as client:
+            first = client.open(prompts[0])
+            home = fleet.replicas.relayed[-1].replica
+            replica = fleet.replicas.replicas[home]
+            assert replica.open_sessions() == 1
+            fleet.handle_a.stalling.set()  # A takes the close and dies before relaying it
+            client.close(first.session_id)
+            wait_for(lambda: fleet.handle_a.stalled == 1, 10, "the close to reach A")
+            fleet.kill_a()
+            wait_for(lambda: not client._in_flight, 10, "the close to end")
+            assert [r.method for r in fleet.replicas.relayed] == ["OpenSession"]  # lost
+            client.verify(client.open(prompts[1]).session_id, [])  # opened by its first verify
+            wait_for(lambda: not client._in_flight, 10, "the resent close to end")
+            held = sum(r.open_sessions() for r in fleet.replicas.replicas.values())
+            assert held == 1  # the second session only
+            closes = [r for r in fleet.replicas.relayed if r.method == "CloseSession"]
+            assert [(r.ingress, r.replica) for r in closes] == [("B", home)]
+            assert client.closes_resent == 1
