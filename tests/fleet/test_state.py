@@ -32,6 +32,7 @@ from edge.fleet.wire import CallResult
 from edge.runtime import TorchDraftRuntime
 from edge.verifier.limits import VERIFY, RateLimiter
 from edge.verifier.rate_config import RateLimitConfig
+from edge.verifier.requests import Sampling
 from fedge.zoo import ZooPaths
 from simulations.local_services import RedisServer
 from simulations.netem import NetworkEmulator
@@ -435,6 +436,43 @@ def test_an_ingress_killed_mid_generate_stream_fails_no_request(
     assert failures == []
     assert streamed == greedy_reference(target, prompts[0], NEW_TOKENS)
     assert [r.ingress for r in fleet.replicas.relayed if r.method == "Generate"] == ["A", "B"]
+
+
+def test_a_sampled_generate_cut_with_its_ingress_resumes_the_same_draws(
+    fresh_redis: RedisServer,
+    micro_zoo: ZooPaths,
+    models: tuple[PreTrainedModel, PreTrainedModel],
+    prompts: list[list[int]],
+) -> None:
+    """The mid-Generate death above, sampling at temperature 0.9: the stream A cut and the
+    client resumed through B streams exactly the tokens an uncut stream with the same seed
+    does (the verifier draws by position, so the resumed request, prompt plus the tokens
+    streamed, continues the same draws), and they are not the greedy ones.
+
+    A regression guard (the resume passed on main, where only the greedy case was tested):
+    it fails when the resumed request draws afresh (run: the resume sent with seed + 1 gave
+    other tokens after the cut).
+    """
+    target, _ = models
+    sampling = Sampling(temperature=0.9, seed=7)
+    streamed: list[int] = []
+    with fleet_behind_a_service(fresh_redis, micro_zoo) as fleet:
+        config = ClientConfig(f"127.0.0.1:{fleet.service.port}", device_id="device-0")
+
+        def device() -> None:
+            with VerifierClient(config) as client:  # the Service's first turn: A
+                streamed.extend(client.generate(prompts[0], NEW_TOKENS, sampling))
+
+        fleet.handle_a.pass_messages = 3
+        failures = fleet.kill_a_under(device, "the sampled stream's fourth token held in A")
+        with VerifierClient(config) as client:  # uncut, through B
+            uncut = list(client.generate(prompts[0], NEW_TOKENS, sampling))
+
+    assert failures == []
+    assert streamed == uncut
+    assert uncut != greedy_reference(target, prompts[0], NEW_TOKENS)
+    generates = [r.ingress for r in fleet.replicas.relayed if r.method == "Generate"]
+    assert generates == ["A", "B", "B"]  # cut in A, resumed through B; then the uncut one
 
 
 def test_a_close_lost_with_its_ingress_is_sent_again_and_frees_the_session(
