@@ -21,7 +21,9 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -104,13 +106,20 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
         started[name], port = start_listening(command, logs / f"{name}.log", env=env, cwd=tmp_path)
         return port
 
-    def supernode(name: str, partition: int) -> None:
-        spawn(name, lambda port: supernode_command(link, port, partition, 3))
+    def supernodes(**partitions: int) -> None:
+        """Start one SuperNode per name at once (each start waits for its own port)."""
+        with ThreadPoolExecutor(len(partitions)) as pool:
+            for done in [
+                pool.submit(
+                    spawn, name, partial(supernode_command, link, partition=p, partitions=3)
+                )
+                for name, p in partitions.items()
+            ]:
+                done.result()
 
     link = spawn("superlink", lambda port: superlink_command(port, tmp_path / "state.db"))
     write_flwr_home(home, link)
-    supernode("a", 0)
-    supernode("b", 1)
+    supernodes(a=0, b=1)
     run_dir = tmp_path / "run"
     run_config = short_run_config(run_dir, micro_zoo.target_dir, 3) + " min-train-nodes=1"
     cmd = ["flwr", "run", str(REPO), "dep", "--stream", "--run-config", run_config]
@@ -120,8 +129,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
         _wait_round(run_dir, 1, run)
         started["b"].terminate()  # B leaves (stopped by pid) ...
         started["b"].wait(timeout=30)
-        supernode("c", 2)  # ... C joins, and B comes back under a new node id
-        supernode("b-again", 1)
+        supernodes(c=2, **{"b-again": 1})  # ... C joins, and B comes back under a new node id
         run.wait(timeout=480)
         deadline = time.monotonic() + 60
         while (
