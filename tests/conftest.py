@@ -17,10 +17,6 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see the Makefile
-# Ray runs its workers (Serve replicas, Flower's client actors) at nice 15: on two shared cores
-# they then wait behind every other test's processes and mypy (a fleet's start took 135 s in
-# CI, ~50 s beside other agents' work). The suite's Ray clusters inherit equal priority.
-os.environ.setdefault("RAY_worker_niceness", "0")
 
 MICRO_CHARS_PER_CLIENT = 20_000  # the micro zoo's own corpus size per package
 
