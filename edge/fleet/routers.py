@@ -43,7 +43,7 @@ ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
 ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
 ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere would prefill
 K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
-SPEED_SAMPLES = 15  # a replica's seconds per token on a kind of call: median of its last calls
+SPEED_SAMPLES = 15  # a replica's seconds per work token on a kind of call: median of its last calls
 SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones pay the warm-up)
 CALL_TOKENS = (
     32  # a call's fixed cost in token positions (pass + relay on an overhead-bound target)
@@ -81,14 +81,20 @@ def relative_slowness(
     return {r: float(statistics.median(ratios[r])) if ratios[r] else 1.0 for r in replicas}
 
 
-def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
-    """A call's expected time on a replica, in fastest-replica token times: its queue and itself.
+def work_tokens(pending_tokens: int, tokens: int) -> int:
+    """The work a call waits through on a replica, in token positions: its queue and itself.
 
     Every call also pays `CALL_TOKENS` of fixed cost (a pass, the relay), which pending
     calls share with it in a batch: so an idle slow replica is not preferred to a fast one
     that holds a few short verifies, whose passes the new call joins.
     """
-    return slowness * (CALL_TOKENS + pending_tokens + tokens)
+    return CALL_TOKENS + pending_tokens + tokens
+
+
+def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
+    """A call's expected time on a replica, in fastest-replica token times: the work it waits
+    through (`work_tokens`) at the replica's relative slowness."""
+    return slowness * work_tokens(pending_tokens, tokens)
 
 
 def should_spill(
@@ -137,7 +143,12 @@ class FleetRouter(RequestRouter):
     a slow replica accumulates work and the load-aware policies steer away from it.
     Each completed call also updates its replica's seconds per token for its kind of
     call (`call_kind`): the median of the last `SPEED_SAMPLES`, robust to a warm-up call
-    or a stall; `relative_slowness` compares replicas on these.
+    or a stall; `relative_slowness` compares replicas on these. A call's tokens are the
+    work it waited through (`work_tokens`: the replica's pending tokens when it was routed,
+    and its own), so a speed is the replica's, not its queue's: per token of the call
+    alone, a fast replica given most of the load looked as slow as an idle slowed one
+    (verify p50 70-107 ms against 102-138 ms, a 4x slowed replica measured ~1.5x), and
+    token-aware sent a third of the calls back to the slowed replica.
     """
 
     affinity = False
@@ -147,18 +158,19 @@ class FleetRouter(RequestRouter):
         self.affinity = bool(affinity)
         self.outstanding: dict[ReplicaID, int] = defaultdict(int)
         self.outstanding_tokens: dict[ReplicaID, int] = defaultdict(int)
-        self._in_flight: dict[str, tuple[ReplicaID, int, str, float]] = {}
+        self._in_flight: dict[str, tuple[ReplicaID, int, int, str, float]] = {}
         self.speed: dict[tuple[ReplicaID, str], float] = {}  # median s/token per (replica, kind)
         self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        """Count the call against its replica until it completes."""
+        """Count the call against its replica until it completes, noting the work ahead of it."""
         tokens = int(_kwarg(pending_request, ROUTE_TOKENS, 1))
         self._in_flight[pending_request.metadata.internal_request_id] = (
             replica_id,
             tokens,
+            self.outstanding_tokens[replica_id],
             call_kind(_method(pending_request), tokens),
             time.monotonic(),
         )
@@ -170,11 +182,11 @@ class FleetRouter(RequestRouter):
         routed = self._in_flight.pop(internal_request_id, None)
         if routed is None:
             return
-        replica, tokens, kind, started = routed
+        replica, tokens, ahead, kind, started = routed
         self.outstanding[replica] -= 1
         self.outstanding_tokens[replica] -= tokens
         samples = self._samples.setdefault((replica, kind), deque(maxlen=SPEED_SAMPLES))
-        samples.append((time.monotonic() - started) / tokens)
+        samples.append((time.monotonic() - started) / work_tokens(ahead, tokens))
         if len(samples) >= SPEED_MIN_SAMPLES:
             self.speed[(replica, kind)] = statistics.median(samples)
 

@@ -179,6 +179,37 @@ def test_token_aware_learns_the_slow_replica_from_mixed_calls_and_places_new_ses
     assert choose(router, [fast, slow], request("new", tokens=6))[0] == "slow"
 
 
+def test_token_aware_measures_a_busy_replica_by_its_speed_not_its_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fast replica given most of the load must still measure fast.
+
+    Fast: 1 ms per token of work; its verifies (6 tokens) each wait behind 60 pending tokens,
+    so take 1 x (32 + 60 + 6) = 98 ms. Slow: 4 ms per token, idle: 4 x (32 + 0 + 6) = 152 ms.
+    Per token of the call alone (before the fix) the slow one measured 152 / 98 = 1.55x, and a
+    new verify behind the same queue (98 ms on the fast one, 152 ms on the slow one) went to
+    the slow one, since 1.55 x 38 = 59 < 98. Per token of work waited through: 4x, and
+    4 x 38 = 152 > 98.
+    """
+    clock = [0.0]
+    monkeypatch.setattr("edge.fleet.routers.time.monotonic", lambda: clock[0])
+    router = make_router(TokenAwareRouter, affinity=True)
+    fast, slow = replicas("fast", "slow")
+    for i in range(10):  # 60 tokens queued on the fast replica
+        router.on_request_routed(request(f"q{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
+    for replica, seconds in ((fast, 0.098), (slow, 0.152)):
+        for i in range(5):
+            rid = f"{replica.replica_id.unique_id}{i}"
+            router.on_request_routed(request(rid, tokens=6), replica.replica_id, None)  # type: ignore[arg-type]
+            clock[0] += seconds
+            router.on_request_completed(replica.replica_id, rid)
+    assert relative_slowness(router.speed, [fast.replica_id, slow.replica_id]) == {
+        fast.replica_id: 1.0,
+        slow.replica_id: pytest.approx(4.0),
+    }
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
+
+
 def test_spill_moves_a_session_only_off_a_much_slower_replica_counting_the_reopen() -> None:
     assert should_spill(100.0, 10.0, move_tokens=0, home_slowness=4.0, other_slowness=1.0)
     assert not should_spill(SPILL_FACTOR * 10.0, 10.0, 0, home_slowness=4.0, other_slowness=1.0)
