@@ -25,7 +25,7 @@ import itertools
 import random
 import statistics
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -48,6 +48,7 @@ SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones p
 CALL_TOKENS = (
     32  # a call's fixed cost in token positions (pass + relay on an overhead-bound target)
 )
+EARLY_COMPLETIONS_KEPT = 256  # calls heard complete before routed; their routing follows at once
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
 
 
@@ -161,13 +162,19 @@ class FleetRouter(RequestRouter):
         self._in_flight: dict[str, tuple[ReplicaID, int, int, str, float]] = {}
         self.speed: dict[tuple[ReplicaID, str], float] = {}  # median s/token per (replica, kind)
         self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
+        self._completed_early: OrderedDict[str, None] = OrderedDict()
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        """Count the call against its replica until it completes, noting the work ahead of it."""
+        """Count the call against its replica until it completes, noting the work ahead of it
+        (nothing, when it has completed already: `on_request_completed`)."""
+        request_id = pending_request.metadata.internal_request_id
+        if request_id in self._completed_early:
+            del self._completed_early[request_id]
+            return
         tokens = int(_kwarg(pending_request, ROUTE_TOKENS, 1))
-        self._in_flight[pending_request.metadata.internal_request_id] = (
+        self._in_flight[request_id] = (
             replica_id,
             tokens,
             self.outstanding_tokens[replica_id],
@@ -178,9 +185,19 @@ class FleetRouter(RequestRouter):
         self.outstanding_tokens[replica_id] += tokens
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """Release the call's count; update its replica's speed on this kind of call."""
+        """Release the call's count; update its replica's speed on this kind of call.
+
+        Serve registers this callback before it reports the call routed (once the replica
+        has accepted it), and both run on the router's event loop, so a call that finishes
+        before the loop gets to its routing completes first: it is remembered (the last
+        `EARLY_COMPLETIONS_KEPT`) and its routing then counts nothing. Counted, it stayed
+        outstanding forever, mostly on the fastest replica, whose calls finish soonest.
+        """
         routed = self._in_flight.pop(internal_request_id, None)
         if routed is None:
+            self._completed_early[internal_request_id] = None
+            if len(self._completed_early) > EARLY_COMPLETIONS_KEPT:
+                self._completed_early.popitem(last=False)
             return
         replica, tokens, ahead, kind, started = routed
         self.outstanding[replica] -= 1
