@@ -147,9 +147,9 @@ class FleetRouter(RequestRouter):
     or a stall; `relative_slowness` compares replicas on these. A call's tokens are the
     work it waited through (`work_tokens`: the replica's pending tokens when it was routed,
     and its own), so a speed is the replica's, not its queue's: per token of the call
-    alone, a fast replica given most of the load looked as slow as an idle slowed one
-    (verify p50 70-107 ms against 102-138 ms, a 4x slowed replica measured ~1.5x), and
-    token-aware sent a third of the calls back to the slowed replica.
+    alone, a fast replica given most of the load looked nearly as slow as a lightly loaded
+    slowed one (in the bench, verify p50 70-107 ms against 103-149 ms: 1.4-1.6x apart where
+    4x was set), and token-aware sent a fifth to a third of the calls to the slowed replica.
     """
 
     affinity = False
@@ -191,7 +191,7 @@ class FleetRouter(RequestRouter):
         has accepted it), and both run on the router's event loop, so a call that finishes
         before the loop gets to its routing completes first: it is remembered (the last
         `EARLY_COMPLETIONS_KEPT`) and its routing then counts nothing. Counted, it stayed
-        outstanding forever, mostly on the fastest replica, whose calls finish soonest.
+        outstanding for good on its replica, which then looked ever busier.
         """
         routed = self._in_flight.pop(internal_request_id, None)
         if routed is None:
