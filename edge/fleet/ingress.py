@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -150,18 +151,22 @@ class FleetIngress:
 
     async def fleet_stats(self) -> dict[str, Any]:
         """Open sessions per replica (fleet-wide), and this ingress's per-replica figures,
-        Generate streams resumed elsewhere and sessions moved."""
+        Generate streams resumed elsewhere and sessions moved; `ingress` tells the ingresses
+        apart (its process id), since each keeps its own figures."""
         return {
+            "ingress": os.getpid(),
             "sessions": await self.store.sessions_per_replica(),
             "replicas": {replica: figures.summary() for replica, figures in self.replicas.items()},
             "resumed_streams": self.resumed_streams,
             "moved_sessions": self.moved_sessions,
         }
 
-    def reset_stats(self) -> None:
-        """Forget the per-replica figures (e.g. after a warm-up)."""
+    def reset_stats(self) -> int:
+        """Forget this ingress's per-replica figures (e.g. after a warm-up); returns its
+        process id, as `fleet_stats` names it."""
         self.replicas.clear()
         self.resumed_streams = 0
+        return os.getpid()
 
     async def __del__(self) -> None:
         """Stop answering when Serve retires the ingress; flush its spans."""

@@ -25,7 +25,7 @@ import itertools
 import random
 import statistics
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -43,11 +43,12 @@ ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
 ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
 ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere would prefill
 K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
-SPEED_SAMPLES = 15  # a replica's seconds per token on a kind of call: median of its last calls
+SPEED_SAMPLES = 15  # a replica's seconds per work token on a kind of call: median of its last calls
 SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones pay the warm-up)
 CALL_TOKENS = (
     32  # a call's fixed cost in token positions (pass + relay on an overhead-bound target)
 )
+EARLY_COMPLETIONS_KEPT = 256  # calls heard complete before routed; their routing follows at once
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
 
 
@@ -81,14 +82,20 @@ def relative_slowness(
     return {r: float(statistics.median(ratios[r])) if ratios[r] else 1.0 for r in replicas}
 
 
-def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
-    """A call's expected time on a replica, in fastest-replica token times: its queue and itself.
+def work_tokens(pending_tokens: int, tokens: int) -> int:
+    """The work a call waits through on a replica, in token positions: its queue and itself.
 
     Every call also pays `CALL_TOKENS` of fixed cost (a pass, the relay), which pending
     calls share with it in a batch: so an idle slow replica is not preferred to a fast one
     that holds a few short verifies, whose passes the new call joins.
     """
-    return slowness * (CALL_TOKENS + pending_tokens + tokens)
+    return CALL_TOKENS + pending_tokens + tokens
+
+
+def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
+    """A call's expected time on a replica, in fastest-replica token times: the work it waits
+    through (`work_tokens`) at the replica's relative slowness."""
+    return slowness * work_tokens(pending_tokens, tokens)
 
 
 def should_spill(
@@ -137,7 +144,12 @@ class FleetRouter(RequestRouter):
     a slow replica accumulates work and the load-aware policies steer away from it.
     Each completed call also updates its replica's seconds per token for its kind of
     call (`call_kind`): the median of the last `SPEED_SAMPLES`, robust to a warm-up call
-    or a stall; `relative_slowness` compares replicas on these.
+    or a stall; `relative_slowness` compares replicas on these. A call's tokens are the
+    work it waited through (`work_tokens`: the replica's pending tokens when it was routed,
+    and its own), so a speed is the replica's, not its queue's: per token of the call
+    alone, a fast replica given most of the load looked nearly as slow as a lightly loaded
+    slowed one (in the bench, verify p50 70-107 ms against 103-149 ms: 1.4-1.6x apart where
+    4x was set), and token-aware sent a fifth to a third of the calls to the slowed replica.
     """
 
     affinity = False
@@ -147,18 +159,25 @@ class FleetRouter(RequestRouter):
         self.affinity = bool(affinity)
         self.outstanding: dict[ReplicaID, int] = defaultdict(int)
         self.outstanding_tokens: dict[ReplicaID, int] = defaultdict(int)
-        self._in_flight: dict[str, tuple[ReplicaID, int, str, float]] = {}
+        self._in_flight: dict[str, tuple[ReplicaID, int, int, str, float]] = {}
         self.speed: dict[tuple[ReplicaID, str], float] = {}  # median s/token per (replica, kind)
         self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
+        self._completed_early: OrderedDict[str, None] = OrderedDict()
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        """Count the call against its replica until it completes."""
+        """Count the call against its replica until it completes, noting the work ahead of it
+        (nothing, when it has completed already: `on_request_completed`)."""
+        request_id = pending_request.metadata.internal_request_id
+        if request_id in self._completed_early:
+            del self._completed_early[request_id]
+            return
         tokens = int(_kwarg(pending_request, ROUTE_TOKENS, 1))
-        self._in_flight[pending_request.metadata.internal_request_id] = (
+        self._in_flight[request_id] = (
             replica_id,
             tokens,
+            self.outstanding_tokens[replica_id],
             call_kind(_method(pending_request), tokens),
             time.monotonic(),
         )
@@ -166,15 +185,25 @@ class FleetRouter(RequestRouter):
         self.outstanding_tokens[replica_id] += tokens
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """Release the call's count; update its replica's speed on this kind of call."""
+        """Release the call's count; update its replica's speed on this kind of call.
+
+        Serve registers this callback before it reports the call routed (once the replica
+        has accepted it), and both run on the router's event loop, so a call that finishes
+        before the loop gets to its routing completes first: it is remembered (the last
+        `EARLY_COMPLETIONS_KEPT`) and its routing then counts nothing. Counted, it stayed
+        outstanding for good on its replica, which then looked ever busier.
+        """
         routed = self._in_flight.pop(internal_request_id, None)
         if routed is None:
+            self._completed_early[internal_request_id] = None
+            if len(self._completed_early) > EARLY_COMPLETIONS_KEPT:
+                self._completed_early.popitem(last=False)
             return
-        replica, tokens, kind, started = routed
+        replica, tokens, ahead, kind, started = routed
         self.outstanding[replica] -= 1
         self.outstanding_tokens[replica] -= tokens
         samples = self._samples.setdefault((replica, kind), deque(maxlen=SPEED_SAMPLES))
-        samples.append((time.monotonic() - started) / tokens)
+        samples.append((time.monotonic() - started) / work_tokens(ahead, tokens))
         if len(samples) >= SPEED_MIN_SAMPLES:
             self.speed[(replica, kind)] = statistics.median(samples)
 

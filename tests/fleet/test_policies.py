@@ -16,11 +16,13 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from edge.fleet.adapters import AdapterMismatch, check_adapter
 from edge.fleet.rollout import RolloutConfig, decide
 from edge.fleet.routers import (
+    EARLY_COMPLETIONS_KEPT,
     ROUTE_MOVE_TOKENS,
     ROUTE_REPLICA,
     ROUTE_TOKENS,
     SPILL_FACTOR,
     FleetRouter,
+    LeastOutstandingRouter,
     PowerOfTwoRouter,
     RoundRobinRouter,
     TokenAwareRouter,
@@ -118,6 +120,28 @@ def test_token_aware_weighs_pending_tokens_by_each_replicas_measured_speed() -> 
     assert choose(router, [fast, slow], request("new", tokens=10))[0] == "slow"
 
 
+def test_a_call_completed_before_its_routing_is_heard_is_not_counted_outstanding() -> None:
+    """Serve registers a call's completion callback before it tells the router the call was
+    routed (once the replica accepts it), and runs both on the router's event loop: a call
+    that finishes before the loop gets to its routing arrives in the other order.
+
+    Before the fix the late routing counted the call forever (the bench's ingresses logged
+    2-3 in each 500 calls), most often on the fast replica, whose calls finish soonest: it
+    looked ever busier. Here replica a's finished call stayed counted, (1, 6) != (0, 0), and
+    b, with one call in flight, looked as busy.
+    """
+    router = make_router(LeastOutstandingRouter)
+    a, b = replicas("a", "b")
+    router.on_request_completed(a.replica_id, "done")
+    router.on_request_routed(request("done", tokens=6), a.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_routed(request("busy", tokens=6), b.replica_id, None)  # type: ignore[arg-type]
+    assert (router.outstanding[a.replica_id], router.outstanding_tokens[a.replica_id]) == (0, 0)
+    assert choose(router, [a, b], request("new"))[0] == "a"
+    for i in range(EARLY_COMPLETIONS_KEPT + 5):  # completions never routed (Serve's path without
+        router.on_request_completed(a.replica_id, f"unrouted{i}")  # rejection) stay bounded
+    assert len(router._completed_early) == EARLY_COMPLETIONS_KEPT
+
+
 def test_affinity_sends_a_session_home_and_new_sessions_by_policy() -> None:
     router = make_router(RoundRobinRouter, affinity=True)
     pool = replicas("a", "b")
@@ -177,6 +201,37 @@ def test_token_aware_learns_the_slow_replica_from_mixed_calls_and_places_new_ses
     for i in range(4, 20):  # 120 pending: 1 x 158 > 4 x 38, the slow one is now the sooner
         router.on_request_routed(request(f"p{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
     assert choose(router, [fast, slow], request("new", tokens=6))[0] == "slow"
+
+
+def test_token_aware_measures_a_busy_replica_by_its_speed_not_its_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fast replica given most of the load must still measure fast.
+
+    Fast: 1 ms per token of work; its verifies (6 tokens) each wait behind 60 pending tokens,
+    so take 1 x (32 + 60 + 6) = 98 ms. Slow: 4 ms per token, idle: 4 x (32 + 0 + 6) = 152 ms.
+    Per token of the call alone (before the fix) the slow one measured 152 / 98 = 1.55x, and a
+    new verify behind the same queue (98 ms on the fast one, 152 ms on the slow one) went to
+    the slow one, since 1.55 x 38 = 59 < 98. Per token of work waited through: 4x, and
+    4 x 38 = 152 > 98.
+    """
+    clock = [0.0]
+    monkeypatch.setattr("edge.fleet.routers.time.monotonic", lambda: clock[0])
+    router = make_router(TokenAwareRouter, affinity=True)
+    fast, slow = replicas("fast", "slow")
+    for i in range(10):  # 60 tokens queued on the fast replica
+        router.on_request_routed(request(f"q{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
+    for replica, seconds in ((fast, 0.098), (slow, 0.152)):
+        for i in range(5):
+            rid = f"{replica.replica_id.unique_id}{i}"
+            router.on_request_routed(request(rid, tokens=6), replica.replica_id, None)  # type: ignore[arg-type]
+            clock[0] += seconds
+            router.on_request_completed(replica.replica_id, rid)
+    assert relative_slowness(router.speed, [fast.replica_id, slow.replica_id]) == {
+        fast.replica_id: 1.0,
+        slow.replica_id: pytest.approx(4.0),
+    }
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
 
 
 def test_spill_moves_a_session_only_off_a_much_slower_replica_counting_the_reopen() -> None:
