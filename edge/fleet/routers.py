@@ -45,6 +45,7 @@ ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere woul
 K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
 SPEED_SAMPLES = 15  # a replica's seconds per work token on a kind of call: median of its last calls
 SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones pay the warm-up)
+SPEED_MAX_AGE_S = 60.0  # a speed not heard of for this long is forgotten and measured again
 CALL_TOKENS = (
     32  # a call's fixed cost in token positions (pass + relay on an overhead-bound target)
 )
@@ -162,6 +163,7 @@ class FleetRouter(RequestRouter):
         self._in_flight: dict[str, tuple[ReplicaID, int, int, str, float]] = {}
         self.speed: dict[tuple[ReplicaID, str], float] = {}  # median s/token per (replica, kind)
         self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
+        self._measured_at: dict[tuple[ReplicaID, str], float] = {}  # its last sample's time
         self._completed_early: OrderedDict[str, None] = OrderedDict()
 
     def on_request_routed(
@@ -202,10 +204,29 @@ class FleetRouter(RequestRouter):
         replica, tokens, ahead, kind, started = routed
         self.outstanding[replica] -= 1
         self.outstanding_tokens[replica] -= tokens
-        samples = self._samples.setdefault((replica, kind), deque(maxlen=SPEED_SAMPLES))
-        samples.append((time.monotonic() - started) / work_tokens(ahead, tokens))
+        now, key = time.monotonic(), (replica, kind)
+        if now - self._measured_at.get(key, now) > SPEED_MAX_AGE_S:
+            self._samples.pop(key, None)  # samples of another time: measure afresh
+            self.speed.pop(key, None)
+        samples = self._samples.setdefault(key, deque(maxlen=SPEED_SAMPLES))
+        samples.append((now - started) / work_tokens(ahead, tokens))
+        self._measured_at[key] = now
         if len(samples) >= SPEED_MIN_SAMPLES:
-            self.speed[(replica, kind)] = statistics.median(samples)
+            self.speed[key] = statistics.median(samples)
+
+    def current_speed(self) -> dict[tuple[ReplicaID, str], float]:
+        """The speeds heard of within `SPEED_MAX_AGE_S` (one set by hand never ages).
+
+        Token-aware can stop sending calls to a replica it measured slow; without an age,
+        that replica stayed marked slow after it recovered. Forgotten, it counts as
+        unmeasured (as fast as the fastest) and its next calls measure it again.
+        """
+        now = time.monotonic()
+        return {
+            key: seconds
+            for key, seconds in self.speed.items()
+            if now - self._measured_at.get(key, now) <= SPEED_MAX_AGE_S
+        }
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget a dead replica's counts and speeds as well as the replica."""
@@ -214,6 +235,7 @@ class FleetRouter(RequestRouter):
         self.outstanding_tokens.pop(replica_id, None)
         self.speed = {key: s for key, s in self.speed.items() if key[0] != replica_id}
         self._samples = {key: s for key, s in self._samples.items() if key[0] != replica_id}
+        self._measured_at = {k: t for k, t in self._measured_at.items() if k[0] != replica_id}
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -364,7 +386,7 @@ class TokenAwareRouter(FleetRouter):
 
     def _expected(self, candidates: list[RunningReplica], tokens: int) -> dict[ReplicaID, float]:
         """Expected time of a `tokens` call on each candidate."""
-        slow = relative_slowness(self.speed, [r.replica_id for r in candidates])
+        slow = relative_slowness(self.current_speed(), [r.replica_id for r in candidates])
         return {
             r.replica_id: expected_time(
                 slow[r.replica_id], self.outstanding_tokens.get(r.replica_id, 0), tokens
@@ -392,7 +414,7 @@ class TokenAwareRouter(FleetRouter):
             return False
         tokens = int(_kwarg(request, ROUTE_TOKENS, 1))
         expected = self._expected([home, *others], tokens)
-        slow = relative_slowness(self.speed, [r.replica_id for r in (home, *others)])
+        slow = relative_slowness(self.current_speed(), [r.replica_id for r in (home, *others)])
         best = min(others, key=lambda r: expected[r.replica_id]).replica_id
         move = int(_kwarg(request, ROUTE_MOVE_TOKENS, 0))
         return should_spill(

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
+from edge.fleet import routers
 from edge.fleet.adapters import AdapterMismatch, check_adapter
 from edge.fleet.rollout import RolloutConfig, decide
 from edge.fleet.routers import (
@@ -20,6 +21,7 @@ from edge.fleet.routers import (
     ROUTE_MOVE_TOKENS,
     ROUTE_REPLICA,
     ROUTE_TOKENS,
+    SPEED_MIN_SAMPLES,
     SPILL_FACTOR,
     FleetRouter,
     LeastOutstandingRouter,
@@ -117,6 +119,40 @@ def test_token_aware_weighs_pending_tokens_by_each_replicas_measured_speed() -> 
     assert choose(router, [fast, slow], request("new", tokens=10))[0] == "fast"
     for i in range(40):  # 430 pending: 1 x (32 + 430 + 10) > 10 x (32 + 10)
         router.on_request_routed(request(f"g{i}", tokens=10), fast.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [fast, slow], request("new", tokens=10))[0] == "slow"
+
+
+def test_a_replica_measured_slow_is_measured_again_once_its_speed_is_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Token-aware measured `slow` 4x slower and, with 60 tokens pending on `fast`, still
+    sends a new verify to `fast` (1 x (32 + 60 + 10) < 4 x (32 + 10)). After
+    `SPEED_MAX_AGE_S` without a call to `slow`, its speed is forgotten: it counts as
+    unmeasured and gets the call (42 < 102), which measures it again.
+    (The old router is this one with an infinite `SPEED_MAX_AGE_S`.)
+
+    Before, a replica that had recovered stayed marked slow for as long as it got no calls
+    (run: the call still went to `fast` after the wait).
+    """
+    clock = [1000.0]
+    monkeypatch.setattr(routers.time, "monotonic", lambda: clock[0])
+    router = make_router(TokenAwareRouter)
+    fast, slow = replicas("fast", "slow")
+
+    def serve(replica: Replica, seconds: float, count: int = SPEED_MIN_SAMPLES) -> None:
+        for _ in range(count):
+            rid = f"{replica.replica_id.unique_id}-{clock[0]}"
+            router.on_request_routed(request(rid, tokens=10), replica.replica_id, None)  # type: ignore[arg-type]
+            clock[0] += seconds
+            router.on_request_completed(replica.replica_id, rid)
+
+    serve(fast, 0.042)
+    serve(slow, 0.168)
+    for i in range(6):  # 60 tokens pending on the fast one
+        router.on_request_routed(request(f"p{i}", tokens=10), fast.replica_id, None)  # type: ignore[arg-type]
+    assert choose(router, [fast, slow], request("new", tokens=10))[0] == "fast"
+    clock[0] += 61.0  # past SPEED_MAX_AGE_S (60 s) without a call to slow
+    serve(fast, 0.042 * (32 + 60 + 10) / 42)  # fast's speed is fresh, measured behind its queue
     assert choose(router, [fast, slow], request("new", tokens=10))[0] == "slow"
 
 
