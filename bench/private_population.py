@@ -17,9 +17,10 @@ the demo zoo, plain + distributed + central DP at one noise multiplier) trains a
 2 hours per noise multiplier, plus SecAgg+'s key agreement at cohorts of 200. ``--small``
 runs 6 rounds with 4 server evaluation batches: minutes at cohorts of 10 and 50.
 
-``--memory`` measures peak RSS instead: each mechanism (default plain and ddp) runs in a
+``--memory`` measures peak RSS as well: each mechanism (default plain and ddp) runs in a
 child process of its own, whose peak resident set ``os.wait4`` reports (so the arms share no
-peak), at the first population and cohort given, for ``--rounds`` (default 3) rounds. Goal:
+peak), at the first population and cohort given, for ``--rounds`` (default 3) rounds; each
+arm keeps the run's figures above, so one pair of runs gives perplexity, epsilon and RSS. Goal:
 SecAgg+ at 10,000 devices <= 1.2x the plain run's peak. Written to
 ``bench/results/private_population_memory.json``.
 
@@ -238,13 +239,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {}
     for mechanism in args.mechanisms.split(","):
         result, peak = arm_peak_rss([*common, "--mechanisms", mechanism])
-        run = result["runs"][0]
-        arms[mechanism] = {
-            "peak_rss_mib": round(peak, 1),
-            "status": run["status"],
-            "rounds": run["rounds"],
-            "wall_seconds": run["wall_seconds"],
-        }
+        arms[mechanism] = {"peak_rss_mib": round(peak, 1), **result["runs"][0]}
         print(json.dumps({mechanism: arms[mechanism]}), flush=True)
     ratios = {
         m: round(a["peak_rss_mib"] / arms["plain"]["peak_rss_mib"], 3)
@@ -261,6 +256,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_vs_plain": ratios,
         "goal": f"secagg+ (ddp) peak RSS <= {MEMORY_GOAL}x plain",
         "hit": ratios.get("ddp", float("inf")) <= MEMORY_GOAL,
+        "verdict": verdict(list(arms.values())),  # the arms' perplexity figures, as a sweep's
         "loadavg_before": load_before,
         "loadavg_after": _loadavg(),
         "machine": f"{os.cpu_count()} cores, shared",
