@@ -276,7 +276,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{os.cpu_count()} cores, shared",
     }
     out = Path(args.out) if args.out != str(RESULTS) else MEMORY_RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot(list(arms.values()), out.with_suffix(".png")))
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return result
