@@ -17,14 +17,22 @@ the demo zoo, plain + distributed + central DP at one noise multiplier) trains a
 2 hours per noise multiplier, plus SecAgg+'s key agreement at cohorts of 200. ``--small``
 runs 6 rounds with 4 server evaluation batches: minutes at cohorts of 10 and 50.
 
-``--memory`` measures peak RSS instead: each mechanism (default plain and ddp) runs in a
+``--memory`` measures peak RSS as well: each mechanism (default plain and ddp) runs in a
 child process of its own, whose peak resident set ``os.wait4`` reports (so the arms share no
-peak), at the first population and cohort given, for ``--rounds`` (default 3) rounds. Goal:
+peak), at the first population and cohort given, for ``--rounds`` (default 3) rounds; each
+arm keeps the run's figures above, so one pair of runs gives perplexity, epsilon and RSS. Goal:
 SecAgg+ at 10,000 devices <= 1.2x the plain run's peak. Written to
 ``bench/results/private_population_memory.json``.
 
+``--until-plateau`` runs each federation until the participants' held-out perplexity stops
+improving (``PLATEAU``: two rounds in a row without dropping 0.5% below the earlier best,
+``server/plateau.py``), at most ``--rounds``; pick the noise multiplier so that epsilon at that
+cap stays within the goal, and ``--set max-epsilon=8`` (DP arms only) stops a run before a
+round that would pass it. Epsilon is computed from the releases the run made.
+
 Usage: python -m bench.private_population [--small] [--population 1000] [--cohorts 10,50]
        [--noise 1.0] [--rounds 20] [--mechanisms plain,ddp,central] [--set key=value ...]
+       [--until-plateau]
        python -m bench.private_population --memory --population 10000 --cohorts 100
 """
 
@@ -59,6 +67,9 @@ SMALL = {"num-server-rounds": 6, "server-eval-batches": 4}  # minutes on 2 share
 MEMORY_GOAL = 1.2  # SecAgg+ peak RSS over the plain run's, same population and cohort
 SECAGG_DROPOUT = "dropped out of the SecAgg+ round"
 GOAL_EPSILON, GOAL_GAP = 8.0, 0.02
+# --until-plateau: stop once two rounds in a row leave the participants' held-out perplexity
+# above 99.5% of its earlier best (server/plateau.py), at most --rounds (the scenario's 20)
+PLATEAU = {"plateau-patience": 2, "plateau-min-improvement": 0.005}
 
 
 def _loadavg() -> list[float]:
@@ -80,6 +91,8 @@ def run_one(
         "dp-noise-multiplier": noise,
         "dp-target-delta": 1.0 / population,
     }
+    if mechanism == "plain":  # no DP, nothing to budget (a max-epsilon there is refused)
+        config.pop("max-epsilon", None)
     scenario = load_scenario(SCENARIOS.get(population, "private_population"), config)
     if population not in SCENARIOS:
         from dataclasses import replace
@@ -104,6 +117,7 @@ def run_one(
         "mechanism": mechanism,
         "noise_multiplier": noise if mechanism != "plain" else None,
         "status": outcome.status if outcome else "no outcome",
+        "message": outcome.message if outcome else "",
         "rounds": int(last["round"]),
         "participants_perplexity": last.get("participants_perplexity"),
         "participants_perplexity_round0": rows[0].get("participants_perplexity"),
@@ -233,18 +247,13 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     rounds = str(args.rounds or 3)
     common = ["--population", population, "--cohorts", cohort, "--rounds", rounds]
     common += ["--noise", args.noise.split(",")[0], *(["--small"] if args.small else [])]
+    common += ["--until-plateau"] if args.until_plateau else []
     common += [f"--set={item}" for item in args.set]
     load_before = _loadavg()
     arms: dict[str, dict[str, Any]] = {}
     for mechanism in args.mechanisms.split(","):
         result, peak = arm_peak_rss([*common, "--mechanisms", mechanism])
-        run = result["runs"][0]
-        arms[mechanism] = {
-            "peak_rss_mib": round(peak, 1),
-            "status": run["status"],
-            "rounds": run["rounds"],
-            "wall_seconds": run["wall_seconds"],
-        }
+        arms[mechanism] = {"peak_rss_mib": round(peak, 1), **result["runs"][0]}
         print(json.dumps({mechanism: arms[mechanism]}), flush=True)
     ratios = {
         m: round(a["peak_rss_mib"] / arms["plain"]["peak_rss_mib"], 3)
@@ -261,12 +270,13 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_vs_plain": ratios,
         "goal": f"secagg+ (ddp) peak RSS <= {MEMORY_GOAL}x plain",
         "hit": ratios.get("ddp", float("inf")) <= MEMORY_GOAL,
+        "verdict": verdict(list(arms.values())),  # the arms' perplexity figures, as a sweep's
         "loadavg_before": load_before,
         "loadavg_after": _loadavg(),
         "machine": f"{os.cpu_count()} cores, shared",
     }
     out = Path(args.out) if args.out != str(RESULTS) else MEMORY_RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot(list(arms.values()), out.with_suffix(".png")))
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return result
@@ -284,6 +294,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--set", action="append", default=[], help="key=value config override")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument(
+        "--until-plateau",
+        action="store_true",
+        help=f"stop each run when its participants' perplexity plateaus: {PLATEAU}, "
+        "evaluated every round, --rounds the cap (the epsilon reported is the rounds run's)",
+    )
+    parser.add_argument(
         "--memory", action="store_true", help="peak RSS per mechanism, each in its own process"
     )
     args = parser.parse_args(argv)
@@ -294,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     overrides: dict[str, Any] = dict(SMALL) if args.small else {}
     if args.rounds:
         overrides["num-server-rounds"] = args.rounds
+    if args.until_plateau:
+        overrides.update(PLATEAU)
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = config_value(value)

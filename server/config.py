@@ -62,6 +62,8 @@ class RunConfig:
     max_update_norm: float = 0.0  # L2 bound of ||delta/weight|| (0: none; SecAgg+: the sum)
     privacy_budget: str = ""
     max_epsilon: float = 0.0  # 0: no budget stop
+    plateau_patience: int = 0  # stop after this many rounds without improving (server/plateau.py)
+    plateau_min_improvement: float = 0.0  # the relative drop in perplexity that counts
     client_mods: str = ""
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
@@ -105,6 +107,11 @@ class RunConfig:
             )
         if self.max_epsilon < 0:
             raise ValueError(f"max-epsilon must be >= 0, got {self.max_epsilon}")
+        if self.plateau_patience < 0 or not 0 <= self.plateau_min_improvement < 1:
+            raise ValueError(
+                f"plateau-patience must be >= 0 and plateau-min-improvement in [0, 1), got "
+                f"{self.plateau_patience} and {self.plateau_min_improvement}"
+            )
         if self.mlflow not in ("", "local") and ":" not in self.mlflow:
             raise ValueError(
                 f'mlflow must be "" (off), "local" (<run-dir>/mlruns) or a tracking URI such '

@@ -14,7 +14,9 @@ fresh or resume from the newest checkpoint), then per round:
      dropped work counts toward no minimum); the budget records the release;
   5. :func:`evaluate_round`: server-side perplexity on the union of held-out splits and on
      the participants' own, and the sampled clients' held-out loss;
-  6. :func:`checkpoint_and_report`: write the metrics row and the checkpoint.
+  6. :func:`checkpoint_and_report`: write the metrics row and the checkpoint;
+  7. :func:`plateau_reached`: with ``plateau-patience``, stop once the participants'
+     held-out perplexity stops improving (:mod:`server.plateau`).
 
 A round with fewer valid replies than ``min-train-nodes`` fails (:func:`shortfall`): the
 run stops with ``status.json`` saying why, its last checkpoint intact, resumable with
@@ -61,6 +63,7 @@ from server.messages import (
     train_content,
 )
 from server.model import ServerModel
+from server.plateau import plateaued
 from server.privacy.config import DPConfig
 from server.privacy.factories import default_budget
 from server.privacy.plots import plot_privacy
@@ -229,6 +232,13 @@ def _run(
             connected=len(cohort.candidates),
         )
         checkpoint_and_report(fed, row)
+        if plateau_reached(fed):
+            message = (
+                f"stopped after round {server_round}: the participants' held-out perplexity "
+                f"improved by less than {fed.cfg.plateau_min_improvement:.2%} on its best in "
+                f"{fed.cfg.plateau_patience} rounds (plateau-patience)"
+            )
+            break
     return finish(fed, status, message)
 
 
@@ -330,6 +340,12 @@ def open_run(
     on_row(row)
     _checkpoint(fed)
     return fed
+
+
+def plateau_reached(fed: Federation) -> bool:
+    """Whether the participants' held-out perplexity has plateaued (:mod:`server.plateau`)."""
+    curve = [row.get("participants_perplexity") for row in fed.metrics.rows()]
+    return plateaued(curve, fed.cfg.plateau_patience, fed.cfg.plateau_min_improvement)
 
 
 def budget_allows(fed: Federation, server_round: int) -> bool:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from server.aggregation import AggregateResult
 from server.budget import NoBudget
@@ -78,3 +80,40 @@ def test_an_out_of_bounds_secagg_sum_keeps_the_global_model_and_the_run_goes_on(
     assert aggregate_and_account(fed, cohort, result, 2) == "ok"  # type: ignore[arg-type]
     np.testing.assert_allclose(fed.state.adapter["a.lora_B"], 1.0)
     assert fed.committed == {0: 2, 1: 2}
+
+
+def test_the_plateau_stop_waits_patience_rounds_without_a_real_improvement_on_the_best() -> None:
+    """Hand-derived: 100, 90, 85, 84.8, 84.9 with patience 2 and 1%. After round 3 the best of
+    rounds 0-1 is 90 and 84.8 < 89.1: go on. After round 4 the best of rounds 0-2 is 85 and
+    neither 84.8 nor 84.9 is below 84.15: stop. With no threshold 84.8 < 85 counts (go on);
+    with patience 3 the reference is 90 again (go on); skipped evaluations (None) are not rounds.
+    A drop to 80 inside the window counts though the last round rose; a best of 80 two rounds
+    before the window is the reference (84 is not below 79.2)."""
+    from server.plateau import plateaued
+
+    curve = [100.0, 90.0, 85.0, 84.8, 84.9]
+    assert not plateaued(curve[:4], 2, 0.01)
+    assert plateaued(curve, 2, 0.01)
+    assert not plateaued(curve, 2, 0.0)
+    assert not plateaued(curve, 3, 0.01)
+    assert plateaued([100.0, None, 90.0, None, 85.0, 84.8, 84.9], 2, 0.01)
+    assert not plateaued([100.0, 90.0, 85.0, 80.0, 84.9], 2, 0.01)  # any round of the window
+    assert plateaued([100.0, 80.0, 85.0, 84.0, 84.5], 2, 0.01)  # the best, not the last, before
+    assert not plateaued([100.0, 101.0], 2, 0.01)  # fewer rounds than patience after round 0
+    assert not plateaued(curve, 0, 0.01)  # off
+
+
+def test_the_loop_reads_the_plateau_from_the_rows_it_wrote(tmp_path: Path) -> None:
+    """``plateau_reached`` reads the participants' perplexity of the metrics rows on disk with
+    the run's ``plateau-*`` keys; bad values are refused naming the keys."""
+    from server.config import RunConfig
+    from server.loop import plateau_reached
+    from server.rundir import MetricsLog
+
+    cfg = RunConfig.from_mapping({"plateau-patience": 2, "plateau-min-improvement": 0.01})
+    fed = SimpleNamespace(cfg=cfg, metrics=MetricsLog(tmp_path))
+    for server_round, ppl in enumerate([100.0, 90.0, 85.0, 84.8, 84.9]):
+        fed.metrics.append({"round": server_round, "participants_perplexity": ppl})
+        assert plateau_reached(fed) == (server_round == 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="plateau-min-improvement"):
+        RunConfig.from_mapping({"plateau-patience": 2, "plateau-min-improvement": 1.5})
