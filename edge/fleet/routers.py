@@ -51,6 +51,7 @@ CALL_TOKENS = (
 )
 EARLY_COMPLETIONS_KEPT = 256  # calls heard complete before routed; their routing follows at once
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
+STREAM_METHOD = "Generate"  # a cloud-only stream: one call for its whole life, no session
 
 
 def call_kind(method: str, tokens: int) -> str:
@@ -165,6 +166,8 @@ class FleetRouter(RequestRouter):
         self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
         self._measured_at: dict[tuple[ReplicaID, str], float] = {}  # its last sample's time
         self._completed_early: OrderedDict[str, None] = OrderedDict()
+        self.session_calls = 0  # calls of sessions this handle routed (not Generate streams)
+        self.sessions_placed = 0  # of them, those placed without a home: a session's first
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -172,6 +175,9 @@ class FleetRouter(RequestRouter):
         """Count the call against its replica until it completes, noting the work ahead of it
         (nothing, when it has completed already: `on_request_completed`)."""
         request_id = pending_request.metadata.internal_request_id
+        if _method(pending_request) != STREAM_METHOD:
+            self.session_calls += 1
+            self.sessions_placed += not _kwarg(pending_request, ROUTE_REPLICA, "")
         if request_id in self._completed_early:
             del self._completed_early[request_id]
             return
@@ -213,6 +219,10 @@ class FleetRouter(RequestRouter):
         self._measured_at[key] = now
         if len(samples) >= SPEED_MIN_SAMPLES:
             self.speed[key] = statistics.median(samples)
+
+    def calls_per_session(self) -> float:
+        """Calls a session has made on average, as this handle saw them (1.0 before any)."""
+        return self.session_calls / self.sessions_placed if self.sessions_placed else 1.0
 
     def current_speed(self) -> dict[tuple[ReplicaID, str], float]:
         """The speeds heard of within `SPEED_MAX_AGE_S` (one set by hand never ages).
@@ -397,10 +407,27 @@ class TokenAwareRouter(FleetRouter):
     def rank(
         self, candidates: list[RunningReplica], request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        """Least expected time first."""
-        return self._by_load(
-            candidates, self._expected(candidates, int(_kwarg(request, ROUTE_TOKENS, 1)))
-        )
+        """Least expected time first; a session's call, for the session's life (`lifetime`)."""
+        expected = self._expected(candidates, int(_kwarg(request, ROUTE_TOKENS, 1)))
+        if _method(request) != STREAM_METHOD:
+            expected = self.lifetime(candidates, expected)
+        return self._by_load(candidates, expected)
+
+    def lifetime(
+        self, candidates: list[RunningReplica], expected: Mapping[ReplicaID, float]
+    ) -> dict[ReplicaID, float]:
+        """Where a session is placed, its later calls follow (its KV cache is there): its
+        cost is this call's expected time plus, for each further call a session makes on
+        average, that replica's slowness x `CALL_TOKENS`. A queue drains; a slower replica
+        stays slower for the session's life. Placed by the one call alone, a session went to
+        a replica 4x slower whenever the fast one held a few calls, and every later call of
+        it paid the 4x."""
+        slow = relative_slowness(self.current_speed(), [r.replica_id for r in candidates])
+        later_calls = max(0.0, self.calls_per_session() - 1)
+        return {
+            r.replica_id: expected[r.replica_id] + later_calls * slow[r.replica_id] * CALL_TOKENS
+            for r in candidates
+        }
 
     def leave_home(
         self,
