@@ -52,6 +52,7 @@ CALL_TOKENS = (
 EARLY_COMPLETIONS_KEPT = 256  # calls heard complete before routed; their routing follows at once
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
 STREAM_METHOD = "Generate"  # a cloud-only stream: one call for its whole life, no session
+CLEARLY_SLOWER = 2.0  # measured this many times the fastest: slower beyond load and noise
 
 
 def call_kind(method: str, tokens: int) -> str:
@@ -98,6 +99,12 @@ def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
     """A call's expected time on a replica, in fastest-replica token times: the work it waits
     through (`work_tokens`) at the replica's relative slowness."""
     return slowness * work_tokens(pending_tokens, tokens)
+
+
+def _lasting(slowness: float) -> float:
+    """The slowness a session placed on a replica keeps paying: its own when `CLEARLY_SLOWER`,
+    else the fastest's (1.0), since a small gap is the current load's, not the replica's."""
+    return slowness if slowness >= CLEARLY_SLOWER else 1.0
 
 
 def should_spill(
@@ -421,11 +428,15 @@ class TokenAwareRouter(FleetRouter):
         average, that replica's slowness x `CALL_TOKENS`. A queue drains; a slower replica
         stays slower for the session's life. Placed by the one call alone, a session went to
         a replica 4x slower whenever the fast one held a few calls, and every later call of
-        it paid the 4x."""
+        it paid the 4x. Only a replica `CLEARLY_SLOWER` than the fastest pays it: between
+        replicas measured close, the difference is load and noise, and weighed over a
+        session's life it sent every session to one of two equal replicas (which then
+        measured slow, and its sessions spilled and reopened)."""
         slow = relative_slowness(self.current_speed(), [r.replica_id for r in candidates])
         later_calls = max(0.0, self.calls_per_session() - 1)
         return {
-            r.replica_id: expected[r.replica_id] + later_calls * slow[r.replica_id] * CALL_TOKENS
+            r.replica_id: expected[r.replica_id]
+            + later_calls * _lasting(slow[r.replica_id]) * CALL_TOKENS
             for r in candidates
         }
 
