@@ -181,8 +181,8 @@ class FleetRouter(RequestRouter):
     ) -> None:
         """Count the call against its replica until it completes, noting the work ahead of it
         (nothing, when it has completed already: `on_request_completed`)."""
-        request_id = pending_request.metadata.internal_request_id
-        if _method(pending_request) != STREAM_METHOD:
+        request_id, method = pending_request.metadata.internal_request_id, _method(pending_request)
+        if method != STREAM_METHOD:
             self.session_calls += 1
             self.sessions_placed += not _kwarg(pending_request, ROUTE_REPLICA, "")
         if request_id in self._completed_early:
@@ -193,7 +193,7 @@ class FleetRouter(RequestRouter):
             replica_id,
             tokens,
             self.outstanding_tokens[replica_id],
-            call_kind(_method(pending_request), tokens),
+            call_kind(method, tokens),
             time.monotonic(),
         )
         self.outstanding[replica_id] += 1
@@ -401,9 +401,14 @@ class TokenAwareRouter(FleetRouter):
     from its committed tokens on the faster replica.
     """
 
-    def _expected(self, candidates: list[RunningReplica], tokens: int) -> dict[ReplicaID, float]:
-        """Expected time of a `tokens` call on each candidate."""
-        slow = relative_slowness(self.current_speed(), [r.replica_id for r in candidates])
+    def _slowness(self, candidates: list[RunningReplica]) -> dict[ReplicaID, float]:
+        """Each candidate's relative slowness on the speeds heard of lately."""
+        return relative_slowness(self.current_speed(), [r.replica_id for r in candidates])
+
+    def _expected(
+        self, candidates: list[RunningReplica], tokens: int, slow: Mapping[ReplicaID, float]
+    ) -> dict[ReplicaID, float]:
+        """Expected time of a `tokens` call on each candidate, at its slowness `slow`."""
         return {
             r.replica_id: expected_time(
                 slow[r.replica_id], self.outstanding_tokens.get(r.replica_id, 0), tokens
@@ -415,13 +420,17 @@ class TokenAwareRouter(FleetRouter):
         self, candidates: list[RunningReplica], request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         """Least expected time first; a session's call, for the session's life (`lifetime`)."""
-        expected = self._expected(candidates, int(_kwarg(request, ROUTE_TOKENS, 1)))
+        slow = self._slowness(candidates)
+        expected = self._expected(candidates, int(_kwarg(request, ROUTE_TOKENS, 1)), slow)
         if _method(request) != STREAM_METHOD:
-            expected = self.lifetime(candidates, expected)
+            expected = self.lifetime(candidates, expected, slow)
         return self._by_load(candidates, expected)
 
     def lifetime(
-        self, candidates: list[RunningReplica], expected: Mapping[ReplicaID, float]
+        self,
+        candidates: list[RunningReplica],
+        expected: Mapping[ReplicaID, float],
+        slow: Mapping[ReplicaID, float],
     ) -> dict[ReplicaID, float]:
         """Where a session is placed, its later calls follow (its KV cache is there): its
         cost is this call's expected time plus, for each further call a session makes on
@@ -432,7 +441,6 @@ class TokenAwareRouter(FleetRouter):
         replicas measured close, the difference is load and noise, and weighed over a
         session's life it sent every session to one of two equal replicas (which then
         measured slow, and its sessions spilled and reopened)."""
-        slow = relative_slowness(self.current_speed(), [r.replica_id for r in candidates])
         later_calls = max(0.0, self.calls_per_session() - 1)
         return {
             r.replica_id: expected[r.replica_id]
@@ -451,8 +459,8 @@ class TokenAwareRouter(FleetRouter):
         if not others:
             return False
         tokens = int(_kwarg(request, ROUTE_TOKENS, 1))
-        expected = self._expected([home, *others], tokens)
-        slow = relative_slowness(self.current_speed(), [r.replica_id for r in (home, *others)])
+        slow = self._slowness([home, *others])
+        expected = self._expected([home, *others], tokens, slow)
         best = min(others, key=lambda r: expected[r.replica_id]).replica_id
         move = int(_kwarg(request, ROUTE_MOVE_TOKENS, 0))
         return should_spill(
