@@ -227,6 +227,24 @@ class LocalReplicas:
         self.close()
 
 
+class Gate(threading.Event):
+    """An event a test sets from its thread; while it is set, coroutines that pass through it
+    wait (`waiting` counts them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+
+    async def pass_through(self) -> None:
+        """Return once the gate is clear (at once when it is)."""
+        self.waiting += 1
+        try:
+            while self.is_set():
+                await asyncio.sleep(0.005)
+        finally:
+            self.waiting -= 1
+
+
 class ReplicaHandle:
     """One ingress's deployment handle over `LocalReplicas`, called as Serve's is.
 
@@ -238,10 +256,8 @@ class ReplicaHandle:
 
     def __init__(self, replicas: LocalReplicas, ingress: str) -> None:
         self.replicas, self.ingress = replicas, ingress
-        self.holding = threading.Event()
-        self.held = 0
-        self.stalling = threading.Event()
-        self.stalled = 0
+        self.holding = Gate()
+        self.stalling = Gate()
         self.pass_messages = 0
 
     @property
@@ -255,28 +271,20 @@ class ReplicaHandle:
     def options(self, **_: Any) -> ReplicaHandle:
         return self
 
-    async def hold(self) -> None:
-        """Wait while `holding` is set (counted in `held`)."""
-        self.held += 1
-        try:
-            while self.holding.is_set():
-                await asyncio.sleep(0.005)
-        finally:
-            self.held -= 1
+    @property
+    def held(self) -> int:
+        """Answers waiting in the ingress while `holding` is set."""
+        return self.holding.waiting
 
-    async def stall(self) -> None:
-        """Wait while `stalling` is set (counted in `stalled`)."""
-        self.stalled += 1
-        try:
-            while self.stalling.is_set():
-                await asyncio.sleep(0.005)
-        finally:
-            self.stalled -= 1
+    @property
+    def stalled(self) -> int:
+        """Calls waiting in the ingress, before any replica, while `stalling` is set."""
+        return self.stalling.waiting
 
     async def remote(self, *args: Any, **hints: Any) -> CallResult:
-        await self.stall()
+        await self.stalling.pass_through()
         result = await self.replicas.unary(self.ingress, *args, **hints)
-        await self.hold()
+        await self.holding.pass_through()
         return result
 
 
@@ -291,7 +299,7 @@ class ReplicaStreams:
         passed = 0
         async for result in handle.replicas.stream(handle.ingress, *args, **hints):
             if passed >= handle.pass_messages:
-                await handle.hold()
+                await handle.holding.pass_through()
             passed += 1
             yield result
 
