@@ -343,7 +343,10 @@ def open_run(
 
 
 def plateau_reached(fed: Federation) -> bool:
-    """Whether the participants' held-out perplexity has plateaued (:mod:`server.plateau`)."""
+    """Whether the participants' held-out perplexity has plateaued (:mod:`server.plateau`);
+    with the rule off, the metrics file is not read."""
+    if fed.cfg.plateau_patience <= 0:
+        return False
     curve = [row.get("participants_perplexity") for row in fed.metrics.rows()]
     return plateaued(curve, fed.cfg.plateau_patience, fed.cfg.plateau_min_improvement)
 
