@@ -14,6 +14,7 @@ import os
 import pickle
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -162,8 +163,17 @@ class FleetConfig:
         }
 
 
-def replica_application(config: FleetConfig, adapter_dir: Path | None = None) -> Any:
-    """The `verifier` deployment of one model version, bound and ready for `serve.run`."""
+def replica_application(
+    config: FleetConfig, adapter_dir: Path | None = None, code_version: str | None = None
+) -> Any:
+    """The `verifier` deployment of one model version, bound and ready for `serve.run`.
+
+    `code_version` (default: the replica spec's, `ReplicaSpec.code_version`) names what the
+    replicas run: `serve.run` of an application under the version it runs only reconfigures
+    it (running replicas, their sessions and warm caches stay; a promoted canary grows around
+    its replica, a new autoscaling range reloads no model); another version replaces every
+    replica one at a time (`restart_version`).
+    """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -182,11 +192,13 @@ def replica_application(config: FleetConfig, adapter_dir: Path | None = None) ->
             request_routing_stats_period_s=config.health_period_s,  # type: ignore[arg-type]
         ),
     }
+    spec = config.replica_spec(adapter_dir)
+    options["version"] = code_version or spec.code_version()
     if scaling is None:
         options["num_replicas"] = config.replicas
     else:
         options["autoscaling_config"] = scaling
-    return serve.deployment(**options)(VerifierReplica).bind(config.replica_spec(adapter_dir))
+    return serve.deployment(**options)(VerifierReplica).bind(spec)
 
 
 def ensure_serve() -> bool:
@@ -271,8 +283,8 @@ def replica_actors(app: str) -> dict[str, str]:
 def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     """Replace every replica of the ingress's stable version, one at a time, failing no call.
 
-    This is Ray Serve's rolling update: `serve.run` gives the deployment a new code
-    version, so Serve stops old replicas 20% of the target count at a time (at least
+    This is Ray Serve's rolling update: `serve.run` under a new code version (the spec's
+    with a restart suffix), so Serve stops old replicas 20% of the target count at a time (at least
     one: one at a time below 10 replicas) and stops the next only once a new replica
     runs in its place. A stopping replica leaves its routers at once and finishes the
     calls it holds (`graceful_shutdown_timeout_s`); a call that still reaches it is
@@ -294,7 +306,8 @@ def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     config: FleetConfig = pickle.loads(ingress.fleet_config.remote().result())
     before = set(replica_actors(stable))
     started = time.monotonic()
-    serve.run(replica_application(config), name=stable, route_prefix=None)
+    fresh = f"{config.replica_spec().code_version()}-restart-{uuid.uuid4().hex[:8]}"
+    serve.run(replica_application(config, code_version=fresh), name=stable, route_prefix=None)
     ingress.promote.remote(stable, pickle.dumps(config)).result()
     while before & set(replica_actors(stable)):  # serve.run returns before the last old one exits
         if time.monotonic() - started > timeout_s:

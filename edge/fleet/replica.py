@@ -11,6 +11,7 @@ never needs to know the verifier's internals. Failures come back as values
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -61,6 +62,11 @@ class ReplicaSpec:
     def __post_init__(self) -> None:
         if not 1.0 <= self.slowdown <= 100.0:
             raise ValueError(f"ReplicaSpec.slowdown must lie in [1, 100], got {self.slowdown}")
+
+    def code_version(self) -> str:
+        """A name for what replicas of this spec run, the same for an equal spec: Serve keeps
+        running replicas across a redeploy under an unchanged version (only rescaling them)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
 async def _held_back(started: float, slowdown: float) -> None:

@@ -174,7 +174,7 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
     """Run one canary rollout against a live fleet's ingress handle; returns the recorded decision."""
     from ray import serve
 
-    from edge.fleet.app import replica_application
+    from edge.fleet.app import replica_actors, replica_application
 
     recover_rollout(ingress)
     fleet = pickle.loads(ingress.fleet_config.remote().result())
@@ -205,15 +205,16 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
         ingress.set_rollout.remote(None).result()
         record.update(decision="refused", reasons=[f"canary failed to start: {err}"])
         return _write(config.run_dir, record)
+    record["canary_replica_ids"] = sorted(replica_actors(canary))
     ingress.set_rollout.remote({**progress, "phase": "observing"}).result()
     ingress.set_canary.remote(canary, config.canary).result()
     figures = _observe(ingress, stable, canary, config)
     decision, reasons = decide(figures[stable], figures[canary], config)
     record.update(decision=decision, reasons=reasons, figures=figures)
     if decision == "promote":
-        serve.run(
+        serve.run(  # the canary grows to the fleet's size around its replicas (same version)
             replica_application(fleet, config.adapter_dir), name=canary, route_prefix=None
-        )  # scale the canary up to the fleet's size before it takes all traffic
+        )
         promoted = replace(fleet, adapter_dir=config.adapter_dir)
         ingress.promote.remote(canary, pickle.dumps(promoted)).result()
         ingress.set_rollout.remote({**progress, "phase": "promoted"}).result()

@@ -57,8 +57,18 @@ def decode_with_reopen(
 class Load:
     """Edge sessions decoding in background threads until stopped; records every failure."""
 
-    def __init__(self, port: int, work: Callable[[VerifierClient, int], None], threads: int):
+    def __init__(
+        self,
+        port: int,
+        work: Callable[[VerifierClient, int], None],
+        threads: int,
+        pause_s: float = 0.0,
+    ):
+        """`threads` devices, each running `work` again `pause_s` after it returns: a test
+        needs calls in flight across an event (a kill, a restart), not two cores saturated by
+        the load; a test that needs a queue (autoscaling) leaves no pause."""
         self.stop = threading.Event()
+        self.pause_s = pause_s
         self.failures: list[str] = []
         self.done = 0
         self._threads = [
@@ -77,6 +87,7 @@ class Load:
                     self.done += 1
                 except Exception as err:  # every failure is a finding of the test
                     self.failures.append(repr(err))
+                self.stop.wait(self.pause_s)
 
     def __enter__(self) -> Load:
         for thread in self._threads:

@@ -200,7 +200,7 @@ def test_replica_reporting_not_serving_stops_receiving_traffic(
 
     wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas")
     stable = fleet.describe()["stable"]
-    with Load(fleet.port, work, threads=3) as load:
+    with Load(fleet.port, work, threads=3, pause_s=0.3) as load:
         wait_for(lambda: load.done >= 3, 60, "load to start")
         replicas = serve.get_deployment_handle("verifier", app_name=stable)
         victim = replicas.set_serving.remote(False).result()
@@ -316,7 +316,7 @@ def test_replica_killed_under_load_fails_no_request(
     wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas before the kill")
     before = fleet.replica_actors()
     victim_id, victim = sorted(before.items())[0]
-    with Load(fleet.port, work, threads=4) as load:
+    with Load(fleet.port, work, threads=4, pause_s=0.2) as load:
         wait_for(lambda: load.done >= 4, 60, "load to start")
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         done_at_kill = load.done

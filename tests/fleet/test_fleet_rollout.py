@@ -48,7 +48,7 @@ def test_rolling_restart_under_load_fails_no_request_and_replaces_every_replica(
 
     wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "two replicas before the restart")
     before = fleet.replica_actors()
-    with Load(fleet.port, work, threads=4) as load:
+    with Load(fleet.port, work, threads=4, pause_s=0.3) as load:
         wait_for(lambda: load.done >= 4, 60, "load to start")
         report = fleet.restart()
         done = load.done
@@ -69,6 +69,12 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
     good_adapter: Path,
     tmp_path: Path,
 ) -> None:
+    """Under load, three rollouts: a misfit adapter is refused before any canary; a
+    collapsing one is rolled back on acceptance; a good one is promoted, its canary growing
+    to the fleet's size around its own replica, and no request fails.
+
+    Before the canary kept its version on promotion, the scale-up replaced its replica (two
+    model loads, and the canary's sessions reopened): the replica check failed (run)."""
     target, draft = models
     # Every session decodes the same prompt, so both arms see one workload: with a prompt per
     # load thread, which threads' sessions the canary drew decided its acceptance (a 0.14 gap
@@ -97,7 +103,7 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
         return run_rollout(fleet.ingress, config)
 
     before = fleet.describe()
-    with Load(fleet.port, work, threads=3) as load:
+    with Load(fleet.port, work, threads=3, pause_s=0.2) as load:
         refused = rollout(misfit_adapter, "misfit")
         assert refused["decision"] == "refused"
         assert "adapter_model.safetensors" in refused["reasons"][0]
@@ -111,4 +117,8 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
     assert good["decision"] == "promote", good["reasons"]
     assert fleet.describe() == {"stable": good["canary_app"], "canary": None, "fraction": 0.0}
     assert (tmp_path / "good" / "rollout.json").is_file()
+    # promotion grew the canary to the fleet's size around its replica, which kept serving
+    wait_for(lambda: len(fleet.replica_actors()) == 2, 60, "the promoted version's two replicas")
+    assert len(good["canary_replica_ids"]) == 1
+    assert set(good["canary_replica_ids"]) < set(fleet.replica_actors())
     assert load.failures == [] and load.done > 0
