@@ -1,7 +1,8 @@
 """A malicious server over real Flower messages: the clients refuse every attack, the server reports it.
 
-One Ray run (Flower's simulation engine, kept for attacks over a real Flower run rather
-than fedge's own in-process Grid), four nodes whose policy file (``FEDGE_PRIVACY_POLICY``)
+One run on the in-process engine (the attacks are in the messages' content, which the
+clients' mods judge the same on any engine; on Flower's Ray simulation the run cost a Ray
+start, 22 s of a loaded suite), four nodes whose policy file (``FEDGE_PRIVACY_POLICY``)
 requires SecAgg+ and distributed DP with z >= 1 and C <= 0.1. The ServerApp plays the
 attacker: it omits SecAgg+, asks for less noise, sends a SecAgg+ threshold of half the
 neighbourhood, asks one client for both secrets of a node, and names a module to import.

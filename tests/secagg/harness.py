@@ -1,4 +1,4 @@
-"""Flower scaffolding for the SecAgg+ and privacy tests: a ClientApp of known replies, one Ray run.
+"""Flower scaffolding for the SecAgg+ and privacy tests: a ClientApp of known replies, one run.
 
 Used by ``tests/secagg/test_flower.py`` (sums and drop-outs over real messages) and
 ``tests/privacy/test_malicious_server.py`` (a server that attacks, clients that refuse).
@@ -6,8 +6,10 @@ Used by ``tests/secagg/test_flower.py`` (sums and drop-outs over real messages) 
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -16,11 +18,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from clients.mods import dispatch_mods
 from fedge import keys
-from simulations.flower_internals import run_ray_simulation
+from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
 CRASH_KEY = "crash-pids"  # train-config key: comma list of partitions whose training crashes
-BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}}
-NODES_TIMEOUT_S = 300  # a loaded machine starts Ray workers slowly
+NODES_TIMEOUT_S = 300  # nodes of a Ray or deployment run connect over time; bounds the wait
 
 Contribution = Callable[[int], dict[str, np.ndarray]]
 
@@ -72,11 +73,20 @@ def partition_ids(grid: Grid, num_nodes: int) -> dict[int, int]:
 
 
 def simulate(main: Callable[[Grid], None], client_app: ClientApp, num_nodes: int) -> None:
-    """Run ``main(grid)`` as the ServerApp against ``num_nodes`` simulated nodes (one Ray run)."""
+    """Run ``main(grid)`` as the ServerApp against ``num_nodes`` nodes on the in-process engine.
+
+    The protocol under test lives in the ServerApp's aggregators and the ClientApp's mods,
+    which see the same messages on any engine; the in-process one keeps each node's Context
+    state on disk between the protocol's stages and answers a raising ClientApp with
+    Flower's error reply, and needs no Ray start (about 35 s of a loaded suite per file).
+    Flower's Ray simulation runs SecAgg+ in `tests/server/test_flower_engines.py`.
+    """
     server_app = ServerApp()
 
     @server_app.main()
     def run(grid: Grid, context: Context) -> None:
         main(grid)
 
-    run_ray_simulation(server_app, client_app, num_nodes, BACKEND)
+    with tempfile.TemporaryDirectory() as state:
+        grid = InProcessGrid(client_app, DeviceTable(num_nodes), Path(state))
+        run_inprocess(server_app, grid)

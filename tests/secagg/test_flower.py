@@ -1,8 +1,8 @@
-"""SecAgg+ and DP aggregators over real Flower messages (simulation engine, one Ray run).
+"""SecAgg+ and DP aggregators over real Flower messages (one run on the in-process engine).
 
 A tiny ClientApp answers train messages with a known contribution per partition, so the
 test can compare the unmasked sums with the plain sum and inspect every reply the
-ServerApp received. All aggregators run in one ServerApp to pay Ray's start-up once.
+ServerApp received. All aggregators run in one ServerApp, one after another.
 """
 
 from __future__ import annotations
