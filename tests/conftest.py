@@ -30,7 +30,6 @@ LONG_FILES = (
     "simulations/test_simulate.py",
     "fedge/test_zoo.py",
     "edge/test_recovery.py",
-    "secagg/test_flower.py",
     "privacy/test_matrix.py",
     "simulations/test_devices_federation.py",
     "simulations/test_realign.py",
