@@ -15,6 +15,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 
 from edge.fleet import routers
 from edge.fleet.adapters import AdapterMismatch, check_adapter
+from edge.fleet.relay import session_key
 from edge.fleet.rollout import RolloutConfig, decide
 from edge.fleet.routers import (
     EARLY_COMPLETIONS_KEPT,
@@ -121,6 +122,14 @@ def slowed(slowness: float) -> tuple[FleetRouter, Replica, Replica]:
     kind = call_kind("OpenSession", 40)
     router.speed.update({(fast.replica_id, kind): 0.001, (slow.replica_id, kind): 0.001 * slowness})
     return router, fast, slow
+
+
+def test_a_session_key_is_opaque_and_scoped_by_owner() -> None:
+    """Routers count sessions by a key of (owner, id): two devices' sessions of one id are two
+    sessions, and the id, which reaches a session, never travels to Ray."""
+    key = session_key("alice", "s1")
+    assert key == session_key("alice", "s1") != session_key("bob", "s1")
+    assert "s1" not in key and "alice" not in key and session_key("alice", "") == ""
 
 
 def test_round_robin_cycles_through_replicas_whatever_their_load() -> None:
