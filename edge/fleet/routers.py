@@ -5,9 +5,9 @@ and runs inside the ingress's deployment handle. The ingress passes what a
 policy needs as keyword arguments of the replica call (`ROUTE_TOKENS`: the
 tokens the call will put through the target; `ROUTE_REPLICA`: the replica that
 holds the call's session, when there is one; `ROUTE_SESSION`: an opaque key of the
-session, never its id, to count the sessions active on each replica). Routers return ranks of replicas;
-Ray Serve then sends to the replica with the shortest reported queue within the
-first rank that has room, and backs off when none has.
+session, never its id, to count the sessions active on each replica). Routers
+return ranks of replicas; Ray Serve then sends to the replica with the shortest
+reported queue within the first rank that has room, and backs off when none has.
 
 A call pinned to a replica (`ROUTE_PIN`: an admin call such as a drain, or the
 ingress closing a session that moved) goes to that replica whatever its state,
@@ -269,7 +269,8 @@ class FleetRouter(RequestRouter):
 
     def _leave(self, replica_id: ReplicaID, session: str) -> None:
         """Forget `session` on `replica_id` at once: it closed there."""
-        self._active.get(replica_id, OrderedDict()).pop(session, None)
+        if replica_id in self._active:
+            self._active[replica_id].pop(session, None)
 
     def active_sessions(self, replica_id: ReplicaID) -> int:
         """Sessions that called `replica_id` within `SESSION_ACTIVE_S`; older ones are dropped
