@@ -55,9 +55,10 @@ from edge.fleet.relay import (
     failure_result,
     relay_metadata,
     routing_tokens,
+    session_key,
     session_of,
 )
-from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_TOKENS
+from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_SESSION, ROUTE_TOKENS
 from edge.fleet.state import Routing, open_state
 from edge.fleet.stats import CallOutcome, ReplicaFigures
 from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
@@ -261,6 +262,7 @@ class FleetIngress:
         failure UNAVAILABLE (`edge.fleet.relay`).
         """
         session_id = session_of(request)
+        owner = caller_identity(context.invocation_metadata() or ())
         opening = not home  # no session on a live replica yet: it may open anywhere
         attempts = 2 if opening else 1
         for attempt in range(attempts):
@@ -277,6 +279,7 @@ class FleetIngress:
                             ROUTE_TOKENS: routing_tokens(request),
                             ROUTE_REPLICA: home,
                             ROUTE_MOVE_TOKENS: int(getattr(request, "expected_length", 0)),
+                            ROUTE_SESSION: session_key(owner, session_id),
                         },
                     )
                 )
@@ -300,7 +303,13 @@ class FleetIngress:
         """
         payload = pb.CloseSessionRequest(session_id=session_id).SerializeToString()
         metadata = relay_metadata(context.invocation_metadata() or ())
-        pinned = {ROUTE_PIN: replica, ROUTE_TOKENS: 1, ROUTE_REPLICA: ""}
+        owner = caller_identity(context.invocation_metadata() or ())
+        pinned = {
+            ROUTE_PIN: replica,
+            ROUTE_TOKENS: 1,
+            ROUTE_REPLICA: "",
+            ROUTE_SESSION: session_key(owner, session_id),
+        }
 
         async def close() -> None:
             try:

@@ -15,6 +15,7 @@ until deadlines expire.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Iterator, Sequence
 
@@ -31,6 +32,7 @@ PRIVATE_KEYS = frozenset({AUTH_HEADER, IDENTITY_KEY})  # never relayed as the ca
 BUSY_RETRY_S = 0.1  # retry-after of a call refused for a full queue (a few verify passes)
 GONE, BUSY, FAILED = "gone", "busy", "failed"
 SESSION_FIELD = "session_id"
+SESSION_KEY_CHARS = 16  # 64 bits of a session key: collisions among live sessions are negligible
 INT_TYPES = (descriptor.FieldDescriptor.TYPE_INT32, descriptor.FieldDescriptor.TYPE_INT64)
 
 
@@ -133,3 +135,14 @@ def routing_tokens(request: Message) -> int:
 def session_of(message: Message) -> str:
     """The message's session id, or "" when it has none."""
     return str(getattr(message, SESSION_FIELD, "") or "")
+
+
+def session_key(owner: str, session_id: str) -> str:
+    """An opaque key of the owner's session for the routers to count sessions by ("" for none).
+
+    Ids are scoped by owner (two devices may pick the same id), and neither the id, which
+    reaches a session, nor the owner's identity travels into Ray's request metadata.
+    """
+    if not session_id:
+        return ""
+    return hashlib.sha256(f"{owner}\0{session_id}".encode()).hexdigest()[:SESSION_KEY_CHARS]

@@ -4,9 +4,10 @@ Each policy is a `ray.serve.request_router.RequestRouter` subclass (alpha API)
 and runs inside the ingress's deployment handle. The ingress passes what a
 policy needs as keyword arguments of the replica call (`ROUTE_TOKENS`: the
 tokens the call will put through the target; `ROUTE_REPLICA`: the replica that
-holds the call's session, when there is one). Routers return ranks of replicas;
-Ray Serve then sends to the replica with the shortest reported queue within the
-first rank that has room, and backs off when none has.
+holds the call's session, when there is one; `ROUTE_SESSION`: an opaque key of the
+session, never its id, to count the sessions active on each replica). Routers
+return ranks of replicas; Ray Serve then sends to the replica with the shortest
+reported queue within the first rank that has room, and backs off when none has.
 
 A call pinned to a replica (`ROUTE_PIN`: an admin call such as a drain, or the
 ingress closing a session that moved) goes to that replica whatever its state,
@@ -42,6 +43,7 @@ from edge.fleet.wire import ROUTE_PIN, SERVING
 ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
 ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
 ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere would prefill
+ROUTE_SESSION = "route_session"  # kwarg: an opaque key of the call's session ("" for none)
 K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
 SPEED_SAMPLES = 15  # a replica's seconds per work token on a kind of call: median of its last calls
 SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones pay the warm-up)
@@ -52,7 +54,13 @@ CALL_TOKENS = (
 EARLY_COMPLETIONS_KEPT = 256  # calls heard complete before routed; their routing follows at once
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
 STREAM_METHOD = "Generate"  # a cloud-only stream: one call for its whole life, no session
-CLEARLY_SLOWER = 2.0  # measured this many times the fastest: slower beyond load and noise
+CLOSE_METHOD = "CloseSession"  # the session leaves its replica
+# A session is active on a replica while its last call there began or ended within this many
+# seconds. Between a decoding session's calls lie the device's drafting and a network round
+# trip (tens to a few hundred ms; a full queue's retry-after is 0.1 s), so a decoding session
+# never drops out; a session that ended without a close, went quiet or moved stops counting
+# within a few seconds, before several such sessions could weigh on the next placements.
+SESSION_ACTIVE_S = 3.0
 
 
 def call_kind(method: str, tokens: int) -> str:
@@ -85,7 +93,7 @@ def relative_slowness(
     return {r: float(statistics.median(ratios[r])) if ratios[r] else 1.0 for r in replicas}
 
 
-def work_tokens(pending_tokens: int, tokens: int) -> int:
+def work_tokens(pending_tokens: float, tokens: float) -> float:
     """The work a call waits through on a replica, in token positions: its queue and itself.
 
     Every call also pays `CALL_TOKENS` of fixed cost (a pass, the relay), which pending
@@ -95,16 +103,10 @@ def work_tokens(pending_tokens: int, tokens: int) -> int:
     return CALL_TOKENS + pending_tokens + tokens
 
 
-def expected_time(slowness: float, pending_tokens: int, tokens: int) -> float:
+def expected_time(slowness: float, pending_tokens: float, tokens: float) -> float:
     """A call's expected time on a replica, in fastest-replica token times: the work it waits
     through (`work_tokens`) at the replica's relative slowness."""
     return slowness * work_tokens(pending_tokens, tokens)
-
-
-def _lasting(slowness: float) -> float:
-    """The slowness a session placed on a replica keeps paying: its own when `CLEARLY_SLOWER`,
-    else the fastest's (1.0), since a small gap is the current load's, not the replica's."""
-    return slowness if slowness >= CLEARLY_SLOWER else 1.0
 
 
 def should_spill(
@@ -146,7 +148,8 @@ def _method(request: PendingRequest | None) -> str:
 
 
 class FleetRouter(RequestRouter):
-    """Shared state of the fleet policies: session affinity, this handle's outstanding work, speeds.
+    """Shared state of the fleet policies: session affinity, this handle's outstanding work, speeds,
+    the sessions active on each replica.
 
     Outstanding requests and tokens are counted per replica from the moment a call is
     routed until Ray Serve reports it completed (success, error or cancellation), so
@@ -159,6 +162,10 @@ class FleetRouter(RequestRouter):
     alone, a fast replica given most of the load looked nearly as slow as a lightly loaded
     slowed one (in the bench, verify p50 70-107 ms against 103-149 ms: 1.4-1.6x apart where
     4x was set), and token-aware sent a fifth to a third of the calls to the slowed replica.
+    A session counts as active on a replica while it calls there (`SESSION_ACTIVE_S`), by the
+    opaque key the ingress sends (`ROUTE_SESSION`). Each ingress's router sees only its own
+    calls, and a device's calls keep to one connection, so to one ingress: each ingress counts
+    its devices' sessions, and balancing its own balances the fleet.
     """
 
     affinity = False
@@ -168,33 +175,46 @@ class FleetRouter(RequestRouter):
         self.affinity = bool(affinity)
         self.outstanding: dict[ReplicaID, int] = defaultdict(int)
         self.outstanding_tokens: dict[ReplicaID, int] = defaultdict(int)
-        self._in_flight: dict[str, tuple[ReplicaID, int, int, str, float]] = {}
+        self._in_flight: dict[str, tuple[ReplicaID, int, int, str, float, str]] = {}
         self.speed: dict[tuple[ReplicaID, str], float] = {}  # median s/token per (replica, kind)
         self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
         self._measured_at: dict[tuple[ReplicaID, str], float] = {}  # its last sample's time
         self._completed_early: OrderedDict[str, None] = OrderedDict()
-        self.session_calls = 0  # calls of sessions this handle routed (not Generate streams)
+        self.session_calls = 0  # calls of sessions this handle routed (not streams, not pinned)
+        self.session_tokens = 0  # the tokens of those calls
         self.sessions_placed = 0  # of them, those placed without a home: a session's first
+        self._active: dict[ReplicaID, OrderedDict[str, float]] = defaultdict(OrderedDict)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         """Count the call against its replica until it completes, noting the work ahead of it
-        (nothing, when it has completed already: `on_request_completed`)."""
+        (nothing, when it has completed already: `on_request_completed`), and its session as
+        active there (gone, after its close).
+
+        A pinned call (an admin call, the close of a moved session) is no session's call.
+        """
         request_id, method = pending_request.metadata.internal_request_id, _method(pending_request)
-        if method != STREAM_METHOD:
+        tokens = int(_kwarg(pending_request, ROUTE_TOKENS, 1))
+        session = str(_kwarg(pending_request, ROUTE_SESSION, ""))
+        if method == CLOSE_METHOD:
+            self._leave(replica_id, session)
+            session = ""  # its completion must not mark it active again
+        self._seen(replica_id, session)
+        if method != STREAM_METHOD and not _kwarg(pending_request, ROUTE_PIN, ""):
             self.session_calls += 1
+            self.session_tokens += tokens
             self.sessions_placed += not _kwarg(pending_request, ROUTE_REPLICA, "")
         if request_id in self._completed_early:
             del self._completed_early[request_id]
             return
-        tokens = int(_kwarg(pending_request, ROUTE_TOKENS, 1))
         self._in_flight[request_id] = (
             replica_id,
             tokens,
             self.outstanding_tokens[replica_id],
             call_kind(method, tokens),
             time.monotonic(),
+            session,
         )
         self.outstanding[replica_id] += 1
         self.outstanding_tokens[replica_id] += tokens
@@ -214,7 +234,8 @@ class FleetRouter(RequestRouter):
             if len(self._completed_early) > EARLY_COMPLETIONS_KEPT:
                 self._completed_early.popitem(last=False)
             return
-        replica, tokens, ahead, kind, started = routed
+        replica, tokens, ahead, kind, started, session = routed
+        self._seen(replica, session)
         self.outstanding[replica] -= 1
         self.outstanding_tokens[replica] -= tokens
         now, key = time.monotonic(), (replica, kind)
@@ -230,6 +251,37 @@ class FleetRouter(RequestRouter):
     def calls_per_session(self) -> float:
         """Calls a session has made on average, as this handle saw them (1.0 before any)."""
         return self.session_calls / self.sessions_placed if self.sessions_placed else 1.0
+
+    def tokens_per_call(self) -> float:
+        """Target tokens of a session's call on average, as this handle saw them (0 before any)."""
+        return self.session_tokens / self.session_calls if self.session_calls else 0.0
+
+    def _seen(self, replica_id: ReplicaID, session: str) -> None:
+        """Note that `session` (a `ROUTE_SESSION` key; "" for none) called `replica_id` now.
+
+        Noted when a call is routed and again when it completes: a call longer than
+        `SESSION_ACTIVE_S` (a long prefill on a slow replica) leaves its session active.
+        """
+        if session:
+            sessions = self._active[replica_id]
+            sessions[session] = time.monotonic()
+            sessions.move_to_end(session)
+
+    def _leave(self, replica_id: ReplicaID, session: str) -> None:
+        """Forget `session` on `replica_id` at once: it closed there."""
+        if replica_id in self._active:
+            self._active[replica_id].pop(session, None)
+
+    def active_sessions(self, replica_id: ReplicaID) -> int:
+        """Sessions that called `replica_id` within `SESSION_ACTIVE_S`; older ones are dropped
+        (oldest first: the map is kept in order of last call)."""
+        sessions = self._active.get(replica_id)
+        if not sessions:
+            return 0
+        horizon = time.monotonic() - SESSION_ACTIVE_S
+        while sessions and next(iter(sessions.values())) < horizon:
+            sessions.popitem(last=False)
+        return len(sessions)
 
     def current_speed(self) -> dict[tuple[ReplicaID, str], float]:
         """The speeds heard of within `SPEED_MAX_AGE_S` (one set by hand never ages).
@@ -253,6 +305,7 @@ class FleetRouter(RequestRouter):
         self.speed = {key: s for key, s in self.speed.items() if key[0] != replica_id}
         self._samples = {key: s for key, s in self._samples.items() if key[0] != replica_id}
         self._measured_at = {k: t for k, t in self._measured_at.items() if k[0] != replica_id}
+        self._active.pop(replica_id, None)
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -394,7 +447,8 @@ class TokenAwareRouter(FleetRouter):
     counting calls alone (least outstanding) misjudges a replica busy with prefills.
     Expected time = relative slowness x (pending tokens + the call's tokens), where
     slowness is measured per kind of call (`relative_slowness`), so a slower replica
-    (older hardware, a noisy neighbour) gets proportionally less. With affinity, a
+    (older hardware, a noisy neighbour) gets proportionally less. A session's first call
+    is placed for the session's life (`lifetime`). With affinity, a
     session's call stays home unless home is measured `SPILL_FACTOR` times slower and its
     expected time exceeds that factor times the best other's plus the reopen (`should_spill`): the call
     then lands elsewhere, which answers NOT_FOUND, and the edge reopens the session
@@ -434,17 +488,27 @@ class TokenAwareRouter(FleetRouter):
     ) -> dict[ReplicaID, float]:
         """Where a session is placed, its later calls follow (its KV cache is there): its
         cost is this call's expected time plus, for each further call a session makes on
-        average, that replica's slowness x `CALL_TOKENS`. A queue drains; a slower replica
-        stays slower for the session's life. Placed by the one call alone, a session went to
-        a replica 4x slower whenever the fast one held a few calls, and every later call of
-        it paid the 4x. Only a replica `CLEARLY_SLOWER` than the fastest pays it: between
-        replicas measured close, the difference is load and noise, and weighed over a
-        session's life it sent every session to one of two equal replicas (which then
-        measured slow, and its sessions spilled and reopened)."""
+        average, the expected time there of an average session call behind one such call
+        of each session active there (`active_sessions`), whose calls it will queue behind
+        or share a batched pass with.
+
+        A queue drains; a slower replica and the sessions on it stay for the session's life.
+        Each session placed makes its replica dearer for the next, so equal replicas take
+        turns (fewest sessions, weighed by slowness), and a replica 4x slower gets a session
+        only once the fast one's sessions cost more than the 4x. Placed by the one call
+        alone, a session went to the 4x slower replica whenever the fast one held a few
+        calls, and every later call of it paid the 4x; weighed over a session's life by
+        slowness alone, a small measured gap between two equal replicas (load and noise)
+        sent every session to one of them, which then measured slow, and its sessions
+        spilled and reopened."""
         later_calls = max(0.0, self.calls_per_session() - 1)
+        per_call = self.tokens_per_call()
         return {
             r.replica_id: expected[r.replica_id]
-            + later_calls * _lasting(slow[r.replica_id]) * CALL_TOKENS
+            + later_calls
+            * expected_time(
+                slow[r.replica_id], self.active_sessions(r.replica_id) * per_call, per_call
+            )
             for r in candidates
         }
 

@@ -18,7 +18,7 @@ from google.protobuf import message_factory
 from edge.fleet.ingress import FleetIngress, IngressSpec
 from edge.fleet.relay import session_of
 from edge.fleet.replica import ReplicaSpec, VerifierReplica
-from edge.fleet.routers import ROUTE_REPLICA
+from edge.fleet.routers import ROUTE_REPLICA, ROUTE_SESSION
 from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from edge.proto import verifier_pb2 as pb
 from edge.verifier.limits import DEVICE_KEY
@@ -112,7 +112,8 @@ class NoReplicas:
 
 class Relay(NamedTuple):
     """One call an ingress relayed: which ingress, method, device, session, the home replica the
-    ingress named ("" when it knew none) and the replica that got the call."""
+    ingress named ("" when it knew none), the replica that got the call and the session key the
+    routers count sessions by."""
 
     ingress: str
     method: str
@@ -120,6 +121,7 @@ class Relay(NamedTuple):
     session: str
     home: str
     replica: str
+    key: str
 
 
 class LocalReplicas:
@@ -168,7 +170,8 @@ class LocalReplicas:
         device = dict(metadata).get(DEVICE_KEY, "")
         session = session_of(request_cls.FromString(payload))
         home = str(hints.get(ROUTE_REPLICA) or "")
-        self.relayed.append(Relay(ingress, method, device, session, home, name))
+        key = str(hints.get(ROUTE_SESSION) or "")
+        self.relayed.append(Relay(ingress, method, device, session, home, name, key))
         return name
 
     async def unary(

@@ -15,12 +15,15 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 
 from edge.fleet import routers
 from edge.fleet.adapters import AdapterMismatch, check_adapter
+from edge.fleet.relay import session_key
 from edge.fleet.rollout import RolloutConfig, decide
 from edge.fleet.routers import (
     EARLY_COMPLETIONS_KEPT,
     ROUTE_MOVE_TOKENS,
     ROUTE_REPLICA,
+    ROUTE_SESSION,
     ROUTE_TOKENS,
+    SESSION_ACTIVE_S,
     SPEED_MIN_SAMPLES,
     SPILL_FACTOR,
     FleetRouter,
@@ -78,16 +81,55 @@ def choose(router: FleetRouter, candidates: list[Replica], request: Request | No
 
 
 def request(
-    rid: str, tokens: int = 1, home: str = "", method: str = "Verify", move: int = 0
+    rid: str,
+    tokens: int = 1,
+    home: str = "",
+    method: str = "Verify",
+    move: int = 0,
+    session: str = "",
 ) -> Request:
     kwargs = {ROUTE_TOKENS: tokens, ROUTE_REPLICA: home, ROUTE_MOVE_TOKENS: move}
-    return Request(kwargs, Metadata(rid), [method])
+    return Request({**kwargs, ROUTE_SESSION: session}, Metadata(rid), [method])
 
 
 def served(router: FleetRouter, replica: Replica, rid: str, tokens: int, method: str) -> None:
     """Route one call to `replica` and complete it at once (a speed sample)."""
     router.on_request_routed(request(rid, tokens, method=method), replica.replica_id, None)  # type: ignore[arg-type]
     router.on_request_completed(replica.replica_id, rid)
+
+
+def run_session(router: FleetRouter, replica: Replica, key: str, calls: int = 32) -> None:
+    """A session's `calls` verifies of 6 tokens on `replica`, each completed (the first places
+    it); on a frozen clock they take 0 s, which measures no speed."""
+    for i in range(calls):
+        rid, home = f"{key}-{i}", "" if i == 0 else replica.replica_id.unique_id
+        router.on_request_routed(request(rid, 6, home, session=key), replica.replica_id, None)  # type: ignore[arg-type]
+        router.on_request_completed(replica.replica_id, rid)
+
+
+def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The routers' clock, moved only by the test."""
+    clock = [1000.0]
+    monkeypatch.setattr(routers.time, "monotonic", lambda: clock[0])
+    return clock
+
+
+def slowed(slowness: float) -> tuple[FleetRouter, Replica, Replica]:
+    """A token-aware router that measured replica `slow` `slowness` x replica `fast`, on
+    prefills (the sessions' verifies in these tests measure nothing), and the two replicas."""
+    router = make_router(TokenAwareRouter, affinity=True)
+    fast, slow = replicas("fast", "slow")
+    kind = call_kind("OpenSession", 40)
+    router.speed.update({(fast.replica_id, kind): 0.001, (slow.replica_id, kind): 0.001 * slowness})
+    return router, fast, slow
+
+
+def test_a_session_key_is_opaque_and_scoped_by_owner() -> None:
+    """Routers count sessions by a key of (owner, id): two devices' sessions of one id are two
+    sessions, and the id, which reaches a session, never travels to Ray."""
+    key = session_key("alice", "s1")
+    assert key == session_key("alice", "s1") != session_key("bob", "s1")
+    assert "s1" not in key and "alice" not in key and session_key("alice", "") == ""
 
 
 def test_round_robin_cycles_through_replicas_whatever_their_load() -> None:
@@ -123,11 +165,11 @@ def test_token_aware_weighs_pending_tokens_by_each_replicas_measured_speed() -> 
 
 
 def test_token_aware_places_a_session_for_its_life_and_a_stream_for_its_call() -> None:
-    """`slow` is measured 4x slower; one session has made 32 calls, the last 20 (200 tokens)
-    still pending on `fast`. A new session's call on `slow` costs 4 x (32 + 10) now and
-    4 x 32 for each of its 31 later calls (4,136), on `fast` 32 + 200 + 10 + 31 x 32 (1,234):
-    it goes to `fast`. A Generate stream is one call for its life: 242 on `fast` against 168
-    on `slow`, it goes to `slow`.
+    """`slow` is measured 4x slower; one session has made 32 calls (212 tokens: 6.625 a call),
+    the last 20 (200 tokens) still pending on `fast`. A new session's call on `slow` costs
+    4 x (32 + 10) now and 4 x (32 + 6.625) for each of its 31 later calls (4,958), on `fast`
+    32 + 200 + 10 + 31 x 38.625 (1,439): it goes to `fast`. A Generate stream is one call
+    for its life: 242 on `fast` against 168 on `slow`, it goes to `slow`.
 
     Before, a session was placed by its first call alone, as the stream is (run: the new
     session went to `slow`, whose 4x every later call of it then paid; in the fleet bench,
@@ -150,14 +192,106 @@ def test_token_aware_places_a_session_for_its_life_and_a_stream_for_its_call() -
     assert choose(router, [fast, slow], request("new", tokens=10))[0] == "fast"
     assert choose(router, [fast, slow], request("g", tokens=10, method="Generate"))[0] == "slow"
     assert router.calls_per_session() == 32.0
-    # Measured only 1.5x apart (load and noise between equal replicas), the later calls weigh
-    # alike: 242 on `fast` against 1.5 x 42 = 63 on `slow`, the session goes by this call.
-    # Weighed by 1.5x over 31 calls (1,234 against 1,551) every session went to one of two
-    # equal replicas in the fleet tests, which then measured slow, and sessions reopened.
-    for tokens in (10, 42):
-        for method in ("Verify", "Generate"):
-            router.speed[(slow.replica_id, call_kind(method, tokens))] = 0.0015
-    assert choose(router, [fast, slow], request("new2", tokens=10))[0] == "slow"
+
+
+@pytest.mark.parametrize(("slowness", "on_b"), [(1.05, 10), (1.5, 7)])
+def test_token_aware_shares_sessions_between_near_equal_replicas(
+    monkeypatch: pytest.MonkeyPatch, slowness: float, on_b: int
+) -> None:
+    """Two equal replicas, `slow` measured 5% or 50% slower than `fast` (load and noise),
+    get 20 sessions one after another, each of 32 verifies of 6 tokens, all still active. A
+    session costs on `fast` 38 + 31 x (32 + 6 x (n_fast + 1)) = 1,216 + 186 n_fast, on `slow`
+    `slowness` x (1,216 + 186 n_slow), n the sessions active there: at 5% they alternate
+    (`fast` first, then slow's 1,277 < 1,402), 10 each; at 50% `fast` takes the first four,
+    then one or two for each on `slow`: 13 and 7.
+
+    With the lifetime term weighed by slowness alone (the router before with its threshold
+    `CLEARLY_SLOWER` set to 1.0: run) all 20 went to `fast` at both gaps (1,030 against 1,082
+    or 1,545); in the fleet tests that replica then measured slow, and its sessions spilled
+    and reopened. With the 2.0 threshold (main before) also all 20, by the first call's 38
+    against 40 or 57: no call is pending between the sessions' verifies here (in the fleet,
+    pending calls evened the two).
+    """
+    frozen_clock(monkeypatch)
+    router, fast, slow = slowed(slowness)
+    placed = []
+    for i in range(20):
+        placed.append(choose(router, [fast, slow], request(f"new{i}", tokens=6))[0])
+        run_session(router, fast if placed[-1] == "fast" else slow, f"s{i}")
+    assert placed.count("slow") == on_b
+
+
+def test_token_aware_puts_a_session_on_a_4x_slower_replica_only_once_the_fast_one_costs_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`slow` is measured 4x slower. With N sessions active on `fast` (each 32 verifies of
+    6 tokens), a new session costs there 38 + 31 x (32 + 6 x (N + 1)) = 1,216 + 186 N, on
+    an idle `slow` 4 x 1,216 = 4,864: `fast` up to N = 19 (4,750), `slow` at N = 20 (4,936).
+    With one on `slow` (4 x (1,216 + 186) = 5,608), `fast` again up to N = 23 (5,494), `slow`
+    at N = 24 (5,680).
+
+    Before (the lifetime term by slowness alone, for a replica measured >= 2x), `slow` got
+    no session however many `fast` held (run: `fast` at N = 20), and under load, measured
+    under 2x, a slowed replica paid no lifetime term at all and got 12-19 of ~100 sessions.
+    """
+    frozen_clock(monkeypatch)
+    router, fast, slow = slowed(4.0)
+    for i in range(19):
+        run_session(router, fast, f"f{i}")
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
+    run_session(router, fast, "f19")
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "slow"
+    run_session(router, slow, "s0")
+    placed = []
+    for i in range(5):
+        placed.append(choose(router, [fast, slow], request(f"new{i}", tokens=6))[0])
+        run_session(router, fast if placed[-1] == "fast" else slow, f"n{i}")
+    assert placed == ["fast", "fast", "fast", "fast", "slow"]
+
+
+def test_a_session_counts_on_its_replica_while_it_calls_there_and_not_after_its_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session stays active on a replica for `SESSION_ACTIVE_S` after its last call began or
+    ended there; a close, or the pinned close of a session that moved, forgets it at once.
+
+    20 sessions on `fast` (measured 4x faster than `slow`) send a new session to `slow`; once
+    half of them stop calling for `SESSION_ACTIVE_S`, 10 count: 38 + 31.5 x 98 = 3,125 on `fast`
+    against 4 x 38 x 32.5 = 4,940 on `slow` (32.5 calls a session now), and it goes to `fast`.
+    Before, no session was counted on any replica (run: the first new session went to `fast`).
+    """
+    clock = frozen_clock(monkeypatch)
+    router, fast, slow = slowed(4.0)
+    for i in range(20):
+        run_session(router, fast, f"s{i}")
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "slow"
+    clock[0] += SESSION_ACTIVE_S / 2
+    for i in range(10):  # half of them call again
+        call = request(f"again{i}", 6, "fast", session=f"s{i}")
+        router.on_request_routed(call, fast.replica_id, None)  # type: ignore[arg-type]
+        router.on_request_completed(fast.replica_id, f"again{i}")
+    assert router.active_sessions(fast.replica_id) == 20
+    clock[0] += SESSION_ACTIVE_S / 2 + 0.1
+    assert router.active_sessions(fast.replica_id) == 10
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
+    long_call = request("long", 6, "fast", session="s0")  # a call longer than the window
+    router.on_request_routed(long_call, fast.replica_id, None)  # type: ignore[arg-type]
+    clock[0] += 2 * SESSION_ACTIVE_S
+    router.on_request_completed(fast.replica_id, "long")
+    assert router.active_sessions(fast.replica_id) == 1
+    placed = router.sessions_placed
+    close = request("close", 1, "fast", method="CloseSession", session="s0")
+    router.on_request_routed(close, fast.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(fast.replica_id, "close")
+    assert router.active_sessions(fast.replica_id) == 0
+    moved = request("m", 6, session="moved")
+    router.on_request_routed(moved, slow.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(slow.replica_id, "m")
+    pinned = request("pinned", 1, method="CloseSession", session="moved")
+    pinned.kwargs[ROUTE_PIN] = "slow"
+    router.on_request_routed(pinned, slow.replica_id, None)  # type: ignore[arg-type]
+    assert router.active_sessions(slow.replica_id) == 0
+    assert router.sessions_placed == placed + 1  # "moved" reopened on slow; its close placed none
 
 
 def test_a_replica_measured_slow_is_measured_again_once_its_speed_is_old(

@@ -314,7 +314,8 @@ def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_hom
     Service still sends new connections to it (they are reset). Every device finishes its
     request with the target's own greedy continuation; A's devices reconnect through B, which
     finds their sessions' homes in Redis and sends them to the same replica (no reopen: the
-    retried verify is replayed there, not prefilled again).
+    retried verify is replayed there, not prefilled again). Both ingresses give a session's
+    calls one routing key (`ROUTE_SESSION`, by which routers count sessions), never its id.
 
     A regression guard of the promise in docs/fleet.md ("Shared state"), not a bug found: the
     fleet kept it on main. Its first run failed only its own check that the devices were
@@ -374,6 +375,9 @@ def test_an_ingress_killed_mid_decode_fails_no_request_and_its_sessions_stay_hom
         assert all(r.home == r.replica for r in continued), f"B did not know {name}'s home"
         homes = {r.replica for r in relayed if r.device == name and r.method == "Verify"}
         assert len(homes) == 1, f"{name}'s session moved between replicas: {homes}"
+        keys = {(r.session, r.key) for r in relayed if r.device == name and r.method == "Verify"}
+        (session, key), *others = keys  # both ingresses give the session one routing key,
+        assert others == [] and key and session not in key  # and never its id
 
 
 def test_an_ingress_killed_while_a_devices_first_open_is_unanswered_fails_no_request(
