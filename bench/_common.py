@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +30,20 @@ def config_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def alternating_verifies(
+    clients: dict[str, Any], draft: list[int], prompt: list[int], verifies: int
+) -> dict[str, list[float]]:
+    """Seconds of each verify round trip, one session per client, the clients' calls
+    alternating so that machine noise hits every configuration alike."""
+    sessions = {name: client.open(prompt).session_id for name, client in clients.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in clients}
+    for _ in range(verifies):
+        for name, client in clients.items():
+            started = time.perf_counter()
+            client.verify(sessions[name], draft)
+            seconds[name].append(time.perf_counter() - started)
+    for name, client in clients.items():
+        client.close(sessions[name])
+    return seconds

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import tempfile
-import time
 import timeit
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import numpy as np
 if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
     import _bootstrap  # noqa: F401
 
+from bench._common import alternating_verifies
 from bench._fleet_setup import Secure, secure_material
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,20 +84,6 @@ def start(name: str, zoo: Any, model: Any, secure: Secure) -> tuple[Any, Any]:
     return server, VerifierClient(client_config, tracer_provider=provider)
 
 
-def one_round(clients: dict[str, Any], prompt: list[int], verifies: int) -> dict[str, list[float]]:
-    """Seconds of each verify round trip, one session per configuration, calls alternating."""
-    sessions = {name: client.open(prompt).session_id for name, client in clients.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in clients}
-    for _ in range(verifies):
-        for name, client in clients.items():
-            started = time.perf_counter()
-            client.verify(sessions[name], prompt[:DRAFT])
-            seconds[name].append(time.perf_counter() - started)
-    for name, client in clients.items():
-        client.close(sessions[name])
-    return seconds
-
-
 def off_path_ns() -> float:
     """ns per verify spent in the hooks when tracing and limits are off."""
     from edge.tracing import NO_TRACING
@@ -134,9 +120,11 @@ def main() -> None:
     samples: dict[str, list[float]] = {name: [] for name in names}
     clients = {name: client for name, (_, client) in running.items()}
     load_before = os.getloadavg()
-    one_round(clients, prompt, 5)  # warm-up
+    alternating_verifies(clients, prompt[:DRAFT], prompt, 5)  # warm-up
     for _ in range(args.rounds):
-        for name, seconds in one_round(clients, prompt, args.verifies).items():
+        for name, seconds in alternating_verifies(
+            clients, prompt[:DRAFT], prompt, args.verifies
+        ).items():
             samples[name] += seconds
     for server, client in running.values():
         client.close_channel()
