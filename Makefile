@@ -57,7 +57,8 @@ test: lint
 	$(MAKE) --no-print-directory -j2 typecheck unit
 
 # SCAFFOLD across a two-node Ray cluster on 127.0.0.1 (two `ray start`s, separate temp dirs),
-# client state on shared storage: about a minute, so not part of `make test`.
+# client state on shared storage, and a Ray head started again after a raylet overran Ray's
+# 30 s start-up window: about two minutes, so not part of `make test`.
 test-cluster: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m cluster tests/cluster -n 0 --durations=5

@@ -2,7 +2,8 @@
 
 Tests and benches that start a real ``flower-superlink`` and ``flower-supernode`` processes
 mark every process with an environment variable, so the app processes the SuperNodes
-spawn can be found and stopped by pid afterwards, and nothing else is touched.
+spawn can be found and stopped by pid afterwards, and nothing else is touched. A Ray node
+started here (:func:`ray_head`) is marked and stopped the same way, never with `ray stop`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +201,115 @@ def supernode_command(link_port: int, port: int, partition: int, partitions: int
         "--node-config",
         f"partition-id={partition} num-partitions={partitions}",
     ]
+
+
+RAY_NODE_MARKER = "FEDGE_RAY_NODE"  # set on a `ray start` and inherited by its node's processes
+RAY_ADDRESS_FILE = "ray_current_cluster"  # written in its temp dir once `ray start` is up
+
+
+def ray_node_command(temp_dir: Path, num_cpus: int = 1, head_port: int | None = None) -> list[str]:
+    """`ray start --block` for one node on 127.0.0.1 with ``num_cpus`` CPUs, its own temp dir and
+    ports (Ray's fixed defaults would collide with any other Ray on the machine): a head
+    (listening on the ``--port=`` given) without ``head_port``, else a node joining that head.
+    Terminating the command stops its node's processes."""
+    ports = free_ports(10)
+    cmd = [
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--num-cpus={num_cpus}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        f"--node-manager-port={ports[0]}",
+        f"--object-manager-port={ports[1]}",
+        f"--dashboard-agent-listen-port={ports[2]}",
+        f"--dashboard-agent-grpc-port={ports[3]}",
+        f"--runtime-env-agent-port={ports[4]}",
+        f"--metrics-export-port={ports[5]}",
+        f"--min-worker-port={ports[6]}",
+        f"--max-worker-port={ports[6] + 60}",
+    ]
+    if head_port is None:
+        return [
+            *cmd,
+            "--head",
+            f"--port={ports[7]}",
+            f"--ray-client-server-port={ports[8]}",
+            f"--dashboard-port={ports[9]}",
+            "--include-dashboard=false",
+        ]
+    return [*cmd, f"--address=127.0.0.1:{head_port}"]
+
+
+def head_port(command: Sequence[str]) -> int:
+    """The port a head's :func:`ray_node_command` listens on (its ``--port=``)."""
+    return next(int(a.split("=", 1)[1]) for a in command if a.startswith("--port="))
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """A running Ray head: its address (for ``RAY_ADDRESS``) and its temp dir."""
+
+    address: str
+    temp_dir: Path
+
+    @property
+    def logs(self) -> Path:
+        """The session's log directory (a ``python-core-driver-*`` log per driver that joined)."""
+        return self.temp_dir / "session_latest" / "logs"
+
+
+@contextlib.contextmanager
+def ray_head(
+    env: Mapping[str, str],
+    log: Path,
+    num_cpus: int = 1,
+    extra: tuple[str, ...] = (),
+    attempts: int = 3,
+    timeout: float = 180,
+) -> Iterator[RayHead]:
+    """Start a Ray head on 127.0.0.1 (:func:`ray_node_command` plus ``extra`` arguments) for the
+    block; its processes inherit ``env``; `ray start` writes to ``log``.
+
+    Ray gives the raylet a fixed 30 s to register with the GCS (``raylet_start_wait_time_s`` in
+    ``ray/_private/node.py``), which a loaded machine overruns: `ray start` then exits ("The
+    current node timed out during startup"), and this starts it again on fresh ports, up to
+    ``attempts`` times. The head is up once `ray start` has written its address file. Each
+    attempt's processes carry their own :data:`RAY_NODE_MARKER`, so the head (or a failed
+    attempt's leftovers) is stopped by pid, and no other Ray on the machine is touched.
+    """
+    temp_dir = Path(tempfile.mkdtemp(prefix="fr", dir="/tmp"))  # short: socket paths are limited
+    base = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # a head of its own, joining none
+    try:
+        for _ in range(attempts):
+            marker = uuid.uuid4().hex
+            cmd = [*ray_node_command(temp_dir, num_cpus), *extra]
+            with log.open("ab") as out:
+                proc = subprocess.Popen(
+                    cmd, env={**base, RAY_NODE_MARKER: marker}, stdout=out, stderr=out
+                )
+            try:
+                if _wait_file(temp_dir / RAY_ADDRESS_FILE, proc, timeout):
+                    yield RayHead(f"127.0.0.1:{head_port(cmd)}", temp_dir)
+                    return
+            finally:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=30)
+                stop_marked(RAY_NODE_MARKER, marker)
+        raise RuntimeError(f"ray start failed {attempts} times; see {log}")
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """True once ``path`` exists; False if ``proc`` exited first; raise after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.2)
+    return True

@@ -21,45 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulations.localnet import free_ports, stop_marked
+from simulations.localnet import head_port, ray_node_command, stop_marked
 
 pytestmark = pytest.mark.cluster
 
 BIN = Path(sys.executable).parent
 MARKER_VAR, MARKER = "FEDGE_TEST_MARKER", f"fedge-ray-cluster-{uuid.uuid4().hex}"
 ROUNDS = 2
-
-
-def _node_command(temp_dir: Path, head_port: int | None = None) -> list[str]:
-    """`ray start --block` for one node on 127.0.0.1 with 1 CPU, its own temp dir and ports
-    (Ray's fixed defaults would collide with any other Ray on the machine)."""
-    ports = free_ports(9)
-    cmd = [
-        str(BIN / "ray"),
-        "start",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        "--num-cpus=1",
-        f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-        f"--node-manager-port={ports[0]}",
-        f"--object-manager-port={ports[1]}",
-        f"--dashboard-agent-listen-port={ports[2]}",
-        f"--dashboard-agent-grpc-port={ports[3]}",
-        f"--runtime-env-agent-port={ports[4]}",
-        f"--metrics-export-port={ports[5]}",
-        f"--min-worker-port={ports[6]}",
-        f"--max-worker-port={ports[6] + 60}",
-    ]
-    if head_port is None:
-        return [
-            *cmd,
-            "--head",
-            f"--port={ports[7]}",
-            f"--ray-client-server-port={ports[8]}",
-            "--include-dashboard=false",
-        ]
-    return [*cmd, f"--address=127.0.0.1:{head_port}"]
 
 
 def _wait_cpus(address: str, env: dict[str, str], cpus: float, timeout: float = 180) -> None:
@@ -91,8 +59,8 @@ def cluster() -> Iterator[tuple[str, dict[str, str], list[Path]]]:
         Path(tempfile.mkdtemp(prefix="frh", dir="/tmp")),
         Path(tempfile.mkdtemp(prefix="frw", dir="/tmp")),
     ]
-    head_cmd = _node_command(temps[0])
-    head_port = int(next(a for a in head_cmd if a.startswith("--port=")).split("=")[1])
+    head_cmd = ray_node_command(temps[0])
+    port = head_port(head_cmd)
     procs = []
     try:
         procs.append(
@@ -100,11 +68,11 @@ def cluster() -> Iterator[tuple[str, dict[str, str], list[Path]]]:
                 head_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
         )
-        address = f"127.0.0.1:{head_port}"
+        address = f"127.0.0.1:{port}"
         _wait_cpus(address, env, 1.0)
         procs.append(
             subprocess.Popen(
-                _node_command(temps[1], head_port),
+                ray_node_command(temps[1], head_port=port),
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

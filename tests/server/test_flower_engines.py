@@ -1,13 +1,18 @@
 """The same apps under `flwr run ... local` (Flower's local simulation) and under the Deployment
 Engine (a real SuperLink and SuperNodes), the fedge app and examples/flower-app.
 
-One simulation SuperLink serves both `flwr run` tests. The module starts it on its own port
-and FLWR_HOME (Flower's fixed port would reuse any SuperLink already listening there) and waits
-until it is healthy (`flwr run` gives the one it starts a fixed 15 s, too short on a loaded
-machine); `flwr run` finds it on ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``, and the module stops it
-by pid afterwards. The three runs stay in one file, one after another: each starts a Ray
-cluster or a dozen processes, and beside the two fleets' Ray clusters a fourth Ray start at once
-overran Ray's fixed 30 s node start-up window in CI.
+One simulation SuperLink and one Ray head serve both `flwr run` tests. The module starts the
+Ray head itself (:func:`simulations.localnet.ray_head`: its own temp dir and ports, 2 CPUs, so
+one ClientApp actor at Flower's default 2 CPUs each) and retries it when it overruns Ray's
+fixed 30 s node start-up window, which a loaded machine does (two fleets' Ray clusters run
+beside this file in the suite); Flower's Ray backend joins it through ``RAY_ADDRESS``
+(`ray.init()` reads it) instead of starting a cluster per run, and each run checks that its
+driver joined this head. The module starts the SuperLink on its own port and FLWR_HOME
+(Flower's fixed port would reuse any SuperLink already listening there) and waits until it
+is healthy (`flwr run` gives the one it starts a fixed 15 s, too short on a loaded machine);
+`flwr run` finds it on ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``. Both are stopped by pid
+afterwards, never with `ray stop`. The three runs stay in one file, one after another: each
+starts a Ray driver or a dozen processes.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from clients.privacy.ledger import STATE_DIR_ENV
 from simulations.localnet import (
+    RayHead,
     local_superlink_command,
+    ray_head,
     start_listening,
     stop_marked,
     superlink_command,
@@ -70,7 +78,7 @@ def short_run_config(run_dir: Path, model: Path, rounds: int) -> str:
     )
 
 
-def metrics_rows(run_dir: Path) -> list[dict[str, object]]:
+def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metrics.jsonl, one dict per round."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -150,7 +158,7 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
     rows = metrics_rows(run_dir)
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     assert rows[1]["partitions_trained"] == [0, 1]
-    later = {p for r in rows[2:] for p in r["partitions_trained"]}  # type: ignore[attr-defined]
+    later = {p for r in rows[2:] for p in r["partitions_trained"]}
     assert {0, 1, 2} <= later, [r["partitions_trained"] for r in rows]
     assert (run_dir / "final" / "merged" / "config.json").is_file()
     for proc in started.values():
@@ -160,43 +168,61 @@ def test_deployment_engine_with_nodes_leaving_joining_and_reconnecting(
 EXAMPLE = REPO / "examples" / "flower-app"
 
 
+RAY_CPUS = 2  # one ClientApp actor (Flower gives each 2 CPUs): one model load serves every call
+
+
 @dataclass(frozen=True)
 class LocalSuperLink:
-    """A running simulation SuperLink: the environment `flwr run` needs to find it."""
+    """A running simulation SuperLink: the environment `flwr run` needs to find it, and the Ray
+    head its simulations join."""
 
     process: subprocess.Popen[bytes]
     env: dict[str, str]
+    ray: RayHead
 
     def run(self, app: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        """`flwr run APP local --stream ARGS` against this SuperLink."""
+        """`flwr run APP local --stream ARGS` against this SuperLink and its Ray head."""
+        drivers = set(self.ray.logs.glob("python-core-driver-*"))
         cmd = ["flwr", "run", str(app), "local", "--stream", *args]
         out = subprocess.run(
             cmd, env=self.env, cwd=app, capture_output=True, text=True, timeout=420, check=False
         )
         assert self.process.poll() is None  # ours served the run: `flwr run` started none
         assert "Starting local SuperLink" not in out.stdout, out.stdout[-3000:]
+        joined = set(self.ray.logs.glob("python-core-driver-*")) - drivers
+        assert len(joined) == 1, (joined, out.stdout[-3000:])  # its simulation joined our head
         return out
 
 
 @pytest.fixture(scope="module")
 def superlink(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSuperLink]:  # type: ignore[no-untyped-def]
-    """One simulation SuperLink for the module; its apps inherit its environment (the nodes'
-    model root, and a privacy state directory for the example's SecAgg+ identities)."""
+    """One Ray head and one simulation SuperLink for the module; its apps inherit their
+    environment (the nodes' model root, and a privacy state directory for the example's
+    SecAgg+ identities): the ClientApp actors run in the head's workers, which inherit the
+    head's environment, so the head gets the same one (without the module's marker: it is
+    stopped by its own, after the SuperLink)."""
     root = tmp_path_factory.mktemp("flwr-local")
     env = {
         **engine_env(root / "flwr", micro_zoo.target_dir),
         STATE_DIR_ENV: str(root / "privacy-state"),
     }
-    process, http = start_listening(
-        lambda port: local_superlink_command(port, root / "flwr"), root / "superlink.log", env=env
-    )
-    try:
-        wait_healthy(http)
-        yield LocalSuperLink(process, {**env, "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http)})
-    finally:
-        process.terminate()  # the SuperLink outlives a run: stopped by pid
-        process.wait(timeout=30)
-        stop_engine_processes()
+    head_env = {k: v for k, v in env.items() if k != "FEDGE_TEST_MARKER"}
+    with ray_head(head_env, root / "ray.log", RAY_CPUS, extra=("--no-monitor",)) as head:
+        env["RAY_ADDRESS"] = head.address
+        process, http = start_listening(
+            lambda port: local_superlink_command(port, root / "flwr"),
+            root / "superlink.log",
+            env=env,
+        )
+        try:
+            wait_healthy(http)
+            yield LocalSuperLink(
+                process, {**env, "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http)}, head
+            )
+        finally:
+            process.terminate()  # the SuperLink outlives a run: stopped by pid
+            process.wait(timeout=30)
+            stop_engine_processes()
     with socket.socket() as probe:  # nothing left on its port
         assert probe.connect_ex(("127.0.0.1", http)) != 0
 
