@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from tests.simulations.federations import simulate_here
+
 FAST = ["--set", "client-eval=false", "--set", "server-eval-batches=4"]
 
 
@@ -77,7 +79,7 @@ def _adapter(run: Path) -> dict[str, np.ndarray]:
 
 
 def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
-    micro_zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    micro_zoo, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
     """Uninterrupted run A vs run B killed (SIGKILL) after round 1 and resumed: identical adapters.
 
@@ -90,10 +92,6 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
     in-process engine; Ray's per-actor model cache is checked under `flwr run`
     (tests/server/test_flower_engines.py) and `fedge simulate` on Ray by the realignment tests.
     """
-    from typer.testing import CliRunner
-
-    from simulations.cli import app
-
     common = [
         "quick",
         "--engine",
@@ -107,11 +105,7 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
         *FAST,
     ]
     # Execute: A uninterrupted (its merged model is not needed: B's is checked)
-    monkeypatch.setenv("FEDGE_CONCURRENCY", "1")  # the in-process engine sets it; restored after
-    done = CliRunner().invoke(
-        app, [*common, "--set", "save-merged=false", "--out", str(tmp_path / "A")]
-    )
-    assert done.exit_code == 0, done.output[-3000:]
+    simulate_here([*common, "--set", "save-merged=false", "--out", str(tmp_path / "A")])
     # Execute: B killed once round 1 is checkpointed, then resumed
     proc = subprocess.Popen(
         _cmd(*common, "--out", str(tmp_path / "B")),
