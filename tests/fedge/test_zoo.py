@@ -12,7 +12,7 @@ import torch
 from fedge.errors import CorruptModelError, ModelNotFoundError
 from fedge.manifest import MANIFEST_NAME, verify_manifest
 from fedge.models import load_causal_lm, load_tokenizer
-from fedge.zoo import ZooPaths, build_zoo, ensure_zoo, get_preset, zoo_problems
+from fedge.zoo import ZooPaths, ensure_zoo, get_preset, zoo_problems
 from fedge.zoo.tokenizer import save_tokenizer
 
 
@@ -115,14 +115,6 @@ def test_truncated_weights_are_detected_and_refused(micro_zoo: ZooPaths, tmp_pat
         load_causal_lm(copy.target_dir)
 
 
-def test_damaged_zoo_is_rebuilt_not_used(micro_zoo: ZooPaths, tmp_path: Path) -> None:
-    copy = _copy_zoo(micro_zoo, tmp_path / "zoo")
-    (copy.draft_dir / "config.json").write_text("{}")
-    repaired = ensure_zoo("micro", copy.root)
-    assert zoo_problems(repaired) == []
-    assert json.loads((repaired.draft_dir / "config.json").read_text())["hidden_size"] > 0
-
-
 def test_unknown_model_id_offline_says_how_to_fix() -> None:
     with pytest.raises(ModelNotFoundError, match="fedge models build"):
         load_causal_lm("no-such-org/no-such-model")
@@ -135,32 +127,29 @@ def test_unknown_preset_lists_the_known_ones() -> None:
         get_preset("huge")
 
 
-def test_killed_build_resumes_to_the_same_weights(micro_zoo: ZooPaths, tmp_path: Path) -> None:
-    """Kill a real build once the target's first checkpoint exists; rerunning finishes identically.
+@pytest.fixture(scope="module")
+def killed_then_damaged(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> ZooPaths:
+    """A real micro build killed (SIGKILL) once the target's first checkpoint exists, then
+    damaged as a finished zoo can be (a card, a draft directory whose config.json no longer
+    matches its manifest) and handed to `ensure_zoo`, which repairs it in this process.
 
-    Identical to the cached micro zoo, byte for byte: every stage ran from scratch in one of
-    the two processes (tokenizer and the first target steps in the killed one, the rest after
-    the resume), so this is also the check that builds are deterministic.
-    """
+    One build serves both tests below: the draft is trained after the resume either way, so
+    damaging it costs nothing, where a separate repair of a damaged copy retrained it again
+    (7 CPU s). Every stage runs from scratch in one of the two processes (tokenizer and the
+    first target steps in the killed one, the rest of the target from its checkpoint and the
+    whole draft after the repair)."""
     import os
+    import shutil
     import signal
     import subprocess
     import sys
     import time
 
-    out = tmp_path / "zoo"
-    command = [
-        sys.executable,
-        "-m",
-        "cli",
-        "models",
-        "build",
-        "--preset",
-        "micro",
-        "--out",
-        str(out),
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path_factory.mktemp("killed") / "zoo"
+    command = [sys.executable, "-m", "cli", "models", "build", "--preset", "micro"]
+    process = subprocess.Popen(
+        [*command, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     checkpoint = out / ".build" / "target.pt"
     deadline = time.monotonic() + 600
     while not checkpoint.is_file() and process.poll() is None and time.monotonic() < deadline:
@@ -168,9 +157,30 @@ def test_killed_build_resumes_to_the_same_weights(micro_zoo: ZooPaths, tmp_path:
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert checkpoint.is_file() and not (out / "model_card.json").exists()
+    assert not (out / "target").exists(), "killed after the target was saved: nothing to resume"
 
-    resumed = build_zoo("micro", out)
+    damaged = ZooPaths(out)
+    shutil.copy(micro_zoo.card_path, damaged.card_path)
+    shutil.copytree(micro_zoo.draft_dir, damaged.draft_dir)
+    (damaged.draft_dir / "config.json").write_text("{}")
+    assert zoo_problems(damaged)
+    return ensure_zoo("micro", out)
+
+
+def test_damaged_zoo_is_rebuilt_not_used(killed_then_damaged: ZooPaths) -> None:
+    assert zoo_problems(killed_then_damaged) == []
+    draft_config = json.loads((killed_then_damaged.draft_dir / "config.json").read_text())
+    assert draft_config["hidden_size"] == get_preset("micro").draft.hidden
+
+
+def test_killed_build_resumes_to_the_same_weights(
+    micro_zoo: ZooPaths, killed_then_damaged: ZooPaths
+) -> None:
+    """The killed, damaged and repaired build equals the cached micro zoo, byte for byte: the
+    resume is exact, and so (every stage having run from scratch) builds are deterministic."""
     for role in ("target", "draft"):
         first = json.loads((getattr(micro_zoo, f"{role}_dir") / MANIFEST_NAME).read_text())
-        second = json.loads((getattr(resumed, f"{role}_dir") / MANIFEST_NAME).read_text())
+        second = json.loads(
+            (getattr(killed_then_damaged, f"{role}_dir") / MANIFEST_NAME).read_text()
+        )
         assert first["files"] == second["files"], role

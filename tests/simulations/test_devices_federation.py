@@ -23,12 +23,11 @@ Round 2 opens at 2.4 without device 4 and repeats the pattern; it closes at 4.8.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.simulations.federations import simulate_here
 
 DEVICES = """device_id,tier,ms_per_sample,memory_gb,uplink_mbps,downlink_mbps,latency_ms,availability
 0,fast,10,4,1e6,1e6,0,
@@ -79,24 +78,7 @@ def run(micro_zoo, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: i
     (root / "devices.csv").write_text(DEVICES)
     (root / "scenario.toml").write_text(SCENARIO.format(population=root / "devices.csv"))
     out = root / "run"
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cli",
-            "simulate",
-            str(root / "scenario.toml"),
-            "--out",
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    simulate_here([str(root / "scenario.toml"), "--out", str(out)])
     return out
 
 

@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from tests.simulations.federations import simulate_here
+
 FAST = ["--set", "client-eval=false", "--set", "server-eval-batches=4"]
 
 
@@ -81,9 +83,13 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
 ) -> None:  # type: ignore[no-untyped-def]
     """Uninterrupted run A vs run B killed (SIGKILL) after round 1 and resumed: identical adapters.
 
-    Checkpoints and resume live in the ServerApp and the client state store, the same on either
-    engine, so the three runs use the in-process engine: on Ray they were three Ray starts (322 s
-    of a 626 s CI suite at its own load). Ray's per-actor model cache is checked under `flwr run`
+    Two rounds: the resumed process runs round 2 from what round 1 left on disk (the server's
+    control variate c in the checkpoint, each client's c_i in the client state store), so any
+    SCAFFOLD state the resume failed to restore changes the final adapter. B and its resume are
+    fresh processes (a kill is a real SIGKILL, and the resume can only read the disk); A is the
+    reference, run here through the same command line. Checkpoints and resume live in the
+    ServerApp and the client state store, the same on either engine, so all runs use the
+    in-process engine; Ray's per-actor model cache is checked under `flwr run`
     (tests/server/test_flower_engines.py) and `fedge simulate` on Ray by the realignment tests.
     """
     common = [
@@ -93,14 +99,13 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
         "--strategy",
         "scaffold",
         "--rounds",
-        "3",
+        "2",
         "--set",
         f"model={micro_zoo.target_dir}",
         *FAST,
     ]
-    # Execute: A uninterrupted
-    done = _run([*common, "--out", str(tmp_path / "A")])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Execute: A uninterrupted (its merged model is not needed: B's is checked)
+    simulate_here([*common, "--set", "save-merged=false", "--out", str(tmp_path / "A")])
     # Execute: B killed once round 1 is checkpointed, then resumed
     proc = subprocess.Popen(
         _cmd(*common, "--out", str(tmp_path / "B")),
@@ -124,15 +129,16 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
     rows_a, rows_b = _rows(tmp_path / "A"), _rows(tmp_path / "B")
-    assert [r["round"] for r in rows_b] == [0, 1, 2, 3]
+    assert [r["round"] for r in rows_b] == [0, 1, 2]
     assert [r["perplexity"] for r in rows_a] == [r["perplexity"] for r in rows_b]
 
-    # Assert: run directory artefacts of A, and the per-worker model cache (one load per actor)
-    run = tmp_path / "A"
+    # Assert: the resumed run's directory artefacts, and its process's model cache (one load,
+    # every client call of round 2 served by it)
+    run = tmp_path / "B"
     for name in ("config.toml", "scenario.toml", "metrics.csv", "perplexity.png", "status.json"):
         assert (run / name).is_file(), name
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        f"round_000{i}" for i in range(4)
+        f"round_000{i}" for i in range(3)
     ]
     header = (run / "metrics.csv").read_text().splitlines()[0]
     for column in (
@@ -144,10 +150,10 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
         "round_seconds",
     ):
         assert column in header
-    trained = [r for r in rows_a if r["round"] != 0]
-    assert all(r["model_loads_max"] == 1 for r in trained)
-    assert max(float(r["worker_calls_max"]) for r in trained) >= 3  # an actor served several calls
-    assert all(int(r["bytes_up"]) > 0 for r in trained)
+    last = rows_b[-1]
+    assert last["model_loads_max"] == 1
+    assert float(last["worker_calls_max"]) >= 3  # the cached model served several calls
+    assert all(int(r["bytes_up"]) > 0 for r in rows_b if r["round"] != 0)
 
     # Assert: the peft adapter loads, and the merged model computes the same logits
     from peft import PeftModel
