@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -47,3 +48,24 @@ def alternating_verifies(
     for name, client in clients.items():
         client.close(sessions[name])
     return seconds
+
+
+def alternating_args(description: str) -> argparse.Namespace:
+    """`--rounds` (default 8) of `--verifies` (default 40) alternating verifies per configuration."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--verifies", type=int, default=40)
+    return parser.parse_args()
+
+
+def percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """p50 and p99 in ms of each configuration's round trips (given in seconds)."""
+    import numpy as np
+
+    return {
+        name: {
+            "p50_ms": float(np.percentile(values, 50)) * 1e3,
+            "p99_ms": float(np.percentile(values, 99)) * 1e3,
+        }
+        for name, values in samples.items()
+    }

@@ -16,18 +16,21 @@ the plaintext one. Goal: p50 <= 1.1x. Usage: ``python bench/fleet_tls.py [--roun
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
     import _bootstrap  # noqa: F401
 
-from bench._common import alternating_verifies, loadavg, write_result
+from bench._common import (
+    alternating_args,
+    alternating_verifies,
+    loadavg,
+    percentiles,
+    write_result,
+)
 from bench._fleet_setup import Secure, secure_material
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "fleet_tls.json"
@@ -68,22 +71,8 @@ def clients(plain_port: int, secure_port: int, secure: Secure) -> dict[str, Any]
     }
 
 
-def percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """p50 and p99 in ms of each configuration's round trips."""
-    return {
-        name: {
-            "p50_ms": float(np.percentile(values, 50)) * 1e3,
-            "p99_ms": float(np.percentile(values, 99)) * 1e3,
-        }
-        for name, values in samples.items()
-    }
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--verifies", type=int, default=40)
-    args = parser.parse_args()
+    args = alternating_args(__doc__.splitlines()[0])
 
     from edge.fleet.app import FleetConfig, start_fleet
     from edge.prompts import heldout_prompts

@@ -20,7 +20,6 @@ one JSON object, also written to ``bench/results/tracing_limits.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -28,12 +27,10 @@ import timeit
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
     import _bootstrap  # noqa: F401
 
-from bench._common import alternating_verifies
+from bench._common import alternating_args, alternating_verifies, percentiles
 from bench._fleet_setup import Secure, secure_material
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -101,10 +98,7 @@ def off_path_ns() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--verifies", type=int, default=40)
-    args = parser.parse_args()
+    args = alternating_args(__doc__.splitlines()[0])
 
     from edge.prompts import heldout_prompts
     from fedge.models import load_causal_lm, load_tokenizer
@@ -130,13 +124,7 @@ def main() -> None:
         client.close_channel()
         server.stop(grace_s=0.2)
     material.cleanup()
-    stats = {
-        name: {
-            "p50_ms": float(np.percentile(values, 50)) * 1e3,
-            "p99_ms": float(np.percentile(values, 99)) * 1e3,
-        }
-        for name, values in samples.items()
-    }
+    stats = percentiles(samples)
     base = stats["baseline"]
     for name in names[1:]:
         stats[name]["p50_ratio"] = stats[name]["p50_ms"] / base["p50_ms"]
