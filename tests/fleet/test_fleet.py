@@ -101,9 +101,20 @@ def test_a_session_moved_off_its_replica_is_closed_there(
 def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
     fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
 ) -> None:
+    """Eight edge clients at once decode exactly what the target alone would, and the sessions
+    were placed on both replicas.
+
+    A session may reopen: under the suite's load one replica can be starved of CPU and
+    measured 3x slower, and token-aware then moves a session (`should_spill`), which stays
+    exact. What a reopen once showed here, every session first placed on one of two equal
+    replicas (which then measured slow and spilled them), is what the placement check
+    catches: the less used replica got more opens than the reopens alone can explain. With
+    a router that ranks one replica first for every session it fails ([8] opened on one).
+    The no-reopen check it replaces failed once in a quiet `make test` (1 reopen of 8)."""
     target, draft = models
     expected = [greedy(target, p, NEW_TOKENS) for p in prompts]
     outputs: dict[int, list[int]] = {}
+    reopens: dict[int, int] = {}
     errors: list[str] = []
 
     def session(i: int) -> None:  # the edge client, unchanged
@@ -113,11 +124,11 @@ def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
                     TorchDraftRuntime(draft), None, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
                 )
                 outputs[i] = [t for c in edge.stream_ids(prompts[i], "speculative") for t in c]
-                if client.reopens:  # a verify sent away from its session's replica
-                    errors.append(f"session {i} was reopened {client.reopens} times")
+                reopens[i] = client.reopens  # verifies sent away from the session's replica
         except Exception as err:
             errors.append(repr(err))
 
+    fleet.ingress.reset_stats.remote().result()
     threads = [threading.Thread(target=session, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
@@ -125,6 +136,9 @@ def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
         thread.join()
     assert errors == []
     assert [outputs[i] for i in range(len(prompts))] == expected
+    replicas = fleet.ingress.fleet_stats.remote().result()["replicas"]
+    opened = sorted(figures["sessions"] for figures in replicas.values())
+    assert len(opened) == 2 and opened[0] > sum(reopens.values()), (opened, reopens)
     with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}")) as client:
         assert list(client.generate(prompts[3], NEW_TOKENS)) == expected[3]
         with pytest.raises(grpc.RpcError) as caught:
