@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedge.names import STATE
 from simulations.localnet import head_port, ray_node_command, stop_marked
 
 pytestmark = pytest.mark.cluster
@@ -53,12 +54,18 @@ def _wait_cpus(address: str, env: dict[str, str], cpus: float, timeout: float = 
 @pytest.fixture
 def cluster() -> Iterator[tuple[str, dict[str, str], list[Path]]]:
     """A head and a second node on 127.0.0.1 (temp dirs short: Ray's socket paths are limited)."""
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", MARKER_VAR: MARKER}
-    env.pop("RAY_ADDRESS", None)
     temps = [
         Path(tempfile.mkdtemp(prefix="frh", dir="/tmp")),
         Path(tempfile.mkdtemp(prefix="frw", dir="/tmp")),
+        Path(tempfile.mkdtemp(prefix="frs", dir="/tmp")),  # the storage both nodes see
     ]
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        MARKER_VAR: MARKER,
+        STATE.env: str(temps[2]),  # each node's state root (a node sets its own on a cluster)
+    }
+    env.pop("RAY_ADDRESS", None)
     head_cmd = ray_node_command(temps[0])
     port = head_port(head_cmd)
     procs = []
@@ -106,7 +113,7 @@ def test_scaffold_runs_across_two_ray_nodes_and_reuses_client_state(
     2's mean missed c by 0.5 of c's scale, against the bound 1e-4."""
     # Prepare
     address, env, temps = cluster
-    run_dir, shared = tmp_path / "run", tmp_path / "shared-state"
+    run_dir, shared = tmp_path / "run", Path(env[STATE.env]) / "shared-state"
     cmd = [
         str(BIN / "fedge"),
         "simulate",
@@ -136,7 +143,7 @@ def test_scaffold_runs_across_two_ray_nodes_and_reuses_client_state(
     assert out.returncode == 0, log
     assert '"completed"' in (run_dir / "status.json").read_text(), log
     # Assert: both nodes ran Ray workers (each node writes its workers' logs under its temp dir)
-    for temp in temps:
+    for temp in temps[:2]:
         assert list(temp.glob("session_*/logs/worker-*")), (
             f"no Ray worker ran on the node of {temp}"
         )
