@@ -46,7 +46,8 @@ typecheck: $(STAMP)
 # waiting on servers, so they overlap well on two cores. Files go out in collection order,
 # where tests/conftest.py puts the few that take minutes first (not xdist's most-tests-first).
 # One torch thread per process: three workers and their servers already share two cores, and
-# a second intra-op thread only waited on the first (7-10% less CPU on the torch-heavy files).
+# a second intra-op thread mostly waits on the first (4-14% less CPU on torch-heavy files in
+# three pairs of four here, 11% more in one: a small, noisy gain).
 unit: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
 	OMP_NUM_THREADS=1 $(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=15
