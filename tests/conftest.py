@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.process_state import process_state_restored
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("FEDGE_HOME", str(REPO / ".fedge-cache"))
@@ -67,34 +68,12 @@ def micro_corpus(micro_zoo):  # type: ignore[no-untyped-def]
     )
 
 
-_IDENTITY = ("_task_id", "_run_id", "_node_id")
-
-
 @pytest.fixture(autouse=True)
 def _process_state_restored() -> Iterator[None]:
-    """Undo what a test (or code it runs in process) left in os.environ and Flower's TaskIdentity.
-
-    Code under test sets both for good reasons (`simulations.runner` sets FEDGE_CONCURRENCY for
-    the client apps; the in-process engine sets the ServerApp's task identity), so no test's
-    outcome may depend on which test ran before it in the same worker.
-    """
-    environ = dict(os.environ)
-    identity = _task_identity()
-    saved = {name: getattr(identity, name) for name in _IDENTITY} if identity else {}
-    yield
-    if dict(os.environ) != environ:
-        os.environ.clear()
-        os.environ.update(environ)
-    identity = identity or _task_identity()
-    if identity is not None:
-        for name in _IDENTITY:
-            setattr(identity, name, saved.get(name))
-
-
-def _task_identity() -> Any:
-    """flwr's TaskIdentity class if flwr is already imported (importing it costs a test nothing)."""
-    module = sys.modules.get("flwr.supercore.task_identity")
-    return getattr(module, "TaskIdentity", None)
+    """No test's outcome may depend on which test ran before it in the same worker
+    (`tests.process_state`)."""
+    with process_state_restored():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-import pytest
 from flwr.app import Message
 from flwr.clientapp import ClientApp
 
 from server.grid import ReplyHookGrid
 from simulations.inprocess import InProcessGrid
+from tests.process_state import process_state_restored
 
 # One local step on tiny windows at LoRA rank 2, no client evaluation, no merged model: the
 # training part of every small real federation in the tests.
@@ -61,16 +62,14 @@ class RecordingGrid(ReplyHookGrid):
 def simulate_here(args: Sequence[str]) -> str:
     """Run `fedge simulate ARGS` in this process (no start-up imports: ~5 CPU s less than a
     child) and return its output, failing with it on a non-zero exit. The in-process engine's
-    process globals (FEDGE_CONCURRENCY, Flower's TaskIdentity) are restored afterwards."""
-    from flwr.supercore.task_identity import TaskIdentity
+    process globals (the environment, Flower's TaskIdentity) are restored afterwards
+    (`tests.process_state`: a module fixture runs outside a test's own restoring)."""
     from typer.testing import CliRunner
 
     from simulations.cli import app
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FEDGE_CONCURRENCY", "1")
-        for name in ("_task_id", "_run_id", "_node_id"):
-            patch.setattr(TaskIdentity, name, getattr(TaskIdentity, name))
+    with process_state_restored():
+        os.environ["FEDGE_CONCURRENCY"] = "1"
         result = CliRunner().invoke(app, list(args))
     assert result.exit_code == 0, result.output[-3000:]
     return result.output
