@@ -290,7 +290,7 @@ def ray_head(
                     cmd, env={**base, RAY_NODE_MARKER: marker}, stdout=out, stderr=out
                 )
             try:
-                if _wait_file(temp_dir / RAY_ADDRESS_FILE, proc, timeout):
+                if wait_for_file(temp_dir / RAY_ADDRESS_FILE, proc, timeout):
                     yield RayHead(f"127.0.0.1:{head_port(cmd)}", temp_dir)
                     return
             finally:
@@ -303,13 +303,16 @@ def ray_head(
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """True once ``path`` exists; False if ``proc`` exited first; raise after ``timeout`` s."""
+def wait_for_file(
+    path: Path, proc: subprocess.Popen[bytes], timeout: float, poll_s: float = 0.2
+) -> bool:
+    """True once ``path`` exists (checked every ``poll_s``); False if ``proc`` exited first;
+    raise after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
             return False
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear in {timeout} s")
-        time.sleep(0.2)
+        time.sleep(poll_s)
     return True

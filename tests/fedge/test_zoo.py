@@ -143,7 +143,8 @@ def killed_then_damaged(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFa
     import signal
     import subprocess
     import sys
-    import time
+
+    from simulations.localnet import wait_for_file
 
     out = tmp_path_factory.mktemp("killed") / "zoo"
     command = [sys.executable, "-m", "cli", "models", "build", "--preset", "micro"]
@@ -151,10 +152,10 @@ def killed_then_damaged(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFa
         [*command, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     checkpoint = out / ".build" / "target.pt"
-    deadline = time.monotonic() + 600
-    while not checkpoint.is_file() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
+    try:
+        wait_for_file(checkpoint, process, timeout=600, poll_s=0.05)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert checkpoint.is_file() and not (out / "model_card.json").exists()
     assert not (out / "target").exists(), "killed after the target was saved: nothing to resume"

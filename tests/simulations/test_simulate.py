@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from simulations.localnet import wait_for_file
 from tests.simulations.federations import simulate_here
 
 FAST = ["--set", "client-eval=false", "--set", "server-eval-batches=4"]
@@ -61,13 +61,6 @@ def _kill_marked() -> None:
         with contextlib.suppress(psutil.Error):
             if p.pid != me and p.environ().get("FEDGE_TEST_MARKER") == MARKER:
                 p.kill()
-
-
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float = 240) -> None:
-    """Wait until ``path`` exists, or ``proc`` ended, or ``timeout`` seconds passed."""
-    deadline = time.monotonic() + timeout
-    while not path.is_file() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 def _rows(run: Path) -> list[dict[str, object]]:
@@ -115,7 +108,7 @@ def test_killed_and_resumed_scaffold_run_ends_with_the_same_adapter(
     )
     marker = tmp_path / "B" / "checkpoints" / "round_0001" / "meta.json"
     try:
-        _wait_file(marker, proc)
+        wait_for_file(marker, proc, timeout=240)
     finally:
         _kill_tree(proc.pid)
     assert marker.is_file(), "run B never checkpointed round 1"
