@@ -54,6 +54,20 @@ def decode_with_reopen(
     return committed[:n], reopened
 
 
+def patient_config(port: int) -> ClientConfig:
+    """The edge's client config with the suite's patience: UNAVAILABLE retried for 30 s, not
+    the edge's 3 s, and a health check waited as long, not the edge's 1 s.
+
+    On a machine shared with the rest of the suite (load 40 seen) a replica swap or the
+    ingress's answer can take longer, and the device would answer alone: a rolling restart's
+    cloud-only request once came back from the draft with 0 bytes sent, routed to the device
+    from the start (a failed health check; a 1 s deadline under load 20 and more).
+    """
+    return ClientConfig(
+        f"127.0.0.1:{port}", timeout_s=60, unreachable_after_s=30.0, health_timeout_s=30.0
+    )
+
+
 class Load:
     """Edge sessions decoding in background threads until stopped; records every failure."""
 
@@ -77,9 +91,7 @@ class Load:
         ]
 
     def _loop(self, port: int, work: Callable[[VerifierClient, int], None], index: int) -> None:
-        # UNAVAILABLE retried for 30 s, not the edge's 3 s: on a machine shared with the rest of
-        # the suite (load 40 seen) a replica swap can take longer, and the device would answer
-        config = ClientConfig(f"127.0.0.1:{port}", timeout_s=60, unreachable_after_s=30.0)
+        config = patient_config(port)
         with VerifierClient(config) as client:
             while not self.stop.is_set():
                 try:

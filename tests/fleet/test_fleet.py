@@ -42,6 +42,7 @@ from tests.fleet.harness import (
     calls,
     decode_with_reopen,
     greedy,
+    patient_config,
     replaced,
     wait_for,
     wait_until_routed_to,
@@ -119,7 +120,7 @@ def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
 
     def session(i: int) -> None:  # the edge client, unchanged
         try:
-            with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}")) as client:
+            with VerifierClient(patient_config(fleet.port)) as client:
                 edge = EdgeClient(
                     TorchDraftRuntime(draft), None, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
                 )
