@@ -23,9 +23,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from edge.fleet.speed import ReplicaSpeed
 from edge.fleet.wire import (
     ROUTE_PIN,
+    ROUTE_TOKENS,
     SERVING,
+    SPEEDS,
     CallResult,
     Metadata,
     ReplicaStopping,
@@ -117,6 +120,7 @@ class VerifierReplica:
         self._channel: grpc.aio.Channel | None = None
         self._stopping = False  # Serve is stopping this replica: its verifier refuses new calls
         self._held = False  # drained on purpose and kept: the health check still passes
+        self.speed = ReplicaSpeed()  # this replica's own speed, behind every ingress's calls
         self._health_stub = health_pb2_grpc.HealthStub(
             grpc.insecure_channel(f"127.0.0.1:{self.port}")
         )
@@ -173,11 +177,17 @@ class VerifierReplica:
             return refused
         call = self._open_channel().unary_unary(SERVICE_PATH + method)
         started = time.perf_counter()
+        tokens = int(hints.get(ROUTE_TOKENS) or 1)  # type: ignore[call-overload]
+        ticket, served = self.speed.begin(method, tokens), False
         try:
-            reply = await call(payload, metadata=self._vouch(metadata), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            return self._fail(error)
-        await _held_back(started, self.slowdown)
+            try:
+                reply = await call(payload, metadata=self._vouch(metadata), timeout=timeout_s)
+            except grpc.aio.AioRpcError as error:
+                return self._fail(error)
+            await _held_back(started, self.slowdown)
+            served = True
+        finally:  # failed or cancelled, the call leaves the queue all the same
+            self.speed.end(ticket, served)
         return CallResult("OK", "", reply, self.replica_id)
 
     async def stream(
@@ -218,12 +228,14 @@ class VerifierReplica:
             raise RuntimeError(f"verifier of replica {self.replica_id} is not SERVING")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the fleet's routers read of this replica (Serve polls it): whether it serves.
+        """What the fleet's routers read of this replica (Serve polls it): whether it serves,
+        and its speed per kind of call (`ReplicaSpeed.report`).
 
         A replica that reports NOT_SERVING gets no new calls from the moment its
-        routers see this, before Serve's health check has replaced it.
+        routers see this, before Serve's health check has replaced it. The speed is
+        measured here, behind the calls of every ingress; a router sees only its own.
         """
-        return {SERVING: self._serving()}
+        return {SERVING: self._serving(), SPEEDS: self.speed.report()}
 
     def set_serving(self, serving: bool, retire: bool = True, **hints: object) -> str:
         """Report SERVING or NOT_SERVING (drain); returns this replica's id.

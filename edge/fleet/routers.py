@@ -8,6 +8,9 @@ holds the call's session, when there is one; `ROUTE_SESSION`: an opaque key of t
 session, never its id, to count the sessions active on each replica). Routers
 return ranks of replicas; Ray Serve then sends to the replica with the shortest
 reported queue within the first rank that has room, and backs off when none has.
+Replicas report through Serve's routing stats whether they serve (`SERVING`) and how
+fast they are per kind of call (`SPEEDS`), which only a replica can measure across
+every ingress that sends it calls.
 
 A call pinned to a replica (`ROUTE_PIN`: an admin call such as a drain, or the
 ingress closing a session that moved) goes to that replica whatever its state,
@@ -26,7 +29,7 @@ import itertools
 import random
 import statistics
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -38,19 +41,13 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from edge.fleet.wire import ROUTE_PIN, SERVING
+from edge.fleet.speed import SpeedMeter, call_kind, work_tokens
+from edge.fleet.wire import ROUTE_PIN, ROUTE_TOKENS, SERVING, SPEEDS
 
-ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
 ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
 ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere would prefill
 ROUTE_SESSION = "route_session"  # kwarg: an opaque key of the call's session ("" for none)
 K = TypeVar("K", bound=Hashable)  # a replica's key (ReplicaID in Serve, anything in tests)
-SPEED_SAMPLES = 15  # a replica's seconds per work token on a kind of call: median of its last calls
-SPEED_MIN_SAMPLES = 5  # fewer calls of a kind say nothing yet (the first ones pay the warm-up)
-SPEED_MAX_AGE_S = 60.0  # a speed not heard of for this long is forgotten and measured again
-CALL_TOKENS = (
-    32  # a call's fixed cost in token positions (pass + relay on an overhead-bound target)
-)
 EARLY_COMPLETIONS_KEPT = 256  # calls heard complete before routed; their routing follows at once
 SPILL_FACTOR = 3.0  # leave the home replica when its expected time is this many times another's
 STREAM_METHOD = "Generate"  # a cloud-only stream: one call for its whole life, no session
@@ -61,15 +58,6 @@ CLOSE_METHOD = "CloseSession"  # the session leaves its replica
 # never drops out; a session that ended without a close, went quiet or moved stops counting
 # within a few seconds, before several such sessions could weigh on the next placements.
 SESSION_ACTIVE_S = 3.0
-
-
-def call_kind(method: str, tokens: int) -> str:
-    """Calls alike enough to compare replicas on: same method, tokens within a factor of two.
-
-    A 100-token prefill costs far less per token than a one-token verify, so one
-    seconds-per-token figure over a mix of calls swings with the mix, not the replica.
-    """
-    return f"{method}/{max(1, tokens).bit_length()}"
 
 
 def relative_slowness(
@@ -91,16 +79,6 @@ def relative_slowness(
             for replica, seconds in measured.items():
                 ratios[replica].append(seconds / fastest)
     return {r: float(statistics.median(ratios[r])) if ratios[r] else 1.0 for r in replicas}
-
-
-def work_tokens(pending_tokens: float, tokens: float) -> float:
-    """The work a call waits through on a replica, in token positions: its queue and itself.
-
-    Every call also pays `CALL_TOKENS` of fixed cost (a pass, the relay), which pending
-    calls share with it in a batch: so an idle slow replica is not preferred to a fast one
-    that holds a few short verifies, whose passes the new call joins.
-    """
-    return CALL_TOKENS + pending_tokens + tokens
 
 
 def expected_time(slowness: float, pending_tokens: float, tokens: float) -> float:
@@ -155,17 +133,20 @@ class FleetRouter(RequestRouter):
     routed until Ray Serve reports it completed (success, error or cancellation), so
     a slow replica accumulates work and the load-aware policies steer away from it.
     Each completed call also updates its replica's seconds per token for its kind of
-    call (`call_kind`): the median of the last `SPEED_SAMPLES`, robust to a warm-up call
-    or a stall; `relative_slowness` compares replicas on these. A call's tokens are the
-    work it waited through (`work_tokens`: the replica's pending tokens when it was routed,
-    and its own), so a speed is the replica's, not its queue's: per token of the call
-    alone, a fast replica given most of the load looked nearly as slow as a lightly loaded
-    slowed one (in the bench, verify p50 70-107 ms against 103-149 ms: 1.4-1.6x apart where
-    4x was set), and token-aware sent a fifth to a third of the calls to the slowed replica.
+    call (`call_kind`, `edge.fleet.speed.SpeedMeter`); `relative_slowness` compares
+    replicas on these. A call's tokens are the work it waited through (`work_tokens`: the
+    replica's pending tokens when it was routed, and its own), so a speed is the replica's,
+    not its queue's: per token of the call alone, a fast replica given most of the load
+    looked nearly as slow as a lightly loaded slowed one (in the bench, verify p50 70-107 ms
+    against 103-149 ms: 1.4-1.6x apart where 4x was set), and token-aware sent a fifth to a
+    third of the calls to the slowed replica. Each ingress's router sees only its own calls,
+    so only part of a replica's queue: replicas measure themselves behind all of it and
+    report it (`SPEEDS`), and the routers compare replicas on those reports once every
+    replica has one (`current_speed`); their own measurements serve until then.
     A session counts as active on a replica while it calls there (`SESSION_ACTIVE_S`), by the
-    opaque key the ingress sends (`ROUTE_SESSION`). Each ingress's router sees only its own
-    calls, and a device's calls keep to one connection, so to one ingress: each ingress counts
-    its devices' sessions, and balancing its own balances the fleet.
+    opaque key the ingress sends (`ROUTE_SESSION`). A device's calls keep to one connection,
+    so to one ingress: each ingress counts its devices' sessions, and balancing its own
+    balances the fleet.
     """
 
     affinity = False
@@ -176,9 +157,8 @@ class FleetRouter(RequestRouter):
         self.outstanding: dict[ReplicaID, int] = defaultdict(int)
         self.outstanding_tokens: dict[ReplicaID, int] = defaultdict(int)
         self._in_flight: dict[str, tuple[ReplicaID, int, int, str, float, str]] = {}
-        self.speed: dict[tuple[ReplicaID, str], float] = {}  # median s/token per (replica, kind)
-        self._samples: dict[tuple[ReplicaID, str], deque[float]] = {}
-        self._measured_at: dict[tuple[ReplicaID, str], float] = {}  # its last sample's time
+        self._meter: SpeedMeter[tuple[ReplicaID, str]] = SpeedMeter()
+        self.speed = self._meter.speed  # median s/work token per (replica, kind), as measured here
         self._completed_early: OrderedDict[str, None] = OrderedDict()
         self.session_calls = 0  # calls of sessions this handle routed (not streams, not pinned)
         self.session_tokens = 0  # the tokens of those calls
@@ -238,15 +218,8 @@ class FleetRouter(RequestRouter):
         self._seen(replica, session)
         self.outstanding[replica] -= 1
         self.outstanding_tokens[replica] -= tokens
-        now, key = time.monotonic(), (replica, kind)
-        if now - self._measured_at.get(key, now) > SPEED_MAX_AGE_S:
-            self._samples.pop(key, None)  # samples of another time: measure afresh
-            self.speed.pop(key, None)
-        samples = self._samples.setdefault(key, deque(maxlen=SPEED_SAMPLES))
-        samples.append((now - started) / work_tokens(ahead, tokens))
-        self._measured_at[key] = now
-        if len(samples) >= SPEED_MIN_SAMPLES:
-            self.speed[key] = statistics.median(samples)
+        seconds = time.monotonic() - started
+        self._meter.record((replica, kind), seconds, work_tokens(ahead, tokens))
 
     def calls_per_session(self) -> float:
         """Calls a session has made on average, as this handle saw them (1.0 before any)."""
@@ -283,28 +256,32 @@ class FleetRouter(RequestRouter):
             sessions.popitem(last=False)
         return len(sessions)
 
-    def current_speed(self) -> dict[tuple[ReplicaID, str], float]:
-        """The speeds heard of within `SPEED_MAX_AGE_S` (one set by hand never ages).
+    def current_speed(
+        self, candidates: Sequence[RunningReplica]
+    ) -> dict[tuple[ReplicaID, str], float]:
+        """The speeds to compare `candidates` on: the replicas' own reports (`SPEEDS`, in
+        their routing stats: `edge.fleet.speed.ReplicaSpeed`) when every candidate has
+        reported, else those this handle measured within `SPEED_MAX_AGE_S` (`SpeedMeter`).
 
-        Token-aware can stop sending calls to a replica it measured slow; without an age,
-        that replica stayed marked slow after it recovered. Forgotten, it counts as
-        unmeasured (as fast as the fastest) and its next calls measure it again.
+        A replica's report counts every call in flight there, from every ingress; this
+        handle counts its own calls only. The two are not mixed: a replica measured behind
+        part of its queue looks slower than one measured behind all of it.
         """
-        now = time.monotonic()
-        return {
-            key: seconds
-            for key, seconds in self.speed.items()
-            if now - self._measured_at.get(key, now) <= SPEED_MAX_AGE_S
-        }
+        reports = [r.routing_stats.get(SPEEDS) for r in candidates]
+        if candidates and all(report is not None for report in reports):
+            return {
+                (replica.replica_id, kind): seconds
+                for replica, report in zip(candidates, reports, strict=True)
+                for kind, seconds in report.items()  # type: ignore[union-attr]
+            }
+        return self._meter.current()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget a dead replica's counts and speeds as well as the replica."""
         super().on_replica_actor_died(replica_id)
         self.outstanding.pop(replica_id, None)
         self.outstanding_tokens.pop(replica_id, None)
-        self.speed = {key: s for key, s in self.speed.items() if key[0] != replica_id}
-        self._samples = {key: s for key, s in self._samples.items() if key[0] != replica_id}
-        self._measured_at = {k: t for k, t in self._measured_at.items() if k[0] != replica_id}
+        self._meter.keep(lambda key: key[0] != replica_id)
         self._active.pop(replica_id, None)
 
     def _fulfill_next_pending_request(
@@ -446,8 +423,9 @@ class TokenAwareRouter(FleetRouter):
     prompt's prefill or a long Generate weighs more than a one-token verify, so
     counting calls alone (least outstanding) misjudges a replica busy with prefills.
     Expected time = relative slowness x (pending tokens + the call's tokens), where
-    slowness is measured per kind of call (`relative_slowness`), so a slower replica
-    (older hardware, a noisy neighbour) gets proportionally less. A session's first call
+    slowness is measured per kind of call (`relative_slowness`, on the replicas' own
+    reports: `FleetRouter.current_speed`), so a slower replica (older hardware, a noisy
+    neighbour) gets proportionally less. A session's first call
     is placed for the session's life (`lifetime`). With affinity, a
     session's call stays home unless home is measured `SPILL_FACTOR` times slower and its
     expected time exceeds that factor times the best other's plus the reopen (`should_spill`): the call
@@ -457,7 +435,7 @@ class TokenAwareRouter(FleetRouter):
 
     def _slowness(self, candidates: list[RunningReplica]) -> dict[ReplicaID, float]:
         """Each candidate's relative slowness on the speeds heard of lately."""
-        return relative_slowness(self.current_speed(), [r.replica_id for r in candidates])
+        return relative_slowness(self.current_speed(candidates), [r.replica_id for r in candidates])
 
     def _expected(
         self, candidates: list[RunningReplica], tokens: int, slow: Mapping[ReplicaID, float]

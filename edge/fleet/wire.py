@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 Metadata = tuple[tuple[str, str], ...]
 SERVING = "serving"  # routing stat a replica reports: its verifier says SERVING
+SPEEDS = "speeds"  # routing stat a replica reports: its seconds per work token per kind of call
 ROUTE_PIN = "route_pin"  # kwarg: the call must run on this replica (unique id), or nowhere
+ROUTE_TOKENS = "route_tokens"  # kwarg: tokens the call puts through the target
 
 
 class ReplicaStopping(RuntimeError):

@@ -24,7 +24,6 @@ from edge.fleet.routers import (
     ROUTE_SESSION,
     ROUTE_TOKENS,
     SESSION_ACTIVE_S,
-    SPEED_MIN_SAMPLES,
     SPILL_FACTOR,
     FleetRouter,
     LeastOutstandingRouter,
@@ -36,8 +35,9 @@ from edge.fleet.routers import (
     relative_slowness,
     should_spill,
 )
+from edge.fleet.speed import SPEED_MAX_AGE_S, SPEED_MIN_SAMPLES, ReplicaSpeed
 from edge.fleet.stats import ArmStats, CallOutcome
-from edge.fleet.wire import ROUTE_PIN, SERVING
+from edge.fleet.wire import ROUTE_PIN, SERVING, SPEEDS
 from fedge.manifest import write_manifest
 
 DEPLOYMENT = DeploymentID(name="verifier", app_name="fedge-v1")
@@ -440,6 +440,85 @@ def test_token_aware_measures_a_busy_replica_by_its_speed_not_its_queue(
         slow.replica_id: pytest.approx(4.0),
     }
     assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
+
+
+def test_token_aware_compares_replicas_on_their_own_speed_reports_not_on_its_part_of_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two ingresses, each with its own router: this one sees only its half of `fast`'s queue.
+
+    Fast: 1 ms per token of work. Another ingress keeps 30 tokens (five 6-token verifies)
+    in flight there, unseen by this router, beside this router's own 30: each of its
+    verifies takes 1 x (32 + 60 + 6) = 98 ms, which this router divides by the 68 tokens
+    it knows of (1.44 ms). Slow: 4 ms per token, idle: 4 x (32 + 6) = 152 ms. The
+    replicas count every call in flight there (`ReplicaSpeed`), from either ingress, and
+    report 1 and 4 ms. With 90 tokens of this router's own pending on `fast`, a new
+    verify costs there 32 + 90 + 6 = 128, on `slow` 4 x 38 = 152 by the reports: `fast`.
+
+    Before (the router on its own figures, reports unread: run) `slow` measured 2.78x and
+    the verify went there (2.78 x 38 = 106 < 128); in the bench, under token-aware, a
+    router measured the slowed replica 2.0x (under 2x half the time) and placed sessions
+    on it. Reports are used once every candidate has one, never mixed with this router's
+    figures: with `slow` not yet reporting, the router's own 2.78x stands.
+    """
+    clock = frozen_clock(monkeypatch)
+    router = make_router(TokenAwareRouter)
+    fast, slow = replicas("fast", "slow")
+    on_fast, on_slow = ReplicaSpeed(), ReplicaSpeed()
+    for i in range(5):  # the other ingress's verifies, and this router's own, queued on fast
+        on_fast.begin("Verify", 6)
+        router.on_request_routed(request(f"q{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
+        on_fast.begin("Verify", 6)
+
+    def serve(replica: Replica, speed: ReplicaSpeed, seconds: float) -> None:
+        for i in range(SPEED_MIN_SAMPLES):
+            rid = f"{replica.replica_id.unique_id}{i}"
+            router.on_request_routed(request(rid, tokens=6), replica.replica_id, None)  # type: ignore[arg-type]
+            ticket = speed.begin("Verify", 6)
+            clock[0] += seconds
+            speed.end(ticket, served=True)
+            router.on_request_completed(replica.replica_id, rid)
+
+    serve(fast, on_fast, 0.098)
+    serve(slow, on_slow, 0.152)
+    for i in range(5, 15):  # 90 tokens of this router's pending on fast
+        router.on_request_routed(request(f"q{i}", tokens=6), fast.replica_id, None)  # type: ignore[arg-type]
+    fast.routing_stats[SPEEDS] = on_fast.report()
+    ids = [fast.replica_id, slow.replica_id]
+    mixed = relative_slowness(router.current_speed([fast, slow]), ids)
+    assert mixed[slow.replica_id] == pytest.approx(4.0 / (0.098 / 68 * 1e3))  # its own 2.78x
+    slow.routing_stats[SPEEDS] = on_slow.report()
+    assert relative_slowness(router.current_speed([fast, slow]), ids) == {
+        fast.replica_id: 1.0,
+        slow.replica_id: pytest.approx(4.0),
+    }
+    assert choose(router, [fast, slow], request("new", tokens=6))[0] == "fast"
+
+
+def test_a_replica_measures_itself_behind_every_call_in_flight_and_only_calls_it_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ReplicaSpeed` divides a served call's time by the work it waited through: the tokens
+    in flight when it arrived, whoever sent them, plus its own and `CALL_TOKENS`. A failed
+    call leaves the queue and measures nothing (a fast refusal would look fast); a kind is
+    reported from `SPEED_MIN_SAMPLES` calls on, and forgotten after `SPEED_MAX_AGE_S`."""
+    clock = frozen_clock(monkeypatch)
+    speed = ReplicaSpeed()
+    held = speed.begin("OpenSession", 40)  # another ingress's prefill, in flight throughout
+    refused = speed.begin("Verify", 6)
+    clock[0] += 0.001
+    speed.end(refused, served=False)
+    assert speed.pending_tokens == 40
+    for _ in range(SPEED_MIN_SAMPLES):
+        assert speed.report() == {}
+        ticket = speed.begin("Verify", 6)
+        clock[0] += 0.078  # 1 ms per token of 32 + 40 + 6
+        speed.end(ticket, served=True)
+    assert speed.report() == {call_kind("Verify", 6): pytest.approx(0.001)}
+    speed.end(held, served=False)
+    assert speed.pending_tokens == 0
+    clock[0] += SPEED_MAX_AGE_S + 1
+    assert speed.report() == {}
 
 
 def test_spill_moves_a_session_only_off_a_much_slower_replica_counting_the_reopen() -> None:
