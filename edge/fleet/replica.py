@@ -178,16 +178,15 @@ class VerifierReplica:
         call = self._open_channel().unary_unary(SERVICE_PATH + method)
         started = time.perf_counter()
         tokens = int(hints.get(ROUTE_TOKENS) or 1)  # type: ignore[call-overload]
-        ticket, served = self.speed.begin(method, tokens), False
+        ticket = self.speed.begin(method, tokens)
         try:
-            try:
-                reply = await call(payload, metadata=self._vouch(metadata), timeout=timeout_s)
-            except grpc.aio.AioRpcError as error:
-                return self._fail(error)
-            await _held_back(started, self.slowdown)
-            served = True
-        finally:  # failed or cancelled, the call leaves the queue all the same
-            self.speed.end(ticket, served)
+            reply = await call(payload, metadata=self._vouch(metadata), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            return self._fail(error)
+        finally:  # answered, failed or cancelled: the verifier is done with it
+            self.speed.leave(ticket)
+        await _held_back(started, self.slowdown)
+        self.speed.served(ticket)
         return CallResult("OK", "", reply, self.replica_id)
 
     async def stream(

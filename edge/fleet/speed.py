@@ -97,8 +97,10 @@ class Ticket(NamedTuple):
 
 
 class ReplicaSpeed:
-    """A replica's own speed per kind of call, measured behind every unary call in flight there
-    (a stream's time is paced by its reader as much as by the replica: it is not counted).
+    """A replica's own speed per kind of call, measured behind every unary call its verifier
+    is working on, whichever ingress sent it (a stream's time is paced by its reader as much
+    as by the replica: it is not counted; a call answered but held back, `leave`, is late,
+    not work ahead of the next).
 
     Each router sees only the calls its ingress sent: behind two ingresses, half a busy
     replica's queue was invisible to each, so its calls' time per token of the work a
@@ -114,7 +116,7 @@ class ReplicaSpeed:
         self._lock = threading.Lock()
 
     def begin(self, method: str, tokens: int) -> Ticket:
-        """A call of `method` putting `tokens` through the target arrived."""
+        """A call of `method` putting `tokens` through the target arrived: it joins the queue."""
         with self._lock:
             ticket = Ticket(
                 call_kind(method, tokens), tokens, self.pending_tokens, time.monotonic()
@@ -122,13 +124,19 @@ class ReplicaSpeed:
             self.pending_tokens += tokens
             return ticket
 
-    def end(self, ticket: Ticket, served: bool) -> None:
-        """The call answered; `served`: it ran (a refusal or a failure measures nothing)."""
+    def leave(self, ticket: Ticket) -> None:
+        """The verifier is done with the call (answered, failed or cancelled): it leaves the
+        queue. What follows (the bench's slowed replica holding the answer back) is late, not
+        work that later calls wait behind."""
         with self._lock:
             self.pending_tokens -= ticket.tokens
-            if served:
-                seconds = time.monotonic() - ticket.started
-                self._meter.record(ticket.kind, seconds, work_tokens(ticket.ahead, ticket.tokens))
+
+    def served(self, ticket: Ticket) -> None:
+        """The call, out of the queue (`leave`), was answered: one sample of its kind, its whole
+        time over the work it waited through. A refusal or a failure measures nothing."""
+        with self._lock:
+            seconds = time.monotonic() - ticket.started
+            self._meter.record(ticket.kind, seconds, work_tokens(ticket.ahead, ticket.tokens))
 
     def report(self) -> dict[str, float]:
         """Seconds per work token per kind of call, as `SpeedMeter.current` gives them."""

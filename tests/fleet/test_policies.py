@@ -16,6 +16,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from edge.fleet import routers
 from edge.fleet.adapters import AdapterMismatch, check_adapter
 from edge.fleet.relay import session_key
+from edge.fleet.replica import ReplicaSpec, VerifierReplica
 from edge.fleet.rollout import RolloutConfig, decide
 from edge.fleet.routers import (
     EARLY_COMPLETIONS_KEPT,
@@ -38,6 +39,7 @@ from edge.fleet.routers import (
 from edge.fleet.speed import SPEED_MAX_AGE_S, SPEED_MIN_SAMPLES, ReplicaSpeed
 from edge.fleet.stats import ArmStats, CallOutcome
 from edge.fleet.wire import ROUTE_PIN, SERVING, SPEEDS
+from edge.proto import verifier_pb2 as pb
 from fedge.manifest import write_manifest
 
 DEPLOYMENT = DeploymentID(name="verifier", app_name="fedge-v1")
@@ -476,7 +478,8 @@ def test_token_aware_compares_replicas_on_their_own_speed_reports_not_on_its_par
             router.on_request_routed(request(rid, tokens=6), replica.replica_id, None)  # type: ignore[arg-type]
             ticket = speed.begin("Verify", 6)
             clock[0] += seconds
-            speed.end(ticket, served=True)
+            speed.leave(ticket)
+            speed.served(ticket)
             router.on_request_completed(replica.replica_id, rid)
 
     serve(fast, on_fast, 0.098)
@@ -507,18 +510,53 @@ def test_a_replica_measures_itself_behind_every_call_in_flight_and_only_calls_it
     held = speed.begin("OpenSession", 40)  # another ingress's prefill, in flight throughout
     refused = speed.begin("Verify", 6)
     clock[0] += 0.001
-    speed.end(refused, served=False)
+    speed.leave(refused)
     assert speed.pending_tokens == 40
     for _ in range(SPEED_MIN_SAMPLES):
         assert speed.report() == {}
         ticket = speed.begin("Verify", 6)
         clock[0] += 0.078  # 1 ms per token of 32 + 40 + 6
-        speed.end(ticket, served=True)
+        speed.leave(ticket)
+        speed.served(ticket)
     assert speed.report() == {call_kind("Verify", 6): pytest.approx(0.001)}
-    speed.end(held, served=False)
+    speed.leave(held)
     assert speed.pending_tokens == 0
     clock[0] += SPEED_MAX_AGE_S + 1
     assert speed.report() == {}
+
+
+def test_a_slowed_replicas_held_back_answer_is_late_not_work_that_later_calls_wait_behind(
+    micro_zoo: Any, prompts: list[list[int]]
+) -> None:
+    """The bench's slowed replica (`ReplicaSpec.slowdown`) holds each answer back after its
+    verifier gave it: late, not busy. A real replica slowed 20x prefills a prompt; once its
+    verifier has answered, the call leaves the replica's queue (`ReplicaSpeed.pending_tokens`
+    0) while the answer is still held back, and its sample counts the whole late time.
+
+    Before (a call counted until its answer left the replica: run) the prompt's tokens stayed
+    in the queue for the whole hold-back, so every call arriving meanwhile counted them as
+    work ahead of it and measured the slowed replica cheap per token: in a bench run its
+    verifies came out 0.72 ms per work token against 0.63-1.88 on the fast replica, slowed
+    4x, and token-aware placed sessions on it.
+    """
+    replica = VerifierReplica(ReplicaSpec(micro_zoo.target_dir, slowdown=20.0), "slow", 0)
+    payload = pb.OpenSessionRequest(prompt_ids=prompts[0]).SerializeToString()
+    hints = {ROUTE_TOKENS: len(prompts[0])}
+
+    async def prefill() -> tuple[int, bool, str]:
+        call = asyncio.ensure_future(replica.unary("OpenSession", payload, (), 30.0, **hints))
+        await asyncio.sleep(0)  # the call starts: it joins the queue and awaits the verifier
+        queued = replica.speed.pending_tokens
+        while replica.speed.pending_tokens and not call.done():
+            await asyncio.sleep(0.001)
+        held_back = not call.done()
+        return queued, held_back, (await call).code
+
+    try:
+        assert asyncio.run(prefill()) == (len(prompts[0]), True, "OK")
+        assert replica.speed.pending_tokens == 0
+    finally:
+        replica.__del__()
 
 
 def test_spill_moves_a_session_only_off_a_much_slower_replica_counting_the_reopen() -> None:
