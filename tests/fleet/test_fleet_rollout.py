@@ -73,6 +73,15 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
     collapsing one is rolled back on acceptance; a good one is promoted, its canary growing
     to the fleet's size around its own replica, and no request fails.
 
+    Each arm is judged on at least 6 sessions and 12 verifies. Every session decodes one
+    prompt, so a session's acceptance barely varies within an arm (seen: the bad adapter's
+    0.81 with a standard error of 0.002 over 13 sessions, the stable's 1.000 exactly): 6
+    sessions put the bad arm's drop of about 0.19 far past the 0.05 tolerance plus two
+    standard errors, and leave a good canary's acceptance equal to the stable's. The load
+    pauses 1 s between a device's sessions: calls stay in flight across each decision (about
+    three sessions a second at low load), while most of the test's time goes to starting
+    canary replicas, when the load only costs CPU.
+
     Before the canary kept its version on promotion, the scale-up replaced its replica (two
     model loads, and the canary's sessions reopened): the replica check failed (run)."""
     target, draft = models
@@ -91,8 +100,8 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
             run_dir=tmp_path / name,
             canary=0.5,
             window_s=2.0,
-            min_verifies=40,
-            min_sessions=5,
+            min_verifies=12,
+            min_sessions=6,
             max_window_s=60.0,
             poll_s=0.2,
             # Acceptance decides here; a canary replica that just started on two shared cores
@@ -103,7 +112,7 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
         return run_rollout(fleet.ingress, config)
 
     before = fleet.describe()
-    with Load(fleet.port, work, threads=3, pause_s=0.2) as load:
+    with Load(fleet.port, work, threads=3, pause_s=1.0) as load:
         refused = rollout(misfit_adapter, "misfit")
         assert refused["decision"] == "refused"
         assert "adapter_model.safetensors" in refused["reasons"][0]
