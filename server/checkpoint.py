@@ -55,6 +55,7 @@ RESUMABLE_CHANGES = frozenset(
         "client-threads",
         "client-eval",
         "save-merged",
+        "plots",
         "tensorboard",
         "mlflow",
         "x-fault-partitions",  # fault drills (clients/faults.py) change between attempts

@@ -67,6 +67,7 @@ class RunConfig:
     client_mods: str = ""
     client_state_dir: str = ""  # "" keeps SCAFFOLD's c_i in the node's Context
     save_merged: bool = True  # also write base+adapter merged for serving
+    plots: bool = True  # perplexity.png and privacy.png when the run ends
     tensorboard: bool = True  # round metrics as TensorBoard scalars in <run-dir>/tensorboard
     mlflow: str = ""  # "": off; "local": file store <run-dir>/mlruns; else an MLflow tracking URI
     run_id: str = ""  # "": the server draws a random id at a fresh start (namespaces client state)

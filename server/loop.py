@@ -507,9 +507,10 @@ def checkpoint_and_report(fed: Federation, row: Mapping[str, Any]) -> None:
 
 
 def finish(fed: Federation, status: str, message: str) -> LoopOutcome:
-    """Plot the run, export the final adapter, write the final status."""
-    plot_perplexity({fed.strategy.name: fed.metrics.rows()}, fed.run_dir / "perplexity.png")
-    plot_privacy(fed.metrics.rows(), fed.run_dir / "privacy.png")
+    """Plot the run (unless ``plots`` is off), export the final adapter, write the final status."""
+    if fed.cfg.plots:
+        plot_perplexity({fed.strategy.name: fed.metrics.rows()}, fed.run_dir / "perplexity.png")
+        plot_privacy(fed.metrics.rows(), fed.run_dir / "privacy.png")
     adapter_dir = fed.server_model.export(fed.state.adapter, fed.run_dir / "final")
     write_status(fed.run_dir, status, message)
     return LoopOutcome(status, message, fed.run_dir, fed.state, adapter_dir)

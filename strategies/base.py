@@ -63,10 +63,9 @@ from __future__ import annotations
 import logging
 from abc import ABC
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import AggregationError
@@ -88,6 +87,9 @@ from strategies.contract import (
 from strategies.replies import reply_contribution
 from strategies.robust import RobustConfig, apply_bounds, robust_sum
 from strategies.server_opt import PREFIX_OPT, ServerOptConfig, ServerOptimizer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Arrays",

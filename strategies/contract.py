@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
-import torch
 
 from fedge import keys
 from fedge.types import Arrays
+
+if TYPE_CHECKING:
+    import torch
 
 Weighting = Literal["examples", "uniform"]
 

@@ -10,9 +10,7 @@ sends it), so a client written for Flower's FedProx reads it unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fedge import keys
 from strategies.base import (
@@ -24,11 +22,16 @@ from strategies.base import (
     Weighting,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 
 def proximal_term(
     trainable: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], mu: float
 ) -> torch.Tensor:
     """Return mu/2 * sum_k ||w_k - anchor_k||^2 (a scalar on the tensors' device)."""
+    import torch  # the client's training only: loading the strategy never imports torch
+
     total = torch.zeros((), device=next(iter(trainable.values())).device)
     for name, w in trainable.items():
         total = total + (w - anchor[name].to(w.device, w.dtype)).pow(2).sum()

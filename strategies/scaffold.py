@@ -21,9 +21,9 @@ control variate is an estimate only (use ``optimizer = "sgd"`` for the paper's s
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fedge import keys
 from strategies.base import (
@@ -34,6 +34,9 @@ from strategies.base import (
     GlobalState,
     Strategy,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def control_update(c_i: Arrays, c: Arrays, delta: Arrays, local_steps: int, lr: float) -> Arrays:
@@ -48,6 +51,8 @@ class ScaffoldHook(ClientHook):
     """Corrects each local gradient by c - c_i and computes the control delta at the end."""
 
     def __init__(self, c: Arrays, c_i: Arrays, device: torch.device | None = None) -> None:
+        import torch  # the client's training only: loading the strategy never imports torch
+
         self.c = c
         self.c_i = c_i
         self._correction = {

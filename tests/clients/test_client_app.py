@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -232,3 +235,36 @@ def test_scaffold_trains_with_sgd_unless_told_otherwise(micro_zoo) -> None:  # t
     assert resolve_optimizer(TrainConfig(), scaffold.local_optimizer) == "sgd"
     assert resolve_optimizer(TrainConfig(), fedavg.local_optimizer) == "adamw"
     assert resolve_optimizer(TrainConfig(optimizer="adamw"), scaffold.local_optimizer) == "adamw"
+
+
+# A query answered by a fresh process, as the Deployment Engine starts one per message.
+QUERY_IN_A_FRESH_PROCESS = """
+import json, sys, time
+from flwr.app import Context, Message, Metadata, RecordDict
+from clients.app import app
+metadata = Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=7, reply_to_message_id="",
+                    group_id="0", created_at=time.time(), ttl=60.0, message_type="query")
+node = Context(run_id=1, node_id=7, node_config={"partition-id": 2}, state=RecordDict(), run_config={})
+reply = app(Message(content=RecordDict(), metadata=metadata), node)
+heavy = [m for m in ("torch", "transformers", "peft", "opacus") if m in sys.modules]
+print(json.dumps({"metrics": dict(reply.content.metric_records["metrics"]), "heavy": heavy}))
+"""
+
+
+def test_loading_the_app_and_answering_a_query_imports_no_training_stack() -> None:
+    """A node process that only reports its partition imports neither torch, transformers, peft
+    nor opacus: the Deployment Engine starts one ClientApp process per message, and importing
+    them cost each query process about 5 CPU seconds (0.7 s without).
+
+    Before the training work moved to `clients.rounds`, `clients.app` imported them at load
+    (checked: it reported ["torch", "transformers"])."""
+    out = subprocess.run(
+        [sys.executable, "-c", QUERY_IN_A_FRESH_PROCESS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    answer = json.loads(out.stdout.splitlines()[-1])
+    assert answer["metrics"][keys.MET_PARTITION] == 2
+    assert answer["heavy"] == []

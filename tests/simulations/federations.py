@@ -12,8 +12,9 @@ from server.grid import ReplyHookGrid
 from simulations.inprocess import InProcessGrid
 from tests.process_state import process_state_restored
 
-# One local step on tiny windows at LoRA rank 2, no client evaluation, no merged model: the
-# training part of every small real federation in the tests.
+# One local step on tiny windows at LoRA rank 2, no client evaluation, no merged model and no
+# plots (tests/privacy/test_matrix.py and the simulate tests check those): the training part of
+# every small real federation in the tests.
 TINY_TRAINING = {
     "local-steps": 1,
     "batch-size": 2,
@@ -23,6 +24,7 @@ TINY_TRAINING = {
     "client-eval": False,
     "server-eval-batches": 1,
     "save-merged": False,
+    "plots": False,
 }
 
 CONFIG = {
