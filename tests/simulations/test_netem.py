@@ -48,6 +48,24 @@ def _call(channel: grpc.Channel, method: str, payload: bytes, timeout: float = 5
     return stub(payload, timeout=timeout)  # type: ignore[no-any-return]
 
 
+def _wait_transport_dropped(channel: grpc.Channel, timeout_s: float = 5.0) -> None:
+    """Wait until the channel itself has seen its connection go (it leaves READY): a call made
+    before that can still be written to the dead socket and fail with it."""
+    dropped = threading.Event()
+
+    def on_state(state: grpc.ChannelConnectivity) -> None:
+        if state is not grpc.ChannelConnectivity.READY:
+            dropped.set()
+
+    channel.subscribe(on_state, try_to_connect=False)
+    try:
+        assert dropped.wait(timeout_s), (
+            "the channel still reports READY after its connection was reset"
+        )
+    finally:
+        channel.unsubscribe(on_state)
+
+
 def _call_time(channel: grpc.Channel, payload: bytes = b"x") -> float:
     started = time.perf_counter()
     _call(channel, ECHO, payload)
@@ -107,6 +125,7 @@ def test_reset_fails_inflight_then_next_call_succeeds(grpc_port: int) -> None:
         thread.join(5)
         assert [e.code() for e in errors] == [grpc.StatusCode.UNAVAILABLE]
         assert time.monotonic() - started < 2.0  # failed on the reset, not after the slow reply
+        _wait_transport_dropped(channel)
         assert _call(channel, ECHO, b"again") == b"again"
 
 
