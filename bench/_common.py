@@ -69,3 +69,11 @@ def percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
         }
         for name, values in samples.items()
     }
+
+
+def block_order(arms: tuple[str, ...], blocks: int) -> list[tuple[int, str]]:
+    """(block, arm) in ABBA order: each pair of blocks runs the arms forwards then back, so a
+    machine that drifts steadily faster or slower over a run weighs on every arm alike."""
+    return [
+        (block, arm) for block in range(blocks) for arm in (arms if block % 2 == 0 else arms[::-1])
+    ]

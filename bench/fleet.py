@@ -43,6 +43,7 @@ if not __package__:  # run as `python bench/x.py`: put the repo root first (benc
 
 import numpy as np
 
+from bench._common import block_order
 from bench._fleet_devices import DevicePool, Endpoint, Load, Record
 from bench._fleet_setup import secure_material
 from edge.fleet.app import Fleet, FleetConfig, ensure_serve, start_fleet
@@ -137,15 +138,16 @@ def replica_choices(fleet: Fleet, stats: list[dict[str, Any]]) -> dict[str, dict
     }
 
 
-def measure(
+def run_block(
     config: FleetConfig,
     pool: DevicePool,
     endpoint: Endpoint,
     args: argparse.Namespace,
-    label: str,
+    duration_s: float,
+    seed: int,
     event: str = "",
 ) -> dict[str, Any]:
-    """Deploy a fleet, warm it up, run the load, tear it down.
+    """Deploy a fleet, warm it up, load it `duration_s`, tear it down; the raw block.
 
     `event` "kill" kills a replica a third of the way in, "restart" restarts every replica
     then (Serve's rolling update, `Fleet.restart`).
@@ -170,21 +172,100 @@ def measure(
 
         hooks = {"kill": kill, "restart": restart}
         load_before = loadavg()
-        records, wall = pool.run(endpoint, args.duration, seed=1, event=hooks.get(event))
-        summary = summarize(records, wall)
-        summary["loadavg_before"], summary["loadavg_after"] = load_before, loadavg()
+        records, wall = pool.run(endpoint, duration_s, seed=seed, event=hooks.get(event))
         stats = from_each_ingress(fleet, "fleet_stats", config.ingress_replicas)
-        summary["per_replica"] = replica_choices(fleet, stats)
-        print(label, "per replica:", json.dumps(summary["per_replica"]), flush=True)
-        if event:
-            summary["resumed_streams"] = sum(s["resumed_streams"] for s in stats)
-            summary["moved_sessions"] = sum(s["moved_sessions"] for s in stats)
-        if restarted:
-            summary["restart"] = restarted
-        print(label, json.dumps({k: v for k, v in summary.items() if k != "per_replica"}))
-        return summary
+        return {
+            "records": records,
+            "wall": wall,
+            "loadavg": (load_before, loadavg()),
+            "stats": stats,
+            "per_replica": replica_choices(fleet, stats),
+            "restarted": restarted,
+        }
     finally:
         fleet.stop()
+
+
+def by_slowdown(per_replica: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Calls, sessions and tokens summed per replica slowdown (the slowed arm against the rest),
+    over every block's replicas (each block deploys its own)."""
+    totals: dict[str, dict[str, int]] = {}
+    for figures in per_replica.values():
+        arm = totals.setdefault(str(figures["slowdown"]), {"calls": 0, "sessions": 0, "tokens": 0})
+        for key in arm:
+            arm[key] += figures[key]
+    return totals
+
+
+def summarize_blocks(blocks: list[dict[str, Any]], label: str, event: str = "") -> dict[str, Any]:
+    """One summary over blocks of the same setup: their requests pooled, their walls summed."""
+    records = [r for block in blocks for r in block["records"]]
+    summary = summarize(records, sum(block["wall"] for block in blocks))
+    summary["loadavg_before"] = blocks[0]["loadavg"][0]
+    summary["loadavg_after"] = blocks[-1]["loadavg"][1]
+    summary["per_replica"] = {k: v for block in blocks for k, v in block["per_replica"].items()}
+    summary["by_slowdown"] = by_slowdown(summary["per_replica"])
+    print(label, "per replica:", json.dumps(summary["per_replica"]), flush=True)
+    stats = [s for block in blocks for s in block["stats"]]
+    if event:
+        summary["resumed_streams"] = sum(s["resumed_streams"] for s in stats)
+        summary["moved_sessions"] = sum(s["moved_sessions"] for s in stats)
+    restarted = {k: v for block in blocks for k, v in block["restarted"].items()}
+    if restarted:
+        summary["restart"] = restarted
+    print(label, json.dumps({k: v for k, v in summary.items() if k != "per_replica"}), flush=True)
+    return summary
+
+
+def measure(
+    config: FleetConfig,
+    pool: DevicePool,
+    endpoint: Endpoint,
+    args: argparse.Namespace,
+    label: str,
+    event: str = "",
+) -> dict[str, Any]:
+    """One block of `args.duration` seconds, summarized."""
+    block = run_block(config, pool, endpoint, args, args.duration, seed=1, event=event)
+    return summarize_blocks([block], label, event)
+
+
+def compare_policies(
+    config: FleetConfig,
+    pool: DevicePool,
+    endpoint: Endpoint,
+    args: argparse.Namespace,
+    policies: tuple[str, ...],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Each policy over `args.blocks` interleaved blocks that add up to `args.duration`.
+
+    Block i of every policy replays the same requests (seed 1 + i). Returns the pooled
+    summary per policy and each block's ITL p99 and tokens/s, in the order they ran.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+    timeline = []
+    for block, policy in block_order(policies, args.blocks):
+        raw = run_block(
+            replace(config, policy=policy),
+            pool,
+            endpoint,
+            args,
+            args.duration / args.blocks,
+            seed=1 + block,
+        )
+        runs[policy].append(raw)
+        one = summarize(raw["records"], raw["wall"])
+        timeline.append(
+            {
+                "block": block,
+                "policy": policy,
+                "itl_p99_ms": one["itl"]["p99_ms"],
+                "tokens_per_s": one["tokens_per_s"],
+                "loadavg_before": raw["loadavg"][0],
+            }
+        )
+        print(json.dumps(timeline[-1]), flush=True)
+    return {policy: summarize_blocks(runs[policy], policy) for policy in policies}, timeline
 
 
 @contextlib.contextmanager
@@ -235,6 +316,12 @@ def parse_args() -> argparse.Namespace:
         default=list(POLICIES),
         help="policies to compare; the ratio needs round-robin and token-aware",
     )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=4,
+        help="each policy's --duration split into this many blocks, run interleaved (ABBA)",
+    )
     parser.add_argument("--quick", action="store_true", help="short runs")
     parser.add_argument(
         "--smoke",
@@ -253,6 +340,7 @@ def parse_args() -> argparse.Namespace:
         args.duration, args.sessions = 8.0, 6
     if args.smoke:
         args.duration, args.warmup, args.sessions, args.new_tokens = 2.0, 1.0, 2, 8
+        args.blocks = 2
     return args
 
 
@@ -287,10 +375,7 @@ def main() -> None:
                     flush=True,
                 )
             slowed = replace(fleet, slowdown=args.slowdown)
-            policies = {
-                policy: measure(replace(slowed, policy=policy), pool, endpoint, args, policy)
-                for policy in policy_names
-            }
+            policies, timeline = compare_policies(slowed, pool, endpoint, args, policy_names)
             killed: dict[str, Any] = {}
             restarted: dict[str, Any] = {}
             if args.policies_only:
@@ -309,6 +394,7 @@ def main() -> None:
             "sessions": args.sessions,
             "devices_as": "processes",
             "duration_s": args.duration,
+            "policy_blocks": args.blocks,
             "new_tokens": args.new_tokens,
             "prompts": {"short": SHORT, "long": LONG, "long_share": args.long_share},
             "speculative_share": args.speculative_share,
@@ -319,6 +405,7 @@ def main() -> None:
         "replicas": scaling,
         "throughput_ratio_2_over_1": ratio,
         "policies": policies,
+        "policy_blocks": timeline,
         "itl_p99_ratio_rr_over_token_aware": rr["itl"]["p99_ms"]
         / max(aware["itl"]["p99_ms"], 1e-9),
         "itl_p99_ratio_rr_over_one_replica": rr["itl"]["p99_ms"]

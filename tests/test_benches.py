@@ -67,3 +67,22 @@ def test_no_bench_imports_another_that_imports_it_back() -> None:
     }
     cycles = [(a, b) for a, deps in graph.items() for b in deps if a in graph.get(b, set())]
     assert cycles == []
+
+
+def test_interleaved_blocks_give_every_arm_the_same_mean_position() -> None:
+    """ABBA: under a steady drift of the machine each arm's blocks sit, on average, at the same
+    time of the run (run back to back, A's blocks all came before B's, and run 2 of the fleet
+    bench put the token-aware arm on a machine 1.3x slower than its one-replica run)."""
+    from bench._common import block_order
+
+    order = block_order(("round-robin", "token-aware"), 4)
+    assert [arm for _, arm in order] == [
+        "round-robin",
+        "token-aware",
+        "token-aware",
+        "round-robin",
+    ] * 2
+    assert [block for block, _ in order] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for arm in ("round-robin", "token-aware"):
+        assert sum(i for i, (_, a) in enumerate(order) if a == arm) / 4 == 3.5
+    assert [arm for _, arm in block_order(("a", "b", "c"), 2)] == ["a", "b", "c", "c", "b", "a"]
