@@ -11,7 +11,8 @@ Runs: first 1 vs 2 replicas without a slowed one (does a second replica add thro
 if not, the load does not queue, and a policy gains only by keeping sessions off a slowed
 replica; the 1-replica run's p99 is what placing every session on the fast replica gives);
 then round robin vs least-outstanding vs token-aware (`--policies`), all with session
-affinity, each under the same load, with the rank-0 replica answering every call
+affinity, each under the same load in `--blocks` blocks (2) run ABBA, so a machine that
+drifts over the run weighs on each policy alike, with the rank-0 replica answering every call
 `--slowdown` times as late (4x). The slowed replica is late, not busy: it sleeps (slowdown
 - 1) x each call's own time, so it takes no CPU from the rest, and calls it holds overlap
 (a replica on a slower accelerator that batches alike, or farther away). Per policy the
@@ -237,10 +238,12 @@ def compare_policies(
     args: argparse.Namespace,
     policies: tuple[str, ...],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Each policy over `args.blocks` interleaved blocks that add up to `args.duration`.
+    """Each policy over `args.blocks` interleaved blocks of `args.duration` seconds.
 
-    Block i of every policy replays the same requests (seed 1 + i). Returns the pooled
-    summary per policy and each block's ITL p99 and tokens/s, in the order they ran.
+    Every block deploys its own fleet, so token-aware learns the replicas' speeds afresh in
+    each; blocks as long as the single run's keep that cold start as rare as it was. Block i
+    of every policy replays the same requests (seed 1 + i). Returns the pooled summary per
+    policy and each block's ITL p99 and tokens/s, in the order they ran.
     """
     runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
     timeline = []
@@ -250,7 +253,7 @@ def compare_policies(
             pool,
             endpoint,
             args,
-            args.duration / args.blocks,
+            args.duration,
             seed=1 + block,
         )
         runs[policy].append(raw)
@@ -319,8 +322,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--blocks",
         type=int,
-        default=4,
-        help="each policy's --duration split into this many blocks, run interleaved (ABBA)",
+        default=2,
+        help="blocks of --duration seconds per policy, the policies interleaved (ABBA)",
     )
     parser.add_argument("--quick", action="store_true", help="short runs")
     parser.add_argument(
@@ -340,7 +343,6 @@ def parse_args() -> argparse.Namespace:
         args.duration, args.sessions = 8.0, 6
     if args.smoke:
         args.duration, args.warmup, args.sessions, args.new_tokens = 2.0, 1.0, 2, 8
-        args.blocks = 2
     return args
 
 
