@@ -72,7 +72,7 @@ test-archs: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m archs tests/archs tests/privacy/test_architectures.py -n 0 --durations=6
 
 proto: $(STAMP)
-	$(BIN)/python -m edge.proto.codegen
+	$(BIN)/python -m fedge.edge.proto.codegen
 
 clean:
 	rm -rf $(VENV) .fedge-cache .pytest_cache .mypy_cache .ruff_cache

@@ -58,8 +58,8 @@ def _speculative(client: Any, draft: Any, prompt: list[int], n: int) -> tuple[li
     """
     import grpc
 
-    from edge.decoder import DecodeConfig, SpeculativeDecoder
-    from edge.runtime import TorchDraftRuntime
+    from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+    from fedge.edge.runtime import TorchDraftRuntime
 
     arrivals: list[float] = []
     reopened = 0
@@ -90,7 +90,7 @@ def _requests(
     stop: Any,
 ) -> list[dict[str, Any]]:
     """One device's requests, back to back until `stop` is set."""
-    from edge.client import ClientConfig, VerifierClient
+    from fedge.edge.client import ClientConfig, VerifierClient
 
     rng = random.Random(seed)
     records: list[Record] = []

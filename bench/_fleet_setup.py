@@ -1,7 +1,7 @@
 """What the fleet bench sets up around the fleet: TLS and per-device tokens.
 
 The certificate is a real self-signed one for localhost and the tokens are random; the
-local Redis of several ingresses is `simulations.local_services.redis_server`.
+local Redis of several ingresses is `fedge.simulations.local_services.redis_server`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from simulations.local_services import self_signed_cert
+from fedge.simulations.local_services import self_signed_cert
 
 
 @dataclass(frozen=True)

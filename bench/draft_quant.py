@@ -64,8 +64,8 @@ def crossover(widths: list[int], reps: int, work: Path) -> list[dict[str, Any]]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from edge.export import _geometry, export_onnx, quantize_int4, quantize_int8
-    from edge.runtime import OnnxDraftRuntime
+    from fedge.edge.export import _geometry, export_onnx, quantize_int4, quantize_int8
+    from fedge.edge.runtime import OnnxDraftRuntime
 
     rows = []
     for width in widths:
@@ -106,11 +106,11 @@ def crossover(widths: list[int], reps: int, work: Path) -> list[dict[str, Any]]:
 
 def zoo_draft(preset: str, prompts: int, new_tokens: int, reps: int, work: Path) -> dict[str, Any]:
     """Export the zoo's draft, time each variant's decode step and measure its acceptance."""
-    from edge.decoder import DecodeConfig, SpeculativeDecoder
-    from edge.export import ExportConfig, export_draft
-    from edge.prompts import heldout_prompts
-    from edge.runtime import load_draft_runtime
-    from edge.verifier.engine import EngineConfig, VerifierEngine
+    from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+    from fedge.edge.export import ExportConfig, export_draft
+    from fedge.edge.prompts import heldout_prompts
+    from fedge.edge.runtime import load_draft_runtime
+    from fedge.edge.verifier.engine import EngineConfig, VerifierEngine
     from fedge.models import load_causal_lm, load_tokenizer
     from fedge.zoo import ensure_zoo
 

@@ -1,6 +1,6 @@
 """Benchmark edge-cloud decoding through an emulated network: routes, router, capacity, faults.
 
-Every byte between edge and verifier crosses `simulations.netem`, a userspace TCP proxy that
+Every byte between edge and verifier crosses `fedge.simulations.netem`, a userspace TCP proxy that
 delays each direction by RTT/2 (`tc netem` does not exist on these machines' kernel); the
 verifier is a child process (`fedge verifier serve`, one torch thread).
 
@@ -12,7 +12,7 @@ verifier is a child process (`fedge verifier serve`, one torch thread).
 2. Capacity at RTT 20 and 100 ms: the most concurrent devices one verifier serves while every
    device meets the objective, for cloud-only, speculative and the router. Devices replay
    drafts recorded beforehand and wait the draft's measured step time
-   (`simulations.edge_devices`), so they cost the verifier what real devices cost and the
+   (`fedge.simulations.edge_devices`), so they cost the verifier what real devices cost and the
    machine almost nothing; the proxy runs in its own process. Also measured: whether a target
    pass over k+1 tokens costs about one pass or k+1 (the CPU's regime).
 3. Faults: 16 devices decoding speculatively while the verifier is killed (SIGKILL) and
@@ -47,7 +47,7 @@ if not __package__:  # run as `python bench/x.py`: put the repo root first (benc
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from simulations.verifier_process import VerifierProcess
+from fedge.simulations.verifier_process import VerifierProcess
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "edge.json"
 PROMPT_TOKENS = 32
@@ -76,11 +76,17 @@ def pick_zoo(preset: str) -> Any:
 
 
 class ProxyProcess:
-    """`python -m simulations.netem` in its own process, so dozens of devices do not share its GIL."""
+    """`python -m fedge.simulations.netem` in its own process, so dozens of devices do not share its GIL."""
 
     def __init__(self, target_port: int, rtt_ms: float) -> None:
         command = [
-            *(sys.executable, "-m", "simulations.netem", "--target", f"127.0.0.1:{target_port}"),
+            *(
+                sys.executable,
+                "-m",
+                "fedge.simulations.netem",
+                "--target",
+                f"127.0.0.1:{target_port}",
+            ),
             *("--rtt-ms", str(rtt_ms)),
         ]
         self.proc = subprocess.Popen(
@@ -103,7 +109,7 @@ class ProxyProcess:
 # ---------------------------------------------------------------- figures
 def route_cost(per_token: dict[str, float]) -> float:
     """Cost per token in the router's units (default weights and device)."""
-    from edge.router import DeviceState, RouterConfig
+    from fedge.edge.router import DeviceState, RouterConfig
 
     cfg, dev = RouterConfig(), DeviceState()
     joules = (
@@ -180,10 +186,10 @@ def per_request(
     runtime: Any, server_port: int, prompts: list[list[int]], args: Any, objective: Any
 ) -> tuple[dict[str, Any], Any]:
     """Each route and the router at each RTT, through one in-process proxy."""
-    from edge.client import ClientConfig, EdgeClient, VerifierClient
-    from edge.decoder import DecodeConfig
-    from edge.router import Router
-    from simulations.netem import LinkConfig, NetworkEmulator
+    from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
+    from fedge.edge.decoder import DecodeConfig
+    from fedge.edge.router import Router
+    from fedge.simulations.netem import LinkConfig, NetworkEmulator
 
     decode = DecodeConfig(max_new_tokens=args.new_tokens)
     out: dict[str, Any] = {}
@@ -269,8 +275,8 @@ def verifier_costs(preset: str, prompt_len: int = 64) -> dict[str, Any]:
     import torch
     from transformers import DynamicCache
 
-    from edge import _hf
-    from edge.verifier.batching import KVGeometry, batched_forward
+    from fedge.edge import _hf
+    from fedge.edge.verifier.batching import KVGeometry, batched_forward
     from fedge.models import load_causal_lm
     from fedge.zoo import ensure_zoo
 
@@ -344,8 +350,8 @@ def message_costs(model_dir: Path, prompt: list[int], calls: int = 200) -> dict[
     """The verifier process's CPU (user + system) per Verify and per streamed Generate token."""
     import grpc
 
-    from edge.proto import verifier_pb2 as pb
-    from edge.proto import verifier_pb2_grpc as pb_grpc
+    from fedge.edge.proto import verifier_pb2 as pb
+    from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
 
     server = VerifierProcess(model_dir)
     try:
@@ -401,10 +407,10 @@ def capacity(
     """
     import resource
 
-    from edge.client import ClientConfig, EdgeClient, VerifierClient
-    from edge.decoder import DecodeConfig
-    from edge.router import Router
-    from simulations.edge_devices import (
+    from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
+    from fedge.edge.decoder import DecodeConfig
+    from fedge.edge.router import Router
+    from fedge.simulations.edge_devices import (
         ReplayRuntime,
         RequestFigures,
         devices_meeting,
@@ -512,11 +518,11 @@ def faults(
     request back in the cloud following the restart (or `--fault-patience-s` after it)."""
     import threading
 
-    from edge.client import ClientConfig, EdgeClient, VerifierClient
-    from edge.decoder import DecodeConfig
-    from edge.router import Router
-    from simulations.edge_devices import ReplayRuntime
-    from simulations.netem import LinkConfig, NetworkEmulator
+    from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
+    from fedge.edge.decoder import DecodeConfig
+    from fedge.edge.router import Router
+    from fedge.simulations.edge_devices import ReplayRuntime
+    from fedge.simulations.netem import LinkConfig, NetworkEmulator
 
     decode = DecodeConfig(max_new_tokens=args.capacity_tokens)
     outcomes: list[dict[str, Any]] = []
@@ -652,13 +658,13 @@ def main() -> None:
 
     import torch
 
-    from edge.client import ClientConfig, VerifierClient
-    from edge.export import ExportConfig, export_draft
-    from edge.prompts import heldout_prompts
-    from edge.router import Objective
-    from edge.runtime import load_draft_runtime
+    from fedge.edge.client import ClientConfig, VerifierClient
+    from fedge.edge.export import ExportConfig, export_draft
+    from fedge.edge.prompts import heldout_prompts
+    from fedge.edge.router import Objective
+    from fedge.edge.runtime import load_draft_runtime
     from fedge.models import load_tokenizer
-    from simulations.edge_devices import ReplayTable
+    from fedge.simulations.edge_devices import ReplayTable
 
     torch.set_num_threads(1)
     objective = Objective(args.tokens_per_s, args.ttft_s)
@@ -670,7 +676,7 @@ def main() -> None:
         "quick": args.quick,
         "objective": {"tokens_per_s": objective.tokens_per_s, "ttft_s": objective.ttft_s},
         "new_tokens": args.new_tokens,
-        "network": "userspace TCP proxy (simulations.netem): each direction delayed by RTT/2",
+        "network": "userspace TCP proxy (fedge.simulations.netem): each direction delayed by RTT/2",
         "load_start": loadavg(),
     }
     started = time.perf_counter()
@@ -709,7 +715,7 @@ def main() -> None:
                 steps.append((time.perf_counter() - tick) / (len(target) + 1) / depth)
         step_s = float(np.median(steps))
         if "capacity" not in skip:
-            from edge.router import Router
+            from fedge.edge.router import Router
 
             result["capacity"] = {
                 "devices": (

@@ -28,7 +28,7 @@ if not __package__:  # run as `python bench/x.py`: put the repo root first (benc
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "fl_throughput.json"
-APPS = {"ours": "simulations.apps:clientapp", "reference": "clients.reference:app"}
+APPS = {"ours": "fedge.simulations.apps:clientapp", "reference": "fedge.clients.reference:app"}
 
 
 def _largest_existing_preset() -> str:
@@ -45,8 +45,8 @@ def _run_variant(args: argparse.Namespace) -> None:
     """Child process: run one federation with the named ClientApp and exit."""
     import importlib
 
-    from server.config import RunConfig
-    from simulations.runner import Scenario, run_simulation
+    from fedge.server.config import RunConfig
+    from fedge.simulations.runner import Scenario, run_simulation
 
     module, _, attr = APPS[args.variant].partition(":")
     client_app = getattr(importlib.import_module(module), attr)

@@ -47,12 +47,12 @@ import numpy as np
 from bench._common import block_order
 from bench._fleet_devices import DevicePool, Endpoint, Load, Record
 from bench._fleet_setup import secure_material
-from edge.fleet.app import Fleet, FleetConfig, ensure_serve, start_fleet
-from edge.prompts import heldout_prompts
-from edge.verifier.engine import EngineConfig
+from fedge.edge.fleet.app import Fleet, FleetConfig, ensure_serve, start_fleet
+from fedge.edge.prompts import heldout_prompts
+from fedge.edge.verifier.engine import EngineConfig
 from fedge.models import load_tokenizer
+from fedge.simulations.local_services import redis_server
 from fedge.zoo import ensure_zoo
-from simulations.local_services import redis_server
 
 RESULTS = Path(__file__).parent / "results" / "fleet.json"
 SHORT, LONG = 8, 96
@@ -155,7 +155,7 @@ def run_block(
     """
     import ray
 
-    from edge.fleet.app import free_port
+    from fedge.edge.fleet.app import free_port
 
     endpoint = replace(endpoint, port=free_port("127.0.0.1"))  # never a stopped fleet's port
     fleet = start_fleet(replace(config, port=endpoint.port))

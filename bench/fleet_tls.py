@@ -42,7 +42,7 @@ def secure_ingress_port(fleet: Any, secure: Secure) -> int:
     """Deploy a TLS + token ingress in front of the fleet's stable version; its port."""
     from ray import serve
 
-    from edge.fleet.app import ingress_application
+    from fedge.edge.fleet.app import ingress_application
 
     spec = replace(
         fleet.config.ingress_spec(fleet.describe()["stable"], port=0),
@@ -56,7 +56,7 @@ def secure_ingress_port(fleet: Any, secure: Secure) -> int:
 
 def clients(plain_port: int, secure_port: int, secure: Secure) -> dict[str, Any]:
     """A verifier client of each ingress, the secure one with the device's token and the CA."""
-    from edge.client import ClientConfig, VerifierClient
+    from fedge.edge.client import ClientConfig, VerifierClient
 
     return {
         "plaintext": VerifierClient(ClientConfig(f"127.0.0.1:{plain_port}", device_id="device-0")),
@@ -74,9 +74,9 @@ def clients(plain_port: int, secure_port: int, secure: Secure) -> dict[str, Any]
 def main() -> None:
     args = alternating_args(__doc__.splitlines()[0])
 
-    from edge.fleet.app import FleetConfig, start_fleet
-    from edge.prompts import heldout_prompts
-    from edge.verifier.engine import EngineConfig
+    from fedge.edge.fleet.app import FleetConfig, start_fleet
+    from fedge.edge.prompts import heldout_prompts
+    from fedge.edge.verifier.engine import EngineConfig
     from fedge.models import load_tokenizer
     from fedge.zoo import ensure_zoo
 

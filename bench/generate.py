@@ -35,12 +35,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from edge.client import ClientConfig, VerifierClient
-    from edge.prompts import heldout_prompts
-    from edge.verifier.server import BackgroundServer, ServerConfig
+    from fedge.edge.client import ClientConfig, VerifierClient
+    from fedge.edge.prompts import heldout_prompts
+    from fedge.edge.verifier.server import BackgroundServer, ServerConfig
     from fedge.models import load_causal_lm, load_tokenizer
+    from fedge.simulations.verifier_process import VerifierProcess
     from fedge.zoo import ensure_zoo
-    from simulations.verifier_process import VerifierProcess
 
     zoo = ensure_zoo(args.preset)
     model = load_causal_lm(zoo.target_dir)

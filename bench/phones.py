@@ -45,9 +45,9 @@ def _loadavg() -> list[float]:
 
 def _strategy_figures(run: Path, target: float) -> dict[str, Any]:
     """One strategy's figures from its run directory."""
-    from server.rundir import read_config
-    from simulations.devicesim.report import hours_to_target, read_rounds
-    from strategies.registry import build_strategy
+    from fedge.server.rundir import read_config
+    from fedge.simulations.devicesim.report import hours_to_target, read_rounds
+    from fedge.strategies.registry import build_strategy
 
     config = read_config(run)
     summary = json.loads((run / "devices" / "summary.json").read_text())
@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-phones-"))
-    cmd = [sys.executable, "-m", "cli", "simulate", "phones", "--out", str(out)]
+    cmd = [sys.executable, "-m", "fedge.cli", "simulate", "phones", "--out", str(out)]
     cmd += ["--strategy", ",".join(STRATEGIES)]
     if args.rounds:
         cmd += ["--rounds", str(args.rounds)]
@@ -99,7 +99,7 @@ def main() -> None:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"fedge simulate phones failed with exit code {proc.returncode}")
 
-    from simulations.runner import load_scenario
+    from fedge.simulations.runner import load_scenario
 
     scenario = load_scenario("phones")
     assert scenario.devices is not None

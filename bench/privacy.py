@@ -53,7 +53,7 @@ BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": os.cpu
 # ---------------------------------------------------------------- 1. SecAgg+ overhead
 def simulate(server_app: Any, client_app: Any, num_clients: int) -> None:
     """Run ``server_app`` against ``num_clients`` simulated nodes on Flower's Ray engine."""
-    from simulations.flower_internals import run_ray_simulation
+    from fedge.simulations.flower_internals import run_ray_simulation
 
     run_ray_simulation(server_app, client_app, num_clients, BACKEND)
 
@@ -190,8 +190,8 @@ def dpsgd_overhead(
     """
     import torch
 
-    from clients.privacy.dpsgd import DPSGDConfig, lm_loss, token_records, train_dpsgd
-    from clients.privacy.local import apply_ffa
+    from fedge.clients.privacy.dpsgd import DPSGDConfig, lm_loss, token_records, train_dpsgd
+    from fedge.clients.privacy.local import apply_ffa
     from fedge.lm import holder
     from fedge.lm.config import TrainConfig
 

@@ -4,7 +4,7 @@ The same vector round and timing loop as ``bench/privacy.py`` part 1
 (``bench/secagg_rounds.py``), but every message crosses real gRPC: one ``flower-superlink``,
 N ``flower-supernode`` processes on 127.0.0.1, and that app run by ``flwr run``; plain and
 SecAgg+ (n/2 shares, threshold 2/3) each get one untimed warm-up round. Flower's gRPC grid sleeps 3 s between pulls in ``send_and_receive``; fedge's
-aggregators push and then pull with backoff (``server.grid.exchange_messages``).
+aggregators push and then pull with backoff (``fedge.server.grid.exchange_messages``).
 
 Usage: ``python bench/privacy_deploy.py [--clients 10] [--size 100000] [--rounds 3]``. The last
 line of output is one JSON object, also written to ``bench/results/privacy_deploy.json``.
@@ -26,7 +26,7 @@ from typing import Any
 if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
     import _bootstrap  # noqa: F401
 
-from simulations.localnet import (
+from fedge.simulations.localnet import (
     free_ports,
     stop_marked,
     superlink_command,

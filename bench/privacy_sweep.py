@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 SCENARIO = "demo"
-FACTORIES = "server.privacy.factories:"
+FACTORIES = "fedge.server.privacy.factories:"
 COMMON: dict[str, Any] = {  # on top of the demo scenario's [config]
     "weighting": "uniform",
     "dp-clip-norm": 0.1,
@@ -66,11 +66,11 @@ def sweep(runs: Mapping[str, tuple[float, dict[str, Any]]]) -> list[dict[str, An
     from flwr.serverapp import Grid, ServerApp
 
     from bench._common import loadavg
-    from server.loop import run_federation
-    from server.rundir import MetricsLog
-    from simulations.apps import clientapp
-    from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-    from simulations.runner import client_roots, load_scenario
+    from fedge.server.loop import run_federation
+    from fedge.server.rundir import MetricsLog
+    from fedge.simulations.apps import clientapp
+    from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+    from fedge.simulations.runner import client_roots, load_scenario
 
     root = Path(tempfile.mkdtemp(prefix="fedge-privacy-sweep-"))
     all_runs = {"warm-up": (0.0, {"num-server-rounds": 1}), **runs}
@@ -134,7 +134,7 @@ def plot(points: Sequence[Mapping[str, Any]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from server.privacy.plots import save_figure
+    from fedge.server.privacy.plots import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for prefix, label, marker in (

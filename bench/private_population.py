@@ -59,8 +59,8 @@ RESULTS = REPO / "bench" / "results" / "private_population.json"
 SCENARIOS = {1000: "private_population", 10_000: "private_population_10k"}
 MECHANISMS = {
     "plain": {"aggregator": "plain"},
-    "ddp": {"aggregator": "server.privacy.factories:secagg_distributed_dp"},
-    "central": {"aggregator": "server.privacy.factories:central_dp"},
+    "ddp": {"aggregator": "fedge.server.privacy.factories:secagg_distributed_dp"},
+    "central": {"aggregator": "fedge.server.privacy.factories:central_dp"},
 }
 MEMORY_RESULTS = REPO / "bench" / "results" / "private_population_memory.json"
 SMALL = {"num-server-rounds": 6, "server-eval-batches": 4}  # minutes on 2 shared cores
@@ -80,9 +80,9 @@ def run_one(
     population: int, cohort: int, mechanism: str, noise: float, overrides: Mapping[str, Any]
 ) -> dict[str, Any]:
     """One federation; its figures (see the module docstring)."""
-    from server.checkpoint import load_checkpoint
-    from server.rundir import MetricsLog
-    from simulations.runner import load_scenario, run_simulation
+    from fedge.server.checkpoint import load_checkpoint
+    from fedge.server.rundir import MetricsLog
+    from fedge.simulations.runner import load_scenario, run_simulation
 
     config = {
         **overrides,
@@ -142,7 +142,7 @@ def _draws(budget_state: Mapping[str, float]) -> list[tuple[int, int]]:
 def _epsilons(draws: Sequence[tuple[int, int]], z: float, delta: float) -> dict[str, float]:
     """Amplified (observers of the model) and unamplified (the server) epsilon, PLD and RDP."""
     from fedge.privacy.accounting import gaussian_epsilon
-    from server.sampling import sampled_epsilon
+    from fedge.server.sampling import sampled_epsilon
 
     return {
         "epsilon_pld": sampled_epsilon("poisson", draws, z, delta, "pld"),

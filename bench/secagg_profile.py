@@ -3,7 +3,7 @@
 Two parts, both on the vector round of ``bench/secagg_rounds.py`` (same ClientApp, same
 timing loop, same warm-up):
 
-* ``inprocess``: plain vs SecAgg+ round times under ``simulations.inprocess`` (no
+* ``inprocess``: plain vs SecAgg+ round times under ``fedge.simulations.inprocess`` (no
   polling, no Ray: each pushed message runs the ClientApp at once), so the ratio is
   what the protocol itself costs, client and server, with no transport waits.
 * ``profile``: the same SecAgg+ rounds under cProfile; milliseconds per round of the
@@ -72,7 +72,7 @@ def inprocess_round_times(
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
-    from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+    from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
     out: dict[str, Any] = {}
     server_app = ServerApp()

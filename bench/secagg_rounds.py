@@ -25,12 +25,12 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid, ServerApp
 
-from clients.mods import dispatch_mods
 from fedge import keys
+from fedge.clients.mods import dispatch_mods
 from fedge.secagg import wire
 
 if TYPE_CHECKING:
-    from server.aggregation import Aggregator
+    from fedge.server.aggregation import Aggregator
 
 SIZE_KEY = "x-size"  # train-config key: floats per client vector
 HALF, THRESHOLD = 0.5, 2 / 3  # legacy SecAggPlusWorkflow's graph: n/2 shares, threshold 2/3
@@ -85,8 +85,8 @@ def aggregator(name: str) -> Aggregator:
     ClientApp process per message, which should not pay for the server's imports (torch).
     """
     from fedge.secagg.config import SecAggConfig
-    from server.aggregation import PlainAggregator
-    from server.secagg.aggregator import SecAggPlusAggregator
+    from fedge.server.aggregation import PlainAggregator
+    from fedge.server.secagg.aggregator import SecAggPlusAggregator
 
     if name == "plain":
         return PlainAggregator()

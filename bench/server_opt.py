@@ -49,8 +49,8 @@ def parse_arms(text: str) -> list[tuple[str, str, float]]:
 
 def run_arm(optimizer: str, server_lr: float, overrides: Mapping[str, Any]) -> list[float]:
     """Participants' held-out perplexity after each round (round 0 first) of one federation."""
-    from server.rundir import MetricsLog
-    from simulations.runner import load_scenario, run_simulation
+    from fedge.server.rundir import MetricsLog
+    from fedge.simulations.runner import load_scenario, run_simulation
 
     config = {**overrides, "server-optimizer": optimizer, "server-lr": server_lr}
     scenario = load_scenario("demo", config)

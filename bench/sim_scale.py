@@ -7,7 +7,7 @@ on the same sampled clients and the same local compute:
 * bare:      a plain loop: load the global adapter, a few optimizer steps, take the
              delta, sum; no messages, no server loop;
 * inprocess: ``fedge simulate --engine inprocess``: the real ServerApp and ClientApp
-             through :class:`simulations.inprocess.InProcessGrid` (its round also
+             through :class:`fedge.simulations.inprocess.InProcessGrid` (its round also
              validates, checkpoints, evaluates on the server and writes metrics);
 * ray:       Flower's Ray simulation of the same workload (reference, fewer rounds, a
              population of one round's clients, all sampled).
@@ -56,7 +56,7 @@ WORKLOAD = {
 
 
 def _config(population: int, per_round: int, rounds: int, run_dir: Path) -> Any:
-    from server.config import RunConfig
+    from fedge.server.config import RunConfig
 
     return RunConfig.from_mapping(
         {
@@ -71,7 +71,7 @@ def _config(population: int, per_round: int, rounds: int, run_dir: Path) -> Any:
 
 def run_fedge(engine: str, population: int, per_round: int, rounds: int) -> dict[str, Any]:
     """Run the federation on ``engine``; updates/s over rounds >= 2 from the run's metrics."""
-    from simulations.runner import Scenario, run_simulation
+    from fedge.simulations.runner import Scenario, run_simulation
 
     with tempfile.TemporaryDirectory(prefix=f"sim-scale-{engine}-") as tmp:
         run_dir = Path(tmp) / "run"
@@ -146,12 +146,17 @@ def _bare_client(
     import numpy as np
     import torch
 
-    from clients.trainer import build_optimizer, random_windows, resolve_optimizer, run_local_steps
+    from fedge.clients.trainer import (
+        build_optimizer,
+        random_windows,
+        resolve_optimizer,
+        run_local_steps,
+    )
     from fedge.lm import holder
     from fedge.lm.config import derive_seed
     from fedge.lm.evaluate import autocast_context, lm_batch_loss
-    from strategies.base import ClientHook
-    from strategies.registry import build_strategy
+    from fedge.strategies.base import ClientHook
+    from fedge.strategies.registry import build_strategy
 
     train = cfg.train
     holder.set_adapter(lm, adapter)

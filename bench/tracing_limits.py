@@ -53,10 +53,10 @@ def in_memory_provider() -> Any:
 
 def start(name: str, zoo: Any, model: Any, secure: Secure) -> tuple[Any, Any]:
     """A verifier and its client for one configuration."""
-    from edge.client import ClientConfig, VerifierClient
-    from edge.verifier.engine import EngineConfig
-    from edge.verifier.limits import RateLimitConfig
-    from edge.verifier.server import BackgroundServer, ServerConfig
+    from fedge.edge.client import ClientConfig, VerifierClient
+    from fedge.edge.verifier.engine import EngineConfig
+    from fedge.edge.verifier.limits import RateLimitConfig
+    from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 
     limits = RateLimitConfig(verify_rate=1e9, verify_burst=10**9) if name == "limits" else None
     provider = in_memory_provider() if name == "tracing" else None
@@ -83,7 +83,7 @@ def start(name: str, zoo: Any, model: Any, secure: Secure) -> tuple[Any, Any]:
 
 def off_path_ns() -> float:
     """ns per verify spent in the hooks when tracing and limits are off."""
-    from edge.tracing import NO_TRACING
+    from fedge.edge.tracing import NO_TRACING
 
     items = iter(range(10**7))
     passthrough = NO_TRACING.iterate("x", items)
@@ -100,7 +100,7 @@ def off_path_ns() -> float:
 def main() -> None:
     args = alternating_args(__doc__.splitlines()[0])
 
-    from edge.prompts import heldout_prompts
+    from fedge.edge.prompts import heldout_prompts
     from fedge.models import load_causal_lm, load_tokenizer
     from fedge.zoo import ensure_zoo
 

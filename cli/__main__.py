@@ -1,5 +1,5 @@
-"""`python -m cli ...` runs the `fedge` command line (what child processes and tests start)."""
+"""`python -m fedge.cli ...` runs the `fedge` command line (what child processes and tests start)."""
 
-from cli.main import main
+from fedge.cli.main import main
 
 main()

@@ -55,7 +55,7 @@ def card_table(zoo: ZooPaths) -> Table:
 
 def quiet_libraries() -> None:
     """Silence framework logs, library warnings and progress bars (`--verbose` keeps them)."""
-    from simulations.runner import QUIET_ENV
+    from fedge.simulations.runner import QUIET_ENV
 
     os.environ[QUIET_ENV] = "1"  # Ray workers' logs stay off the console
     os.environ.setdefault("FLWR_LOG_LEVEL", "WARNING")
@@ -98,10 +98,10 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
 
     `engine` replaces the demo scenario's simulation engine ("ray" or "inprocess").
     """
-    from edge.demo import edge_stage
-    from simulations.demo import federated_stage, perplexity_table, realignment_stage
-    from simulations.demo_population import population_stage
-    from simulations.report import write_report
+    from fedge.edge.demo import edge_stage
+    from fedge.simulations.demo import federated_stage, perplexity_table, realignment_stage
+    from fedge.simulations.demo_population import population_stage
+    from fedge.simulations.report import write_report
 
     run_dir = out or Path("runs") / f"demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -14,12 +14,12 @@ app = typer.Typer(
 
 def _register_subcommands() -> None:
     """Attach each part's command group; imports stay here so `fedge --help` stays one place."""
-    from cli.demo import demo
-    from edge.cli import edge_app, verifier_app
-    from edge.fleet.cli import register as register_fleet
+    from fedge.cli.demo import demo
+    from fedge.edge.cli import edge_app, verifier_app
+    from fedge.edge.fleet.cli import register as register_fleet
+    from fedge.server.privacy.cli import app as privacy_app
+    from fedge.simulations.cli import app as simulate_app
     from fedge.zoo.cli import app as models_app
-    from server.privacy.cli import app as privacy_app
-    from simulations.cli import app as simulate_app
 
     app.add_typer(models_app, name="models")
     app.add_typer(edge_app, name="edge")

@@ -11,9 +11,9 @@ Message handlers (Flower Message API):
 
 All configuration arrives in the message's ``config`` ConfigRecord; the node config
 says which partition this node is (``partition-id``). Mods named by ``client-mods``
-are applied per call by :func:`clients.mods.dispatch_mods`.
+are applied per call by :func:`fedge.clients.mods.dispatch_mods`.
 
-The train and evaluate work lives in :mod:`clients.rounds`, imported by the first such call:
+The train and evaluate work lives in :mod:`fedge.clients.rounds`, imported by the first such call:
 loading this app and answering a query import no torch, transformers or peft (a process that
 only reports its partition, as the Deployment Engine starts one per message, spent about 5 CPU
 seconds importing them; about 0.5 s without).
@@ -24,9 +24,9 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.mods import dispatch_mods
-from clients.node import partition_id
 from fedge import keys
+from fedge.clients.mods import dispatch_mods
+from fedge.clients.node import partition_id
 
 app = ClientApp(mods=[dispatch_mods])
 
@@ -41,7 +41,7 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Run local LoRA training on this node's partition and reply with the contribution."""
-    from clients import rounds  # the training stack loads here, never for a query
+    from fedge.clients import rounds  # the training stack loads here, never for a query
 
     return rounds.train_reply(msg, context)
 
@@ -49,6 +49,6 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Held-out loss of the global adapter on this node's held-out split."""
-    from clients import rounds  # the training stack loads here, never for a query
+    from fedge.clients import rounds  # the training stack loads here, never for a query
 
     return rounds.evaluate_reply(msg, context)

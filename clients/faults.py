@@ -1,6 +1,6 @@
 """Fault injection for resilience tests and drills: a client mod that corrupts chosen replies.
 
-Enable with ``client-mods = "clients.faults:fault_mod"`` and
+Enable with ``client-mods = "fedge.clients.faults:fault_mod"`` and
 ``x-fault-partitions = "1:nan,2:missing"`` (partition:fault). Faults: ``nan`` (a NaN
 in the first delta), ``missing`` (drops one key), ``dtype`` (float64 array),
 ``shape`` (one array flattened and truncated), ``error`` (the client raises).

@@ -4,7 +4,7 @@
 (SecAgg+, distributed-DP clipping and noise, fault injection) is configuration, so
 the ClientApp installs :func:`dispatch_mods` only. On every call it
 
-1. checks train and evaluate messages against this node's :class:`clients.privacy.policy.PrivacyPolicy`
+1. checks train and evaluate messages against this node's :class:`fedge.clients.privacy.policy.PrivacyPolicy`
    and answers a violation with an error reply naming the rule (the server reports it);
 2. applies the mods ``client-mods`` names (message config, else run config), outermost
    first, each looked up in :data:`REGISTRY`, plus any the policy requires.
@@ -26,17 +26,17 @@ from collections.abc import Callable
 from flwr.app import Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from clients.faults import fault_mod
-from clients.privacy.mods import distributed_dp_mod
-from clients.privacy.policy import (
+from fedge import keys
+from fedge.clients.faults import fault_mod
+from fedge.clients.privacy.mods import distributed_dp_mod
+from fedge.clients.privacy.policy import (
     ERROR_POLICY,
     PolicyRefusal,
     check_evaluate,
     check_train,
     node_policy,
 )
-from clients.secagg.mod import secaggplus_mod
-from fedge import keys
+from fedge.clients.secagg.mod import secaggplus_mod
 from fedge.privacy.wire import KEY_DP_NOISE_STD
 from fedge.secagg import wire as secagg_wire
 
@@ -50,9 +50,9 @@ REGISTRY: dict[str, Mod] = {
 }
 # Dotted names earlier configs used; looked up as strings, never imported.
 ALIASES = {
-    "clients.secagg.mod:secaggplus_mod": MOD_SECAGG,
-    "clients.privacy.mods:distributed_dp_mod": MOD_DISTRIBUTED_DP,
-    "clients.faults:fault_mod": MOD_FAULTS,
+    "fedge.clients.secagg.mod:secaggplus_mod": MOD_SECAGG,
+    "fedge.clients.privacy.mods:distributed_dp_mod": MOD_DISTRIBUTED_DP,
+    "fedge.clients.faults:fault_mod": MOD_FAULTS,
 }
 
 

@@ -1,7 +1,7 @@
 """What a message and this node say about one call: the config record, its names resolved, the partition.
 
 Light on purpose (Flower and fedge's names only): a node answering a ``query`` needs these and
-nothing of the training stack (:mod:`clients.app`).
+nothing of the training stack (:mod:`fedge.clients.app`).
 """
 
 from __future__ import annotations

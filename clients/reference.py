@@ -1,8 +1,8 @@
 """A baseline ClientApp that rebuilds the model inside every ``train`` call, as Flower's LLM examples do.
 
 It exists only so ``bench/fl_throughput.py`` can measure, in the same run, what the
-per-worker model cache of :mod:`clients.app` saves. Training, data and the reply
-are those of :mod:`clients.app`; the only difference is that the base model and
+per-worker model cache of :mod:`fedge.clients.app` saves. Training, data and the reply
+are those of :mod:`fedge.clients.app`; the only difference is that the base model and
 its LoRA wrapper are loaded from disk on each call and dropped afterwards.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from clients import app as cached_app
+from fedge.clients import app as cached_app
 from fedge.lm import holder
 
 app = ClientApp()

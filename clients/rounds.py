@@ -1,6 +1,6 @@
 """One ``train`` or ``evaluate`` call of the ClientApp: LoRA steps or held-out loss on this node's data.
 
-:mod:`clients.app` hands these calls here, so torch, transformers and peft load with a node's
+:mod:`fedge.clients.app` hands these calls here, so torch, transformers and peft load with a node's
 first training or evaluation, never for a ``query`` (a node that only reports its partition
 starts in a fraction of the time).
 """
@@ -14,9 +14,10 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 
-from clients.node import local_config, partition_id
-from clients.privacy.ledger import node_ledger
-from clients.privacy.local import (
+from fedge import keys, names
+from fedge.clients.node import local_config, partition_id
+from fedge.clients.privacy.ledger import node_ledger
+from fedge.clients.privacy.local import (
     ERROR_BUDGET,
     BudgetExhausted,
     apply_ffa,
@@ -24,16 +25,20 @@ from clients.privacy.local import (
     ffa_enabled,
     train_dpsgd_round,
 )
-from clients.privacy.policy import dpsgd_budget, node_policy
-from clients.state import CommittedStore, ContextStore, DiskStore
-from clients.trainer import build_optimizer, random_windows, resolve_optimizer, run_local_steps
-from fedge import keys, names
+from fedge.clients.privacy.policy import dpsgd_budget, node_policy
+from fedge.clients.state import CommittedStore, ContextStore, DiskStore
+from fedge.clients.trainer import (
+    build_optimizer,
+    random_windows,
+    resolve_optimizer,
+    run_local_steps,
+)
 from fedge.data import ClientTokens
 from fedge.data.shards import device_tokens
 from fedge.lm import distill, holder
 from fedge.lm.config import TrainConfig, derive_seed
 from fedge.lm.evaluate import autocast_context, evaluate_tokens
-from strategies.base import (
+from fedge.strategies.base import (
     Arrays,
     ClientResult,
     ClientStateStore,
@@ -41,7 +46,7 @@ from strategies.base import (
     Weighting,
     build_contribution,
 )
-from strategies.registry import build_strategy
+from fedge.strategies.registry import build_strategy
 
 
 def device_data(
@@ -138,11 +143,13 @@ def train_reply(msg: Message, context: Context) -> Message:
     batches = [
         random_windows(tokens, cfg.batch_size, cfg.seq_len, rng).to(lm.device) for _ in range(steps)
     ]
-    apply_ffa(lm.model, ffa_enabled(config))  # FFA-LoRA: lora_A frozen under DP (clients.privacy)
+    apply_ffa(
+        lm.model, ffa_enabled(config)
+    )  # FFA-LoRA: lora_A frozen under DP (fedge.clients.privacy)
     dp = dpsgd_config(config)
     t_train = time.perf_counter()
     privacy_metrics: dict[str, float] = {}
-    if dp is not None:  # sample-level DP-SGD with Opacus, noise from the OS (clients.privacy)
+    if dp is not None:  # sample-level DP-SGD with Opacus, noise from the OS (fedge.clients.privacy)
         distill.refuse_dpsgd(config)
         try:
             losses, privacy_metrics = train_dpsgd_round(

@@ -17,7 +17,7 @@ import torch
 
 from fedge.lm.config import TrainConfig
 from fedge.lm.evaluate import MIN_WINDOW
-from strategies.base import ClientHook
+from fedge.strategies.base import ClientHook
 
 
 # ---------------------------------------------------------------- batches

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from edge.cli_options import (
+from fedge.edge.cli_options import (
     GENERATE_BURST,
     PREFILL_BURST,
     TOKEN_ENV,
@@ -67,8 +67,8 @@ def export_command(
     prompt_len: Annotated[int, typer.Option(help="Tokens per validation prompt.")] = 32,
 ) -> None:
     """Export MODEL_DIR to ONNX with KV-cache tensors, quantize (int8, 4-bit), validate, write a manifest."""
-    from edge.export import ExportConfig, ExportValidationError, export_draft
-    from edge.prompts import heldout_prompts
+    from fedge.edge.export import ExportConfig, ExportValidationError, export_draft
+    from fedge.edge.prompts import heldout_prompts
     from fedge.models import load_tokenizer
 
     if model_dir is None:
@@ -153,12 +153,12 @@ def generate_command(
     otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:
     """Stream a completion of PROMPT as tokens are accepted; print a JSON report to stderr."""
-    from edge.client import ClientConfig, EdgeClient, VerifierClient
-    from edge.decoder import DecodeConfig
-    from edge.export import TOKENIZER_DIR, load_export_tokenizer
-    from edge.runtime import load_draft_runtime
-    from edge.tracing import TracingConfig, shutdown, tracer_provider
-    from edge.verifier.identity import tokenizer_id
+    from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
+    from fedge.edge.decoder import DecodeConfig
+    from fedge.edge.export import TOKENIZER_DIR, load_export_tokenizer
+    from fedge.edge.runtime import load_draft_runtime
+    from fedge.edge.tracing import TracingConfig, shutdown, tracer_provider
+    from fedge.edge.verifier.identity import tokenizer_id
     from fedge.models import load_tokenizer
 
     provider = tracer_provider(TracingConfig(tracing, "fedge-edge", otlp_endpoint))
@@ -245,9 +245,9 @@ def serve_command(
     otlp_endpoint: OtlpEndpointOption = None,
 ) -> None:
     """Serve MODEL (plus ADAPTER) over gRPC until SIGINT/SIGTERM; health is NOT_SERVING while loading and draining."""
-    from edge.tracing import TracingConfig, shutdown, tracer_provider
-    from edge.verifier.engine import EngineConfig
-    from edge.verifier.server import ServerConfig, serve
+    from fedge.edge.tracing import TracingConfig, shutdown, tracer_provider
+    from fedge.edge.verifier.engine import EngineConfig
+    from fedge.edge.verifier.server import ServerConfig, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = ServerConfig(

@@ -10,10 +10,10 @@ from typing import Annotated
 
 import typer
 
-from edge.verifier.rate_config import RateLimitConfig
+from fedge.edge.verifier.rate_config import RateLimitConfig
 
 TOKEN_ENV = "FEDGE_VERIFIER_TOKEN"
-TRACING_ENV = "FEDGE_TRACING"  # = edge.tracing.TRACING_ENV
+TRACING_ENV = "FEDGE_TRACING"  # = fedge.edge.tracing.TRACING_ENV
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 ModelOption = Annotated[Path, typer.Option(help="Base model dir (Hugging Face format).")]

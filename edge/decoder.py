@@ -4,7 +4,7 @@ The draft runtime keeps its KV cache across rounds and rolls it back to the
 accepted prefix after each verify; the verifier keeps the target's cache in its
 session. Greedy mode reproduces the target's greedy output token for token;
 sampling mode reports the draft's distributions so the verifier's acceptance
-rule (edge.speculative) leaves the target's distribution intact.
+rule (fedge.edge.speculative) leaves the target's distribution intact.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Protocol
 
 import numpy as np
 
-from edge.draftlen import SpeculationEstimator
-from edge.runtime import DraftRuntime
-from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
+from fedge.edge.draftlen import SpeculationEstimator
+from fedge.edge.runtime import DraftRuntime
+from fedge.edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 
 
 class VerifierLink(Protocol):
@@ -47,7 +47,9 @@ class DecodeConfig:
     draft_len: int = 4  # initial draft length
     min_draft: int = 1
     max_draft: int = 16  # the verifier's own max_draft caps it too
-    adaptive: bool = True  # draft length from the tokens/s objective (edge.draftlen), else fixed
+    adaptive: bool = (
+        True  # draft length from the tokens/s objective (fedge.edge.draftlen), else fixed
+    )
     draft_top_k: int = 32  # draft samples from its top-k when sampling: bounds bytes up per token
     stop_token_id: int | None = None
 

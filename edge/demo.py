@@ -13,12 +13,12 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from edge.client import ClientConfig, VerifierClient
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.export import ExportConfig, export_draft
-from edge.prompts import heldout_prompts
-from edge.runtime import load_draft_runtime
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.client import ClientConfig, VerifierClient
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.export import ExportConfig, export_draft
+from fedge.edge.prompts import heldout_prompts
+from fedge.edge.runtime import load_draft_runtime
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.tables import wrapping_table
 
 VALIDATION_PROMPTS = 8

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge.speculative import expected_tokens_per_pass
+from fedge.edge.speculative import expected_tokens_per_pass
 
 MAX_POSITIONS = 32  # draft positions with their own acceptance estimate (the verifier caps k lower)
 

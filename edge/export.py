@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from edge import _hf
-from edge.runtime import MANIFEST_FORMAT, MANIFEST_NAME, OnnxDraftRuntime, sha256_file
+from fedge.edge import _hf
+from fedge.edge.runtime import MANIFEST_FORMAT, MANIFEST_NAME, OnnxDraftRuntime, sha256_file
 from fedge.errors import FedgeError
 
 FP32_FILE = "draft.fp32.onnx"

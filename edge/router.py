@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edge.draftlen import SpeculationEstimator
+from fedge.edge.draftlen import SpeculationEstimator
 
 
 class Route(str, enum.Enum):
@@ -243,7 +243,7 @@ class RouterState:
 def speculative_shift(state: RouterState, s: RouteStats) -> tuple[float, float, float]:
     """What speculative decoding gains or loses per token (seconds, target passes) and in TTFT
     going from the RTT its estimates were measured at to the current one, by the draft-length
-    model (edge.draftlen): the draft grows with the RTT, so each token pays less of it."""
+    model (fedge.edge.draftlen): the draft grows with the RTT, so each token pays less of it."""
     est, hi = state.speculation, state.config.max_draft
     then_g, now_g = est.best_draft_len(1, hi, s.rtt_s), est.best_draft_len(1, hi, state.rtt_s)
     seconds = est.seconds_per_token(1, hi, state.rtt_s) - est.seconds_per_token(1, hi, s.rtt_s)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from edge import _hf
+from fedge.edge import _hf
 from fedge.errors import CorruptModelError, ModelNotFoundError
 
 MANIFEST_NAME = "manifest.json"

@@ -105,8 +105,10 @@ CFG_EVAL_BATCHES: Final = "eval-batches"
 CFG_STEP_BUDGET: Final = "step-budget"  # steps this client may run this round (set per device)
 CFG_CLIENT_THREADS: Final = "client-threads"
 CFG_CLIENT_STATE_DIR: Final = "client-state-dir"  # "" keeps client state in Context.state
-CFG_CLIENT_MODS: Final = "client-mods"  # comma separated "package.module:mod" (clients.mods)
-CFG_OPTIMIZER: Final = "optimizer"  # "auto" (the strategy's own), "adamw", "sgd" (clients.trainer)
+CFG_CLIENT_MODS: Final = "client-mods"  # comma separated "package.module:mod" (fedge.clients.mods)
+CFG_OPTIMIZER: Final = (
+    "optimizer"  # "auto" (the strategy's own), "adamw", "sgd" (fedge.clients.trainer)
+)
 
 CFG_RUN_DIR: Final = "run-dir"
 CFG_TENSORBOARD: Final = (
@@ -123,4 +125,4 @@ CFG_MAX_CLIENT_WEIGHT: Final = "max-client-weight"  # cap on a client's meta/wei
 CFG_MAX_UPDATE_NORM: Final = (
     "max-update-norm"  # refuse a client update above this L2 norm (0: none)
 )
-CFG_PRIVACY_BUDGET: Final = "privacy-budget"  # "" or "package.module:factory" (server.budget)
+CFG_PRIVACY_BUDGET: Final = "privacy-budget"  # "" or "package.module:factory" (fedge.server.budget)

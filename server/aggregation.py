@@ -1,14 +1,14 @@
 """Aggregators: how one round's train messages go out and their contributions come back summed.
 
-The round loop (:mod:`server.loop`) hands an aggregator the sampled node ids and the
+The round loop (:mod:`fedge.server.loop`) hands an aggregator the sampled node ids and the
 train message content; the aggregator returns the element-wise SUM of the valid
-contributions (see :mod:`strategies.base`). :class:`PlainAggregator` sends one train
+contributions (see :mod:`fedge.strategies.base`). :class:`PlainAggregator` sends one train
 message per node and sums in the clear; seeing each contribution, it also enforces the
 per-client bounds (``max-client-weight``, ``max-update-norm``) and, with ``aggregator``
 ``median``, ``trimmed-mean`` or ``krum``, combines them robustly
-(:mod:`strategies.robust`; the result keeps the shape of a sum). Privacy variants plug
+(:mod:`fedge.strategies.robust`; the result keeps the shape of a sum). Privacy variants plug
 in by name through the ``aggregator`` config key, as a dotted ``"package.module:factory"``
-whose factory takes the resolved :class:`server.config.RunConfig` and returns an
+whose factory takes the resolved :class:`fedge.server.config.RunConfig` and returns an
 object with the :class:`Aggregator` protocol, e.g. a SecAgg+ aggregator that runs
 its own message stages and returns only the unmasked sum, or a central-DP wrapper
 that clips each contribution and noises the sum of an inner aggregator.
@@ -29,14 +29,14 @@ from flwr.serverapp import Grid
 
 from fedge import keys
 from fedge.plugins import load_dotted
-from server.grid import exchange_messages
-from strategies.base import Arrays
-from strategies.registry import ROBUST_AGGREGATORS, robust_config
-from strategies.replies import contribution_problem
-from strategies.robust import RobustConfig, apply_bounds, robust_sum
+from fedge.server.grid import exchange_messages
+from fedge.strategies.base import Arrays
+from fedge.strategies.registry import ROBUST_AGGREGATORS, robust_config
+from fedge.strategies.replies import contribution_problem
+from fedge.strategies.robust import RobustConfig, apply_bounds, robust_sum
 
 if TYPE_CHECKING:
-    from server.config import RunConfig
+    from fedge.server.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The fedge ServerApp: the round loop of :mod:`server.loop` behind Flower's ``@app.main()``.
+"""The fedge ServerApp: the round loop of :mod:`fedge.server.loop` behind Flower's ``@app.main()``.
 
 ``app`` (what ``[tool.flwr.app.components]`` names) reads its configuration from the
 run config, i.e. ``[tool.flwr.app.config]`` plus ``flwr run --run-config``
@@ -6,10 +6,10 @@ overrides. ``fedge simulate`` builds its own ServerApp with
 :func:`make_server_app`, passing the scenario's resolved config directly, because
 Flower's ``run_simulation`` gives the ServerApp an empty run config.
 
-The FAB deploys the production ClientApp (``clients.app:app``), which never simulates a
+The FAB deploys the production ClientApp (``fedge.clients.app:app``), which never simulates a
 device; so under ``flwr run`` the ServerApp refuses the device-simulation keys
 (``straggler-fraction``, ``device-population``) instead of silently ignoring them:
-simulated devices are ``fedge simulate``'s (``simulations.apps`` wraps the ClientApp).
+simulated devices are ``fedge simulate``'s (``fedge.simulations.apps`` wraps the ClientApp).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from server.config import RunConfig
-from server.loop import LoopOutcome, RowCallback, default_run_dir, run_federation
-from server.tracking import round_trackers
+from fedge.server.config import RunConfig
+from fedge.server.loop import LoopOutcome, RowCallback, default_run_dir, run_federation
+from fedge.server.tracking import round_trackers
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def refuse_device_simulation(run_config: Mapping[str, object]) -> None:
     asked = [k for k in DEVICE_SIMULATION_KEYS if run_config.get(k) not in (None, "", 0, 0.0)]
     if asked:
         raise ValueError(
-            f"run config sets {', '.join(asked)}: the FAB's ClientApp (clients.app:app) is the "
+            f"run config sets {', '.join(asked)}: the FAB's ClientApp (fedge.clients.app:app) is the "
             "production one and simulates no devices; run device simulations with "
             "`fedge simulate` (scenario [config]), or set these keys to their defaults"
         )

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedge import keys
-from strategies.base import GlobalState
+from fedge.strategies.base import GlobalState
 
 if TYPE_CHECKING:
-    from server.config import RunConfig
-    from strategies.base import Strategy
+    from fedge.server.config import RunConfig
+    from fedge.strategies.base import Strategy
 
 _ROUND_DIR = re.compile(r"^round_(\d{4,})$")
 _ADAPTER, _EXTRAS = "adapter::", "extras::"

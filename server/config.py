@@ -16,12 +16,17 @@ from typing import Any
 
 from fedge import keys
 from fedge.lm.config import TrainConfig, coerce, config_key
+from fedge.strategies.registry import (
+    ROBUST_AGGREGATORS,
+    STRATEGY_NAMES,
+    robust_config,
+    server_opt_config,
+)
 from fedge.types import ConfigValue
-from strategies.registry import ROBUST_AGGREGATORS, STRATEGY_NAMES, robust_config, server_opt_config
 
 EXTENSION_PREFIXES = ("dp-", "secagg-", "privacy-", "device-", "straggler-", "distill-", "x-")
 """Keys with these prefixes belong to plug-ins (aggregators, mods, budgets, device simulation
-in ``simulations.devices``); they are kept
+in ``fedge.simulations.devices``); they are kept
 as strings/numbers in ``RunConfig.extra`` and sent to clients with every message."""
 
 

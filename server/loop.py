@@ -6,7 +6,7 @@ fresh or resume from the newest checkpoint), then per round:
   1. :func:`budget_allows`: ask the privacy budget whether this round may be released
      (else stop cleanly);
   2. :func:`sample_cohort`: sample, with the checkpointed RNG, from the nodes connected
-     now, in partition order (:mod:`server.membership`: nodes join and leave);
+     now, in partition order (:mod:`fedge.server.membership`: nodes join and leave);
   3. :func:`train_exchange`: hand the train message to the aggregator, which returns the
      SUM of valid contributions (malformed replies are rejected and logged by node id);
   4. :func:`aggregate_and_account`: ``strategy.finalize`` turns the sum into the next
@@ -16,7 +16,7 @@ fresh or resume from the newest checkpoint), then per round:
      the participants' own, and the sampled clients' held-out loss;
   6. :func:`checkpoint_and_report`: write the metrics row and the checkpoint;
   7. :func:`plateau_reached`: with ``plateau-patience``, stop once the participants'
-     held-out perplexity stops improving (:mod:`server.plateau`).
+     held-out perplexity stops improving (:mod:`fedge.server.plateau`).
 
 A round with fewer valid replies than ``min-train-nodes`` fails (:func:`shortfall`): the
 run stops with ``status.json`` saying why, its last checkpoint intact, resumable with
@@ -43,9 +43,9 @@ from fedge.data.shards import device_pools
 from fedge.lm import holder
 from fedge.plugins import load_dotted
 from fedge.privacy.wire import REFUSAL_BUDGET
-from server.aggregation import AggregateResult, Aggregator, build_aggregator
-from server.budget import PrivacyBudget
-from server.checkpoint import (
+from fedge.server.aggregation import AggregateResult, Aggregator, build_aggregator
+from fedge.server.budget import PrivacyBudget
+from fedge.server.checkpoint import (
     Checkpoint,
     archive_previous_run,
     check_resumable,
@@ -53,25 +53,25 @@ from server.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from server.config import RunConfig
-from server.membership import Roster, federation_size, resolve_partition_count, sample_nodes
-from server.messages import (
+from fedge.server.config import RunConfig
+from fedge.server.membership import Roster, federation_size, resolve_partition_count, sample_nodes
+from fedge.server.messages import (
     NODE_WAIT_SECONDS,
     client_evaluate,
     query_partitions,
     server_config,
     train_content,
 )
-from server.model import ServerModel
-from server.plateau import plateaued
-from server.privacy.config import DPConfig
-from server.privacy.factories import default_budget
-from server.privacy.plots import plot_privacy
-from server.rows import round_row, write_status
-from server.rundir import MetricsLog, plot_perplexity, write_config
-from server.sampling import Draw, budget_for, draw_cohort, sampling_scheme
-from strategies.base import Arrays, GlobalState, Strategy, replace_state
-from strategies.registry import build_strategy
+from fedge.server.model import ServerModel
+from fedge.server.plateau import plateaued
+from fedge.server.privacy.config import DPConfig
+from fedge.server.privacy.factories import default_budget
+from fedge.server.privacy.plots import plot_privacy
+from fedge.server.rows import round_row, write_status
+from fedge.server.rundir import MetricsLog, plot_perplexity, write_config
+from fedge.server.sampling import Draw, budget_for, draw_cohort, sampling_scheme
+from fedge.strategies.base import Arrays, GlobalState, Strategy, replace_state
+from fedge.strategies.registry import build_strategy
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def default_run_dir() -> Path:
 def build_budget(cfg: RunConfig, aggregator: Aggregator) -> PrivacyBudget:
     """The accountant named by ``privacy-budget`` (a dotted factory), else the aggregator's own,
     amplified by the cohort's sampling when ``privacy-sampling`` draws it as an accountant
-    assumes (:mod:`server.sampling`)."""
+    assumes (:mod:`fedge.server.sampling`)."""
     scheme = sampling_scheme(cfg.extra, cfg.over_selection)
     dp = getattr(aggregator, "cfg", None)
     if not cfg.privacy_budget and scheme and isinstance(dp, DPConfig):
@@ -343,7 +343,7 @@ def open_run(
 
 
 def plateau_reached(fed: Federation) -> bool:
-    """Whether the participants' held-out perplexity has plateaued (:mod:`server.plateau`);
+    """Whether the participants' held-out perplexity has plateaued (:mod:`fedge.server.plateau`);
     with the rule off, the metrics file is not read."""
     if fed.cfg.plateau_patience <= 0:
         return False
@@ -357,7 +357,7 @@ def budget_allows(fed: Federation, server_round: int) -> bool:
 
 
 def draw_allowed(fed: Federation, cohort: Cohort) -> bool:
-    """Whether a budget that prices each draw (:mod:`server.sampling`) lets this cohort train."""
+    """Whether a budget that prices each draw (:mod:`fedge.server.sampling`) lets this cohort train."""
     allows_draw = getattr(fed.budget, "allows_draw", None)
     return cohort.draw is None or allows_draw is None or bool(allows_draw(cohort.draw))
 
@@ -370,7 +370,7 @@ def sample_cohort(fed: Federation) -> Cohort:
     scheme = sampling_scheme(fed.cfg.extra, fed.cfg.over_selection)
     if not scheme:
         return Cohort(candidates, population, target, sampled)
-    # as the accountant assumes: K of the nodes eligible now, by a secret coin (server.sampling)
+    # as the accountant assumes: K of the nodes eligible now, by a secret coin (fedge.server.sampling)
     draw = draw_cohort(scheme, candidates, target)
     return Cohort(candidates, population, len(draw.sampled), list(draw.sampled), draw)
 

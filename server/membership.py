@@ -22,7 +22,7 @@ import numpy as np
 from flwr.serverapp import Grid
 
 from fedge import keys
-from server.config import RunConfig
+from fedge.server.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from flwr.serverapp import Grid
 
 from fedge import keys, names
 from fedge.lm import holder
-from server.aggregation import reply_metrics
-from server.config import RunConfig
-from strategies.base import ConfigValue, GlobalState, Strategy
+from fedge.server.aggregation import reply_metrics
+from fedge.server.config import RunConfig
+from fedge.strategies.base import ConfigValue, GlobalState, Strategy
 
 log = logging.getLogger(__name__)
 

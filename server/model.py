@@ -10,9 +10,9 @@ import numpy as np
 
 from fedge.lm import holder
 from fedge.lm.evaluate import evaluate_tokens
-from server.config import RunConfig
-from server.messages import server_config
-from strategies.base import Arrays
+from fedge.server.config import RunConfig
+from fedge.server.messages import server_config
+from fedge.strategies.base import Arrays
 
 
 class ServerModel:

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from fedge import keys
-from server.aggregation import AggregateResult
-from server.budget import PrivacyBudget
-from server.privacy.plots import dpsgd_epsilon
-from strategies.base import Strategy
+from fedge.server.aggregation import AggregateResult
+from fedge.server.budget import PrivacyBudget
+from fedge.server.privacy.plots import dpsgd_epsilon
+from fedge.strategies.base import Strategy
 
 
 def round_row(

@@ -6,7 +6,7 @@
     <run>/metrics.jsonl      one JSON object per round (round 0 = before training)
     <run>/metrics.csv        the same rows as CSV
     <run>/perplexity.png     held-out perplexity per round
-    <run>/checkpoints/       one folder per round (server.checkpoint)
+    <run>/checkpoints/       one folder per round (fedge.server.checkpoint)
     <run>/final/adapter/     peft adapter (PeftModel.from_pretrained)
     <run>/final/merged/      base + adapter merged, with the tokenizer, for serving
 """

@@ -38,8 +38,8 @@ import numpy as np
 from fedge.types import ConfigValue
 
 if TYPE_CHECKING:
-    from server.config import RunConfig
-    from server.privacy.config import DPConfig
+    from fedge.server.config import RunConfig
+    from fedge.server.privacy.config import DPConfig
 
 KEY_SAMPLING = "privacy-sampling"  # "" (the loop's seeded order), "poisson" or "fixed"
 SCHEMES = ("", "poisson", "fixed")
@@ -196,14 +196,14 @@ def sampled_epsilon(
 
 
 def sampled_budget(cfg: RunConfig) -> SampledDPBudget:
-    """``privacy-budget = "server.sampling:sampled_budget"``: the DP aggregator's z and
+    """``privacy-budget = "fedge.server.sampling:sampled_budget"``: the DP aggregator's z and
     accountant, amplified by ``privacy-sampling`` (which must be set)."""
-    from server.privacy.factories import dp_config
+    from fedge.server.privacy.factories import dp_config
 
     scheme = sampling_scheme(cfg.extra, cfg.over_selection)
     if not scheme:
         raise ValueError(
-            f"privacy-budget = server.sampling:sampled_budget needs {KEY_SAMPLING} = "
+            f"privacy-budget = fedge.server.sampling:sampled_budget needs {KEY_SAMPLING} = "
             "'poisson' or 'fixed': without it no draw is known to amplify"
         )
     return budget_for(dp_config(cfg, "central"), scheme)

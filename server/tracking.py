@@ -1,7 +1,7 @@
 """Experiment tracking of every run: each round's metrics row as TensorBoard scalars, and
 optionally as MLflow metrics.
 
-The ServerApp (:mod:`server.app`) writes ``<run-dir>/tensorboard`` in every run, under
+The ServerApp (:mod:`fedge.server.app`) writes ``<run-dir>/tensorboard`` in every run, under
 ``flwr run``, ``fedge simulate`` and the demo alike (``tensorboard = false`` turns it off);
 view it with ``tensorboard --logdir <run-dir>/tensorboard``. With ``mlflow = "local"`` it
 also logs to MLflow's local file store in the run directory (``<run-dir>/mlruns``; view it
@@ -117,7 +117,7 @@ class MlflowRounds:
 
 class LazyTracker:
     """A tracker opened at the first row, after the loop has archived an earlier run's outputs
-    (``server.checkpoint.RUN_OUTPUTS``), never before; ``close`` passes the run's outcome."""
+    (``fedge.server.checkpoint.RUN_OUTPUTS``), never before; ``close`` passes the run's outcome."""
 
     def __init__(self, open_tracker: Callable[[], Any]) -> None:
         self._open = open_tracker

@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from server.rundir import MetricsLog, plot_perplexity
-from simulations.runner import Scenario, load_run_scenario, load_scenario, run_simulation
+from fedge.server.rundir import MetricsLog, plot_perplexity
+from fedge.simulations.runner import Scenario, load_run_scenario, load_scenario, run_simulation
 
 app = typer.Typer(
     help="Run the federation in simulation (Flower's Ray engine or the in-process engine).",
@@ -154,7 +154,7 @@ def _run_one(scenario: Scenario, run_dir: Path, resume: bool, console: Console) 
 
 def _compare_devices(base: Path, strategies: list[str], console: Console) -> None:
     """With simulated devices: perplexity against simulated hours, one line per strategy."""
-    from simulations.devicesim.report import plot_perplexity_hours, read_rounds
+    from fedge.simulations.devicesim.report import plot_perplexity_hours, read_rounds
 
     runs = {s: rows for s in strategies if (rows := read_rounds(base / s))}
     if not runs:

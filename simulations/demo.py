@@ -23,10 +23,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from fedge.tables import wrapping_table
-from fedge.zoo import ZooPaths
-from server.rundir import MetricsLog
-from simulations.realign import (
+from fedge.server.rundir import MetricsLog
+from fedge.simulations.realign import (
     PROMPT_TOKENS,
     REALIGN_OVERRIDES,
     ClientAcceptance,
@@ -34,7 +32,9 @@ from simulations.realign import (
     participating,
     realign_draft,
 )
-from simulations.runner import Scenario, load_scenario, run_simulation
+from fedge.simulations.runner import Scenario, load_scenario, run_simulation
+from fedge.tables import wrapping_table
+from fedge.zoo import ZooPaths
 
 DEMO_SCENARIO = "demo"
 DEMO_OVERRIDES_ENV = "FEDGE_DEMO_SET"
@@ -51,8 +51,8 @@ DEMO_REALIGN_OVERRIDES: dict[str, Any] = {
 }
 ACCEPTANCE_PROMPTS = 12  # per client: 6 x 32 tokens left the per-client figures +-5 points noisy
 PRIVATE_OVERRIDES: dict[str, Any] = {  # SecAgg+ with distributed DP, RDP accounting
-    "aggregator": "server.privacy.factories:secagg_distributed_dp",
-    "privacy-budget": "server.privacy.factories:rdp_budget",
+    "aggregator": "fedge.server.privacy.factories:secagg_distributed_dp",
+    "privacy-budget": "fedge.server.privacy.factories:rdp_budget",
     "weighting": "uniform",
     "dp-clip-norm": 0.1,
     "dp-noise-multiplier": 0.5,

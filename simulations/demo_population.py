@@ -22,9 +22,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fedge.server.rundir import MetricsLog, read_config
+from fedge.simulations.runner import Scenario, load_scenario, run_simulation
 from fedge.tables import wrapping_table
-from server.rundir import MetricsLog, read_config
-from simulations.runner import Scenario, load_scenario, run_simulation
 
 POPULATION_SCENARIO = "demo_population"
 PLAIN_OVERRIDES: dict[str, Any] = {"aggregator": "plain"}  # same cohort law, no DP, no SecAgg+

@@ -3,9 +3,9 @@
 This is a simulation concern: the ClientApp deployed on a real device knows nothing of
 it. :func:`device_mod` wraps the ClientApp (a Flower mod) and writes the round's step
 budget (``step-budget``) into each train message, never above a budget already there
-(the virtual clock's deadline cut, :mod:`simulations.devicesim.grid`); the ClientApp honours the budget the
+(the virtual clock's deadline cut, :mod:`fedge.simulations.devicesim.grid`); the ClientApp honours the budget the
 same way it would honour one set by a real device. The keys below ride in the run
-config as plug-in keys (``device-`` / ``straggler-`` prefixes, see ``server.config``).
+config as plug-in keys (``device-`` / ``straggler-`` prefixes, see ``fedge.server.config``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge.runtime import DraftRuntime
+from fedge.edge.runtime import DraftRuntime
 
 
 @dataclass(frozen=True)

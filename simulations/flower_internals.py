@@ -2,7 +2,7 @@
 
 1. ``Metadata.message_id`` is read-only; the SuperLink (and Flower's own grids, e.g.
    ``flwr.server.superlink.linkstate.utils``) stamp it by writing ``_message_id``. The
-   in-process grid (:mod:`simulations.inprocess`) plays the SuperLink, so it must stamp ids
+   in-process grid (:mod:`fedge.simulations.inprocess`) plays the SuperLink, so it must stamp ids
    the same way; no public setter exists in Flower 1.42. When Flower renames or moves the
    field, :func:`set_message_id` raises at once (rather than leaving every message with an
    empty id, which would silently merge replies).

@@ -49,7 +49,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from simulations.flower_internals import set_message_id
+from fedge.simulations.flower_internals import set_message_id
 
 log = logging.getLogger(__name__)
 

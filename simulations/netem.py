@@ -18,7 +18,7 @@ endpoint for life; one that cannot reach its endpoint is reset), and ``cut(port)
 endpoint as a pod's death does: its connections and every new one sent to it are reset.
 
 Run it in a background thread (``NetworkEmulator(...).start() -> port``, ``stop()``) or as
-``python -m simulations.netem --listen 127.0.0.1:7000 --target 127.0.0.1:50051 --rtt-ms 100``.
+``python -m fedge.simulations.netem --listen 127.0.0.1:7000 --target 127.0.0.1:50051 --rtt-ms 100``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from simulations.network_profiles import PROFILES, NetworkProfile, profile
+from fedge.simulations.network_profiles import PROFILES, NetworkProfile, profile
 
 __all__ = ["PROFILES", "LinkConfig", "NetworkEmulator", "NetworkProfile", "profile"]
 
@@ -395,7 +395,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the proxy in the foreground until interrupted."""
-    parser = argparse.ArgumentParser(prog="python -m simulations.netem", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fedge.simulations.netem", description=__doc__)
     parser.add_argument("--listen", type=_hostport, default=("127.0.0.1", 0), help="host:port")
     parser.add_argument("--target", type=_hostport, required=True, help="host:port to forward to")
     parser.add_argument(

@@ -27,10 +27,10 @@ import numpy as np
 from fedge import keys
 from fedge.lm import holder
 from fedge.models import load_causal_lm
+from fedge.server.config import RunConfig
+from fedge.server.rundir import MetricsLog
+from fedge.simulations.runner import Scenario, run_simulation
 from fedge.zoo.evaluate import greedy_agreement, prompts_from
-from server.config import RunConfig
-from server.rundir import MetricsLog
-from simulations.runner import Scenario, run_simulation
 
 PROMPT_TOKENS = 32  # prompt length, as in the zoo card's agreement figure
 MIN_PROMPT_TOKENS = 4  # below this a prompt carries too little context to compare drafts on

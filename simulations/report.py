@@ -245,7 +245,7 @@ def _plot_rounds(federation: dict[str, Any], out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from server.rundir import MetricsLog
+    from fedge.server.rundir import MetricsLog
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for run in (federation["plain"], federation["private"]):

@@ -1,7 +1,7 @@
 """Run the fedge Flower apps in simulation from a scenario file, on one of two engines.
 
 ``engine = "ray"`` is Flower's simulation engine (Ray actors; the engine for scale
-across machines); ``engine = "inprocess"`` is :mod:`simulations.inprocess`, which
+across machines); ``engine = "inprocess"`` is :mod:`fedge.simulations.inprocess`, which
 runs the same ServerApp and ClientApp in this process with no polling and no
 per-node objects (the engine for large populations and small workloads on one
 machine). A scenario (``simulations/scenarios/<name>.toml``) has two tables:
@@ -28,10 +28,10 @@ from typing import Any
 import tomllib
 
 from fedge.names import DATA, MODELS, STATE, roots_for
-from server.config import RunConfig
-from server.rundir import read_config
-from simulations.devices import DeviceBehaviour
-from simulations.devicesim.config import DeviceConfig
+from fedge.server.config import RunConfig
+from fedge.server.rundir import read_config
+from fedge.simulations.devices import DeviceBehaviour
+from fedge.simulations.devicesim.config import DeviceConfig
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 ENGINES = ("ray", "inprocess")
@@ -53,7 +53,7 @@ class Scenario:
     config: RunConfig
     devices: DeviceConfig | None = None  # [devices]: simulated devices on a virtual clock
     strategies: str = ""  # strategies `fedge simulate` compares when --strategy is not given
-    engine: str = "ray"  # "ray" (Flower's simulation) or "inprocess" (simulations.inprocess)
+    engine: str = "ray"  # "ray" (Flower's simulation) or "inprocess" (fedge.simulations.inprocess)
 
     def __post_init__(self) -> None:
         """Validate the population, naming the key."""
@@ -235,13 +235,13 @@ def run_simulation(
 ) -> Any:
     """Run the scenario's federation on its engine; return the loop outcome.
 
-    ``client_app`` defaults to :data:`simulations.apps.clientapp`; it must live in an importable
+    ``client_app`` defaults to :data:`fedge.simulations.apps.clientapp`; it must live in an importable
     module so Ray actors import it (and keep its module-level cache).
     """
-    from server.app import OutcomeBox, make_server_app
+    from fedge.server.app import OutcomeBox, make_server_app
 
     if client_app is None:
-        from simulations.apps import clientapp as client_app
+        from fedge.simulations.apps import clientapp as client_app
 
     cfg = scenario.config.with_overrides(
         {"run-dir": str(run_dir), "client-state-dir": client_state_dir(scenario, run_dir)}
@@ -262,7 +262,7 @@ def run_simulation(
         if scenario.engine == "inprocess":
             _run_inprocess(scenario, run_dir, resume, server_app, client_app, cfg.seed)
         else:
-            from simulations.flower_internals import run_ray_simulation
+            from fedge.simulations.flower_internals import run_ray_simulation
 
             concurrency = max(1, int((os.cpu_count() or 1) // scenario.client_cpus))
             os.environ["FEDGE_CONCURRENCY"] = str(min(concurrency, scenario.num_supernodes))
@@ -278,7 +278,7 @@ def run_simulation(
 class DeviceRun:
     """A scenario's simulated devices: built (and validated) before the run, reported after it."""
 
-    sim: Any  # simulations.devicesim.grid.DeviceSim
+    sim: Any  # fedge.simulations.devicesim.grid.DeviceSim
     config: DeviceConfig
     run_config: RunConfig
 
@@ -288,8 +288,8 @@ class DeviceRun:
     def start(cls, scenario: Scenario, cfg: RunConfig, run_dir: Path, resume: bool) -> DeviceRun:
         """Build the population, workload and memory fit (a malformed population fails here);
         on ``resume``, continue the clock and counters of the checkpointed round."""
-        from server.checkpoint import latest_round
-        from simulations.devicesim.setup import build_sim
+        from fedge.server.checkpoint import latest_round
+        from fedge.simulations.devicesim.setup import build_sim
 
         assert scenario.devices is not None
         sim = build_sim(scenario.devices, cfg, scenario.num_supernodes)
@@ -328,14 +328,14 @@ class DeviceRun:
 
     def wrap(self, grid: Any) -> Any:
         """The Grid the round loop talks to: Flower's, on the devices' virtual clock."""
-        from simulations.devicesim.grid import DeviceGrid, partitions_by_query
+        from fedge.simulations.devicesim.grid import DeviceGrid, partitions_by_query
 
         return DeviceGrid(grid, self.sim, partitions_by_query(self.run_config))
 
     def finish(self, run_dir: Path) -> dict[str, Any]:
         """Close the last round and write the device reports into ``<run>/devices``."""
-        from server.rundir import MetricsLog
-        from simulations.devicesim.report import write_reports
+        from fedge.server.rundir import MetricsLog
+        from fedge.simulations.devicesim.report import write_reports
 
         self.sim.end_round()
         return write_reports(
@@ -353,7 +353,7 @@ def _run_inprocess(
     """One ClientApp call at a time in this process, so torch gets every core."""
     import shutil
 
-    from simulations.inprocess import run_inprocess
+    from fedge.simulations.inprocess import run_inprocess
 
     os.environ["FEDGE_CONCURRENCY"] = "1"
     state_dir = run_dir / NODE_STATE_DIR
@@ -371,7 +371,7 @@ def inprocess_grid(
 ) -> Any:
     """The in-process engine's Grid for a scenario: with simulated devices the virtual clock
     decides who reports, so the wall-clock round timeout (machine speed) drops nobody."""
-    from simulations.inprocess import DeviceTable, InProcessGrid
+    from fedge.simulations.inprocess import DeviceTable, InProcessGrid
 
     return InProcessGrid(
         client_app,

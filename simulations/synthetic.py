@@ -4,7 +4,7 @@ Runs the real strategy and trainer code.
 
 Each client i owns (A_i, b_i) with strongly different optima; the global objective
 is the mean of the client losses 0.5/n_i * ||A_i w - b_i||^2. A round samples
-clients, runs :func:`clients.trainer.run_local_steps` with the strategy's hook and
+clients, runs :func:`fedge.clients.trainer.run_local_steps` with the strategy's hook and
 plain SGD, builds contributions, sums them, and calls ``finalize``: the same path
 the Flower apps take, minus transport.
 """
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from clients.state import MemoryStore
-from clients.trainer import run_local_steps
 from fedge import keys
-from strategies.base import (
+from fedge.clients.state import MemoryStore
+from fedge.clients.trainer import run_local_steps
+from fedge.strategies.base import (
     Arrays,
     ClientResult,
     ConfigValue,

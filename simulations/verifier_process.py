@@ -15,7 +15,7 @@ class VerifierProcess:
 
     def __init__(self, model_dir: Path, max_batch: int = 32, torch_threads: int = 1) -> None:
         command = [
-            *(sys.executable, "-m", "edge.verifier", "--model", str(model_dir)),
+            *(sys.executable, "-m", "fedge.edge.verifier", "--model", str(model_dir)),
             *("--port", "0", "--max-batch", str(max_batch), "--batch-window-ms", "2"),
             *("--torch-threads", str(torch_threads), "--grace-s", "1", "--max-draft", "16"),
         ]

@@ -51,11 +51,11 @@ Every fedge strategy is also a Flower strategy
 runs it with ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``:
 ``configure_train`` is Flower's (node sampling, ``server-round``) plus the strategy's
 config keys and payload record; ``aggregate_train`` reads each reply as a contribution
-(:mod:`strategies.replies`: fedge's own or a Flower quickstart reply), applies the
-per-client bounds and the combination rule (:mod:`strategies.robust`), and calls
-``finalize``, whose step is the server optimizer (:mod:`strategies.server_opt`).
+(:mod:`fedge.strategies.replies`: fedge's own or a Flower quickstart reply), applies the
+per-client bounds and the combination rule (:mod:`fedge.strategies.robust`), and calls
+``finalize``, whose step is the server optimizer (:mod:`fedge.strategies.server_opt`).
 Evaluation is Flower's FedAvg unchanged. The client half for any torch ClientApp is
-:class:`strategies.client.TrainRound`.
+:class:`fedge.strategies.client.TrainRound`.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedge import keys
-from fedge.types import Arrays, ConfigValue
-from strategies.contract import (
+from fedge.strategies.contract import (
     ClientHook,
     ClientResult,
     ClientStateStore,
@@ -84,9 +83,10 @@ from strategies.contract import (
     replace_state,
     sum_contributions,
 )
-from strategies.replies import reply_contribution
-from strategies.robust import RobustConfig, apply_bounds, robust_sum
-from strategies.server_opt import PREFIX_OPT, ServerOptConfig, ServerOptimizer
+from fedge.strategies.replies import reply_contribution
+from fedge.strategies.robust import RobustConfig, apply_bounds, robust_sum
+from fedge.strategies.server_opt import PREFIX_OPT, ServerOptConfig, ServerOptimizer
+from fedge.types import Arrays, ConfigValue
 
 if TYPE_CHECKING:
     import torch
@@ -273,7 +273,7 @@ class Strategy(FlowerFedAvg, ABC):
 
     def aggregate_sum(self, server_round: int, summed: Arrays) -> ArrayRecord:
         """The round's summed contributions -> ``finalize`` -> next arrays; a secure aggregator
-        that hands over only the sum (``server.secagg.strategy``) enters here."""
+        that hands over only the sum (``fedge.server.secagg.strategy``) enters here."""
         state = self._round_state
         if state is None:
             raise AggregationError("aggregate_sum before configure_train: no round is open")

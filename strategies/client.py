@@ -22,8 +22,8 @@ in :mod:`fedge.keys`); under one of Flower's own strategies (no ``strategy`` key
 config) it is Flower's usual reply, the trained arrays plus ``num-examples``, and the
 hooks do nothing. So the same ClientApp serves Flower's FedAvg, FedAdam, Krum, ... and
 fedge's FedAvg, FedProx and SCAFFOLD: switching is a server-side change. Strategy state that outlives the round (SCAFFOLD's ``c_i``) is kept in the
-node's ``Context.state`` by default, or in any :class:`~strategies.contract.ClientStateStore`
-(``strategies.state.DiskStore`` on a shared directory for a Ray cluster).
+node's ``Context.state`` by default, or in any :class:`~fedge.strategies.contract.ClientStateStore`
+(``fedge.strategies.state.DiskStore`` on a shared directory for a Ray cluster).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from fedge import keys
+from fedge.strategies.base import Strategy
+from fedge.strategies.contract import ClientHook, ClientResult, ClientStateStore, build_contribution
+from fedge.strategies.registry import build_strategy
+from fedge.strategies.state import ContextStore
 from fedge.types import Arrays, ConfigValue
-from strategies.base import Strategy
-from strategies.contract import ClientHook, ClientResult, ClientStateStore, build_contribution
-from strategies.registry import build_strategy
-from strategies.state import ContextStore
 
 FLOWER_ARRAYS = "arrays"  # the record name Flower's strategies send the global arrays under
 

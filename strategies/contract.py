@@ -3,7 +3,7 @@
 A client's local outcome (:class:`ClientResult`) becomes ONE flat dict of float32
 arrays, its *contribution* (keys in :mod:`fedge.keys`); the server only needs the
 element-wise sum of the contributions (:func:`sum_contributions`). See
-:mod:`strategies.base` for how the halves fit together.
+:mod:`fedge.strategies.base` for how the halves fit together.
 """
 
 from __future__ import annotations

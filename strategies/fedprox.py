@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fedge import keys
-from strategies.base import (
+from fedge.strategies.base import (
     Arrays,
     ClientHook,
     ClientStateStore,

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fedge import keys
-from strategies.base import ConfigValue, Strategy, Weighting
-from strategies.fedavg import FedAvg
-from strategies.fedprox import FedProx
-from strategies.robust import AGGREGATION_RULES, RobustConfig
-from strategies.scaffold import Scaffold
-from strategies.server_opt import ServerOptConfig
+from fedge.strategies.base import ConfigValue, Strategy, Weighting
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.fedprox import FedProx
+from fedge.strategies.robust import AGGREGATION_RULES, RobustConfig
+from fedge.strategies.scaffold import Scaffold
+from fedge.strategies.server_opt import ServerOptConfig
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "scaffold")
 ROBUST_AGGREGATORS = tuple(r for r in AGGREGATION_RULES if r != "mean")  # values of `aggregator`

@@ -4,7 +4,7 @@ Two reply shapes are accepted (both by fedge's round loop and by fedge strategie
 running inside a plain Flower ``ServerApp``):
 
 * fedge's: a ``contribution`` ArrayRecord (keys in :mod:`fedge.keys`), as
-  :func:`~strategies.contract.build_contribution` or :mod:`strategies.client` build it;
+  :func:`~fedge.strategies.contract.build_contribution` or :mod:`fedge.strategies.client` build it;
 * Flower's quickstart shape: ONE ArrayRecord with the locally trained arrays and a
   MetricRecord with the example count (``num-examples``). It becomes the contribution
   ``delta = n * (local - global)``, ``meta/weight = n``, ``meta/count = 1``, so Flower's
@@ -85,7 +85,7 @@ def reply_contribution(
         return None, (
             f"reply has neither a '{keys.REC_CONTRIB}' ArrayRecord nor one ArrayRecord of the "
             f"model's arrays with a '{weighted_by_key}' metric; build replies with "
-            "strategies.client.TrainRound"
+            "fedge.strategies.client.TrainRound"
         )
     problem = contribution_problem(record, spec)
     if problem is not None:
@@ -93,7 +93,7 @@ def reply_contribution(
         if plain and any(k.startswith(keys.PREFIX_CONTROL) for k in spec):
             problem += (
                 " (a plain Flower reply carries no SCAFFOLD control delta: build the reply "
-                "with strategies.client.TrainRound)"
+                "with fedge.strategies.client.TrainRound)"
             )
         return None, problem
     return {k: record[k].numpy() for k in spec}, None

@@ -8,7 +8,7 @@ Plain (non-SecAgg) rounds can defend against malicious clients in two layers:
    norm ``||delta / weight||`` (plus its ``ctrl/`` part) exceeds ``max_update_norm``
    is refused with a reason. One mechanism, usable wherever contributions are seen.
 2. :func:`robust_sum` — the round's combination rule. ``mean`` is the exact weighted
-   sum (:func:`~strategies.contract.sum_contributions`); ``median`` (Yin et al. 2018),
+   sum (:func:`~fedge.strategies.contract.sum_contributions`); ``median`` (Yin et al. 2018),
    ``trimmed-mean`` (same paper) and ``krum`` (Blanchard et al. 2017) combine the
    per-client UNSCALED updates ``delta / weight`` with equal say (a self-reported weight
    is what an attacker controls) using Flower's own functions where Flower has them
@@ -32,8 +32,8 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from fedge import keys
+from fedge.strategies.contract import sum_contributions
 from fedge.types import Arrays
-from strategies.contract import sum_contributions
 
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean", "krum")
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedge import keys
-from strategies.base import (
+from fedge.strategies.base import (
     Arrays,
     ClientHook,
     ClientStateStore,

@@ -8,7 +8,7 @@ replaced by ``x + mean delta`` (:class:`_GivenMean` sits below the Flower class 
 method order, where ``FedAvg`` would average the replies), so Flower's momentum and
 adaptive-moment math runs exactly as it does in a Flower ServerApp.
 Flower keeps the moments on the strategy object; here they live in the
-:class:`~strategies.contract.GlobalState` extras (``opt/m/<tensor>``, ``opt/v/<tensor>``)
+:class:`~fedge.strategies.contract.GlobalState` extras (``opt/m/<tensor>``, ``opt/v/<tensor>``)
 and are loaded into Flower's object before each step, so they are checkpointed with the
 adapter and a resumed run continues exactly.
 

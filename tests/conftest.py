@@ -79,7 +79,7 @@ def _process_state_restored() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def redis_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real redis-server on 127.0.0.1 (password from a file) for the tests that ask for it."""
-    from simulations.local_services import redis_server
+    from fedge.simulations.local_services import redis_server
 
     with redis_server(tmp_path_factory.mktemp("redis")) as server:
         yield server

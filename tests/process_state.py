@@ -15,7 +15,7 @@ _IDENTITY = ("_task_id", "_run_id", "_node_id")
 def process_state_restored() -> Iterator[None]:
     """Undo what the block left in os.environ and Flower's TaskIdentity.
 
-    Code under test sets both for good reasons (`simulations.runner` sets FEDGE_CONCURRENCY for
+    Code under test sets both for good reasons (`fedge.simulations.runner` sets FEDGE_CONCURRENCY for
     the client apps; the in-process engine sets the ServerApp's task identity), so nothing run
     in a test's process may change what a later test sees.
     """

@@ -6,7 +6,7 @@ stream; Opacus' DPDataLoader draws every batch by Poisson sampling with rate
 it claims is real, and both the batches and the noise are drawn from a generator seeded
 from the OS CSPRNG every round, never from the run's seed (the server knows that seed,
 and with it could replay the noise and the batch membership). The accountant's history
-is a mapping the caller persists (``clients.privacy.ledger``, on the node's disk), so
+is a mapping the caller persists (``fedge.clients.privacy.ledger``, on the node's disk), so
 epsilon accumulates over every round the client trains in, across restarts (the
 PrivacyEngine object itself is rebuilt around it each round because the model object the
 engine hooks is rebuilt per round).
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from strategies.base import ClientHook
+from fedge.strategies.base import ClientHook
 
 if TYPE_CHECKING:  # Opacus loads SciPy (seconds): imported where a DP-SGD round needs it
     from opacus.accountants import RDPAccountant

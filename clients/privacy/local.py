@@ -16,14 +16,14 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from clients.privacy.dpsgd import (
+from fedge.clients.privacy.dpsgd import (
     DPSGDConfig,
     cumulative_epsilon,
     projected_epsilon,
     token_records,
     train_dpsgd,
 )
-from clients.privacy.ledger import DPSGD, Ledger
+from fedge.clients.privacy.ledger import DPSGD, Ledger
 from fedge.errors import FedgeError
 from fedge.privacy.ffa import KEY_FFA, ffa_enabled
 from fedge.privacy.wire import (
@@ -33,7 +33,7 @@ from fedge.privacy.wire import (
     MET_DPSGD_EPSILON,
     REFUSAL_BUDGET,
 )
-from strategies.base import ClientHook, ConfigValue
+from fedge.strategies.base import ClientHook, ConfigValue
 
 __all__ = ["KEY_FFA", "apply_ffa", "dpsgd_config", "ffa_enabled", "train_dpsgd_round"]
 ERROR_BUDGET = 643  # error code of a round refused for an exhausted budget

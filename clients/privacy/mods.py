@@ -5,9 +5,9 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
-from clients.privacy.ledger import node_ledger
-from clients.privacy.policy import PolicyRefusal, requested_dp
 from fedge import keys
+from fedge.clients.privacy.ledger import node_ledger
+from fedge.clients.privacy.policy import PolicyRefusal, requested_dp
 from fedge.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
 from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution
 from fedge.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD
@@ -21,10 +21,10 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     """Clip the train reply's sensitive contribution to C and add N(0, std^2) before it leaves.
 
     C and std come from the ``config`` record (``dp-clip-norm``, ``dp-noise-std``) that
-    ``server.privacy.aggregators.DistributedDPAggregator`` adds. Listed after the SecAgg+ mod
+    ``fedge.server.privacy.aggregators.DistributedDPAggregator`` adds. Listed after the SecAgg+ mod
     in ``client-mods``, it runs before masking, so the server never sees an un-noised update.
     The noise is drawn from the OS CSPRNG, never from a seed the server could know; the
-    release is recorded in this node's privacy ledger (``clients.privacy.ledger``).
+    release is recorded in this node's privacy ledger (``fedge.clients.privacy.ledger``).
     """
     if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
         return call_next(msg, context)

@@ -20,7 +20,7 @@ refuses, with an error reply naming the rule, any train message that breaks it::
 Under require-secagg, require-dp or max-epsilon, evaluate messages are refused (their
 replies carry the node's loss in clear). Every DP number in a message must be finite and
 in range. A SecAgg+ threshold of at most half the neighbours is refused with or without
-a policy (``clients.secagg.engine``).
+a policy (``fedge.clients.secagg.engine``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 import tomllib
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from clients.privacy.ledger import node_ledger
 from fedge import keys
+from fedge.clients.privacy.ledger import node_ledger
 from fedge.errors import FedgeError
 from fedge.privacy.accounting import gaussian_epsilon
 from fedge.privacy.wire import (
@@ -217,7 +217,7 @@ def verified_contributors(secagg: Mapping[str, object] | None) -> int:
 
     In a SecAgg+ collect stage with n neighbours and threshold t (n >= t > n/2, which the
     engine enforces) at least 2t - n neighbours' inputs share every sum with this one
-    (``clients.secagg.engine``); without SecAgg+ it is this client alone.
+    (``fedge.clients.secagg.engine``); without SecAgg+ it is this client alone.
     """
     if secagg is None or secagg.get(KEY_STAGE) != STAGE_COLLECT:
         return 1

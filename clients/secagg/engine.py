@@ -17,7 +17,7 @@ this round's pairwise seed, never both for one node and never a long-term key. A
 id is accepted once, so masks never repeat.
 
 Why no active server unmasks one input (docs/privacy.md): a client accepts only a
-threshold t with n >= t > n/2 of its n neighbours (:mod:`clients.secagg.rules`), and
+threshold t with n >= t > n/2 of its n neighbours (:mod:`fedge.clients.secagg.rules`), and
 unmasks only when the server's live and dropped lists split its neighbourhood with at
 least t neighbours live. The victim's self-mask seed needs t neighbours told "v is
 live" (they keep their pair seeds with v); its pair masks with the >= t neighbours the
@@ -36,7 +36,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from clients.secagg.rules import (
+from fedge.clients.secagg.rules import (
     PIN_FIELDS,
     ClientRules,
     SecAggProtocolError,
@@ -101,7 +101,7 @@ _SETTINGS = (
 class SecAggClientEngine:
     """Answer SecAgg+ stage messages for node ``node_id``, keeping secrets in ``state``.
 
-    The server side is ``server.secagg.engine.SecAggServerEngine``. ``state`` must be the
+    The server side is ``fedge.server.secagg.engine.SecAggServerEngine``. ``state`` must be the
     same record across a session's messages (Flower's ``context.state`` provides that).
     """
 

@@ -10,16 +10,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from clients.privacy.ledger import ledger_root
-from clients.privacy.policy import node_policy
-from clients.secagg.engine import ClientRules, SecAggClientEngine, SecAggProtocolError
 from fedge import keys
+from fedge.clients.privacy.ledger import ledger_root
+from fedge.clients.privacy.policy import node_policy
+from fedge.clients.secagg.engine import ClientRules, SecAggClientEngine, SecAggProtocolError
 from fedge.privacy.wire import KEY_DP_NOISE_STD, MET_DPSGD_EPSILON
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
 from fedge.secagg.vectors import scale_for
-from strategies.registry import robust_config
-from strategies.robust import clip_contribution
+from fedge.strategies.registry import robust_config
+from fedge.strategies.robust import clip_contribution
 
 # Error code of a refused SecAgg+ message (Flower reserves the small codes).
 ERROR_SECAGG = 640
@@ -42,7 +42,7 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     checks only their sum), then replaces the reply by the masked form of its ``contribution`` with the summable metrics folded into the same
     masked vector, so neither the plain contribution nor any client's own metrics leave
     the client. Under distributed DP the metrics stay home: their sum would carry no noise. A refused stage becomes an error reply naming the reason; the server
-    counts that node as dropped. The server half is ``server.secagg.aggregator``.
+    counts that node as dropped. The server half is ``fedge.server.secagg.aggregator``.
     """
     if not msg.has_content() or wire.SECAGG_RECORD not in msg.content.config_records:
         return call_next(msg, context)

@@ -1,9 +1,9 @@
 """What a SecAgg+ client requires of a round before it sends anything: its rules and the checks.
 
-The rules come from the node's own policy (``clients.privacy.policy``), never from the
+The rules come from the node's own policy (``fedge.clients.privacy.policy``), never from the
 server; the checks refuse a collect message whose numbers are not finite and in range,
 whose neighbourhood or threshold would let a server rebuild both secrets of a node (the
-argument is in ``clients.secagg.engine``), or whose neighbours' keys are not signed by
+argument is in ``fedge.clients.secagg.engine``), or whose neighbours' keys are not signed by
 a trusted identity, or by the one pinned for that node id.
 """
 

@@ -12,10 +12,15 @@ Modules, one job each:
 - `device`: `EdgeClient`, per request: route, decode, fall back, report, learn.
 """
 
-from edge.client.config import ClientConfig, RateLimited, TokenizerMismatch, VerifierUnreachable
-from edge.client.device import EdgeClient
-from edge.client.report import RequestReport
-from edge.client.verifier import VerifierClient
+from fedge.edge.client.config import (
+    ClientConfig,
+    RateLimited,
+    TokenizerMismatch,
+    VerifierUnreachable,
+)
+from fedge.edge.client.device import EdgeClient
+from fedge.edge.client.report import RequestReport
+from fedge.edge.client.verifier import VerifierClient
 
 __all__ = [
     "ClientConfig",

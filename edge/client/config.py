@@ -43,7 +43,7 @@ class ClientConfig:
     max_wait_s: float = 2.0  # longest server-asked retry-after waited out; longer: RateLimited
     unreachable_after_s: float = 3.0  # UNAVAILABLE / DEADLINE_EXCEEDED retried this long
     health_timeout_s: float = 1.0  # a health check slower than this counts as down
-    tokenizer_id: str | None = None  # the draft's (edge.verifier.identity); a verifier with
+    tokenizer_id: str | None = None  # the draft's (fedge.edge.verifier.identity); a verifier with
     # another tokenizer is refused (TokenizerMismatch). None: not checked
 
     def __post_init__(self) -> None:

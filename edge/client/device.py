@@ -8,14 +8,14 @@ from typing import Any
 
 import grpc
 
-from edge.client.config import RateLimited, VerifierUnreachable
-from edge.client.fallback import finish_on_device
-from edge.client.report import RequestReport
-from edge.client.routes import decode_on_route
-from edge.client.verifier import TRANSIENT, VerifierClient
-from edge.decoder import DecodeConfig
-from edge.router import Objective, Route, Router
-from edge.tracing import REQUEST_SPAN, Tracing
+from fedge.edge.client.config import RateLimited, VerifierUnreachable
+from fedge.edge.client.fallback import finish_on_device
+from fedge.edge.client.report import RequestReport
+from fedge.edge.client.routes import decode_on_route
+from fedge.edge.client.verifier import TRANSIENT, VerifierClient
+from fedge.edge.decoder import DecodeConfig
+from fedge.edge.router import Objective, Route, Router
+from fedge.edge.tracing import REQUEST_SPAN, Tracing
 
 
 class EdgeClient:

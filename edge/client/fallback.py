@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from edge.client.report import RequestReport
-from edge.client.routes import decode_on_route
-from edge.decoder import DecodeConfig
-from edge.draftlen import SpeculationEstimator
-from edge.router import Route
-from edge.runtime import DraftRuntime
+from fedge.edge.client.report import RequestReport
+from fedge.edge.client.routes import decode_on_route
+from fedge.edge.decoder import DecodeConfig
+from fedge.edge.draftlen import SpeculationEstimator
+from fedge.edge.router import Route
+from fedge.edge.runtime import DraftRuntime
 
 
 def loss_reason(produced: int, lost: Exception) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge.router import Outcome, Route
+from fedge.edge.router import Outcome, Route
 
 
 @dataclass

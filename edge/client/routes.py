@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-from edge.client.report import RequestReport
-from edge.client.verifier import VerifierClient
-from edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
-from edge.draftlen import SpeculationEstimator
-from edge.router import Route
-from edge.runtime import DraftRuntime
-from edge.verifier.engine import Sampling
+from fedge.edge.client.report import RequestReport
+from fedge.edge.client.verifier import VerifierClient
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
+from fedge.edge.draftlen import SpeculationEstimator
+from fedge.edge.router import Route
+from fedge.edge.runtime import DraftRuntime
+from fedge.edge.verifier.engine import Sampling
 
 
 def decode_on_route(

@@ -26,10 +26,10 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import TracerProvider
 
-from edge.client.config import ClientConfig, RateLimited, VerifierUnreachable
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.tracing import Tracing, traced_channel
-from edge.verifier.limits import DEVICE_KEY, retry_after_ms
+from fedge.edge.client.config import ClientConfig, RateLimited, VerifierUnreachable
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.tracing import Tracing, traced_channel
+from fedge.edge.verifier.limits import DEVICE_KEY, retry_after_ms
 
 T = TypeVar("T", bound=Message)
 R = TypeVar("R")

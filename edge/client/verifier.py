@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 import grpc
 from opentelemetry.trace import TracerProvider
 
-from edge.client.config import ClientConfig, TokenizerMismatch, VerifierUnreachable
-from edge.client.transport import Transport
-from edge.proto import verifier_pb2 as pb
-from edge.proto.streams import resume_generate
-from edge.tracing import VERIFY_SPAN
-from edge.verifier.engine import Sampling, SessionInfo, VerifyResult
-from edge.verifier.errors import VERSION_GONE_KEY
+from fedge.edge.client.config import ClientConfig, TokenizerMismatch, VerifierUnreachable
+from fedge.edge.client.transport import Transport
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto.streams import resume_generate
+from fedge.edge.tracing import VERIFY_SPAN
+from fedge.edge.verifier.engine import Sampling, SessionInfo, VerifyResult
+from fedge.edge.verifier.errors import VERSION_GONE_KEY
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # FAILED_PRECONDITION while retrying: the retry raced its own first attempt, which is still running
@@ -245,7 +245,7 @@ class VerifierClient(Transport):
 
         A stream cut by a transient failure (the ingress or verifier serving it was lost)
         resumes from the prompt plus the tokens already streamed, for the tokens still owed
-        (`edge.proto.streams`, as the fleet's ingress resumes a stream whose replica died),
+        (`fedge.edge.proto.streams`, as the fleet's ingress resumes a stream whose replica died),
         retried within `unreachable_after_s` of the cut; the verifier's draws depend on the
         position, so the continuation is the one the cut stream would have sent.
         """

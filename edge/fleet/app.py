@@ -21,14 +21,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from edge.fleet.ingress import REPLICA_DEPLOYMENT, FleetIngress
-from edge.fleet.ingress_spec import INGRESS_SERVICE, IngressSpec
-from edge.fleet.replica import REPLICA_SERVICE, ReplicaSpec, VerifierReplica
-from edge.fleet.routers import policy_class, policy_path
-from edge.fleet.wire import ROUTE_PIN
-from edge.tracing import TracingConfig
-from edge.verifier.engine import EngineConfig
-from edge.verifier.limits import RateLimitConfig
+from fedge.edge.fleet.ingress import REPLICA_DEPLOYMENT, FleetIngress
+from fedge.edge.fleet.ingress_spec import INGRESS_SERVICE, IngressSpec
+from fedge.edge.fleet.replica import REPLICA_SERVICE, ReplicaSpec, VerifierReplica
+from fedge.edge.fleet.routers import policy_class, policy_path
+from fedge.edge.fleet.wire import ROUTE_PIN
+from fedge.edge.tracing import TracingConfig
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.limits import RateLimitConfig
 
 LOG = logging.getLogger("fedge.fleet")
 INGRESS_APP = "fedge-ingress"
@@ -291,7 +291,7 @@ def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     handled as the replica's loss (`ReplicaStopping`), and its sessions reopen on
     another replica from the edge's committed tokens (NOT_FOUND, the proto's recovery).
     The replicas keep serving the same weights: a new adapter goes through the canary
-    (`edge.fleet.rollout.run_rollout`; `fedge verifier restart --adapter` does that), so
+    (`fedge.edge.fleet.rollout.run_rollout`; `fedge verifier restart --adapter` does that), so
     one application never mixes adapters. Returns the replica ids before and after.
     Refused while a canary rollout runs.
     """

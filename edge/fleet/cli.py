@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from edge.cli_options import (
+from fedge.edge.cli_options import (
     GENERATE_BURST,
     PREFILL_BURST,
     VERIFY_BURST,
@@ -107,9 +107,9 @@ def fleet_command(
     With --redis-url the ingresses keep routing, sessions, buckets and rollout progress in
     Redis: any ingress may die, and --ingress-replicas N share one port.
     """
-    from edge.fleet.app import FleetConfig, running_fleet
-    from edge.tracing import TracingConfig
-    from edge.verifier.engine import EngineConfig
+    from fedge.edge.fleet.app import FleetConfig, running_fleet
+    from fedge.edge.tracing import TracingConfig
+    from fedge.edge.verifier.engine import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = FleetConfig(
@@ -172,7 +172,7 @@ def rollout_command(
     fleet: FleetDirOption = Path("runs/fleet"),
 ) -> None:
     """Canary ADAPTER on the running fleet, then promote or roll back automatically."""
-    from edge.fleet.rollout import RolloutConfig, run_rollout
+    from fedge.edge.fleet.rollout import RolloutConfig, run_rollout
 
     config = RolloutConfig(
         adapter_dir=adapter,
@@ -194,7 +194,7 @@ def _connect(fleet: Path) -> Any:
     import ray
     from ray import serve
 
-    from edge.fleet.app import INGRESS_APP, NAMESPACE
+    from fedge.edge.fleet.app import INGRESS_APP, NAMESPACE
 
     state_file = fleet / FLEET_FILE
     if not state_file.is_file():
@@ -227,7 +227,7 @@ def restart_command(
     if adapter is not None:
         rollout_command(adapter, canary, window, run_dir=run_dir, fleet=fleet)
         return
-    from edge.fleet.app import restart_version
+    from fedge.edge.fleet.app import restart_version
 
     _console.print_json(json.dumps(restart_version(_connect(fleet))))
 

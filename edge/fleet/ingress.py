@@ -12,8 +12,8 @@ relay the reply or status back.
 State: the ingress keeps none of its own. The routing (stable and canary
 applications, the split, the limits, the promoted fleet config), each session's
 home, the token buckets and the canary's figures live in the fleet's shared state
-(`edge.fleet.state`: Redis when configured), read and written by every ingress
-replica (`edge.fleet.ingress_state`), so an ingress can die without losing them.
+(`fedge.edge.fleet.state`: Redis when configured), read and written by every ingress
+replica (`fedge.edge.fleet.ingress_state`), so an ingress can die without losing them.
 
 Sessions: the state remembers which application and replica opened each
 session and the ingress hints that replica to the router (session affinity). A session whose
@@ -27,7 +27,7 @@ its time-to-live.
 
 Canary: new sessions go to a canary application with a set probability; every
 ingress records per-application figures (acceptance, errors, latency) into the
-state, which the rollout controller (edge.fleet.rollout) compares.
+state, which the rollout controller (fedge.edge.fleet.rollout) compares.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from edge.fleet.ingress_spec import SERVICE_NAME, IngressSpec, SwitchableLimits
-from edge.fleet.ingress_state import IngressState
-from edge.fleet.relay import (
+from fedge.edge.fleet.ingress_spec import SERVICE_NAME, IngressSpec, SwitchableLimits
+from fedge.edge.fleet.ingress_state import IngressState
+from fedge.edge.fleet.relay import (
     BUSY,
     GONE,
     Admission,
@@ -58,14 +58,14 @@ from edge.fleet.relay import (
     session_key,
     session_of,
 )
-from edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_SESSION, ROUTE_TOKENS
-from edge.fleet.state import Routing, open_state
-from edge.fleet.stats import CallOutcome, ReplicaFigures
-from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
-from edge.proto import verifier_pb2 as pb
-from edge.proto.streams import resume_generate
-from edge.tracing import server_interceptors, shutdown, tracer_provider
-from edge.verifier.limits import RateLimitConfig
+from fedge.edge.fleet.routers import ROUTE_MOVE_TOKENS, ROUTE_REPLICA, ROUTE_SESSION, ROUTE_TOKENS
+from fedge.edge.fleet.state import Routing, open_state
+from fedge.edge.fleet.stats import CallOutcome, ReplicaFigures
+from fedge.edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto.streams import resume_generate
+from fedge.edge.tracing import server_interceptors, shutdown, tracer_provider
+from fedge.edge.verifier.limits import RateLimitConfig
 
 LOG = logging.getLogger("fedge.fleet")
 REPLICA_DEPLOYMENT = "verifier"
@@ -259,7 +259,7 @@ class FleetIngress:
         holds no state yet, so it is retried once on another replica when one died; a
         session's call whose replica died ends NOT_FOUND (the edge reopens from its
         committed tokens). Full queues end RESOURCE_EXHAUSTED with a retry-after, any other
-        failure UNAVAILABLE (`edge.fleet.relay`).
+        failure UNAVAILABLE (`fedge.edge.fleet.relay`).
         """
         session_id = session_of(request)
         owner = caller_identity(context.invocation_metadata() or ())

@@ -15,12 +15,14 @@ from typing import Any
 
 import grpc
 
-from edge.fleet.redis_state import check_redis_url
-from edge.tracing import TracingConfig
-from edge.verifier.auth import Authenticator, Credentials, server_credentials
-from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
+from fedge.edge.fleet.redis_state import check_redis_url
+from fedge.edge.tracing import TracingConfig
+from fedge.edge.verifier.auth import Authenticator, Credentials, server_credentials
+from fedge.edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
 
-SERVICE_NAME = "fedge.edge.v1.Verifier"  # = edge.verifier.server.SERVICE_NAME (no torch import)
+SERVICE_NAME = (
+    "fedge.edge.v1.Verifier"  # = fedge.edge.verifier.server.SERVICE_NAME (no torch import)
+)
 INGRESS_SERVICE = "fedge-fleet-ingress"  # service.name of the ingress's spans
 
 

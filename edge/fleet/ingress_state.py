@@ -1,9 +1,9 @@
 """The ingress's routing decisions over the fleet's shared state: where a call goes, what it leaves.
 
-Plain Python over a `FleetState` (`edge.fleet.state`), no Serve and no gRPC, so every
+Plain Python over a `FleetState` (`fedge.edge.fleet.state`), no Serve and no gRPC, so every
 ingress replica (and an ingress rebuilt after a crash) decides alike from the same
 state, and the decisions are testable against a real Redis without a Ray cluster.
-`edge.fleet.ingress.FleetIngress` wraps it.
+`fedge.edge.fleet.ingress.FleetIngress` wraps it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from edge.fleet.state import FleetState, Routing
-from edge.fleet.stats import CallOutcome
-from edge.fleet.wire import CallResult
-from edge.verifier.rate_config import RateLimitConfig
+from fedge.edge.fleet.state import FleetState, Routing
+from fedge.edge.fleet.stats import CallOutcome
+from fedge.edge.fleet.wire import CallResult
+from fedge.edge.verifier.rate_config import RateLimitConfig
 
 # Relay outcomes after which a session's home replica cannot serve it again: gone there (a dead
 # or stopping replica is reported as NOT_FOUND by the relay) or its version retired. A transient

@@ -2,7 +2,7 @@
 
 A Serve config names an application by `import_path` and hands it `args`; these
 builders turn those args into the same applications `fedge verifier fleet` deploys
-imperatively (`edge.fleet.app`): `replicas_app` is one model version's `verifier`
+imperatively (`fedge.edge.fleet.app`): `replicas_app` is one model version's `verifier`
 deployment of N replicas behind the chosen request router, `ingress_app` the gRPC
 front door speaking `fedge.edge.v1.Verifier` on `host:port`. The ingress's
 secrets (the devices' credentials file, the TLS key) are named by path: Kubernetes
@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edge.fleet.app import FleetConfig, ingress_application, replica_application
-from edge.fleet.ingress_spec import IngressSpec
-from edge.verifier.engine import EngineConfig
-from edge.verifier.limits import RateLimitConfig
+from fedge.edge.fleet.app import FleetConfig, ingress_application, replica_application
+from fedge.edge.fleet.ingress_spec import IngressSpec
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.limits import RateLimitConfig
 
 LIMIT_ARGS = (  # RateLimitConfig
     "verify_rate",

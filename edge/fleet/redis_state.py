@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from edge.fleet.state import ROUTING, Routing
-from edge.fleet.stats import ArmStats, CallOutcome
-from edge.verifier.rate_config import RateLimitConfig
+from fedge.edge.fleet.state import ROUTING, Routing
+from fedge.edge.fleet.stats import ArmStats, CallOutcome
+from fedge.edge.verifier.rate_config import RateLimitConfig
 
 SESSION_TTL_S = 24 * 3600  # a session's home is forgotten this long after it last moved
 LATENCY_KEEP = 20_000  # canary latencies kept per application (= stats.LATENCY_WINDOW)

@@ -23,9 +23,9 @@ from google.protobuf import descriptor
 from google.protobuf.message import Message
 from opentelemetry import propagate
 
-from edge.fleet.wire import CallResult, Metadata, ReplicaStopping, clean_metadata
-from edge.verifier.auth import AUTH_HEADER, CALLER, IDENTITY_KEY, bearer_token, token_identity
-from edge.verifier.limits import RETRY_AFTER_KEY
+from fedge.edge.fleet.wire import CallResult, Metadata, ReplicaStopping, clean_metadata
+from fedge.edge.verifier.auth import AUTH_HEADER, CALLER, IDENTITY_KEY, bearer_token, token_identity
+from fedge.edge.verifier.limits import RETRY_AFTER_KEY
 
 TRACE_KEYS = frozenset({"traceparent", "tracestate"})  # W3C context the ingress re-injects
 PRIVATE_KEYS = frozenset({AUTH_HEADER, IDENTITY_KEY})  # never relayed as the caller sent them

@@ -1,6 +1,6 @@
 """One verifier replica of the fleet: a Ray Serve deployment around the single-process verifier.
 
-Each replica runs the ordinary verifier (`edge.verifier.server`: engine, servicer,
+Each replica runs the ordinary verifier (`fedge.edge.verifier.server`: engine, servicer,
 health, auth) on a loopback port of its own and relays the ingress's calls to it
 as serialized protobuf bytes. The replica therefore speaks exactly the protocol
 the single process speaks, whatever that protocol grows into, and the ingress
@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edge.fleet.speed import ReplicaSpeed
-from edge.fleet.wire import (
+from fedge.edge.fleet.speed import ReplicaSpeed
+from fedge.edge.fleet.wire import (
     ROUTE_PIN,
     ROUTE_TOKENS,
     SERVING,
@@ -34,10 +34,10 @@ from edge.fleet.wire import (
     ReplicaStopping,
     clean_metadata,
 )
-from edge.tracing import TracingConfig, tracer_provider
-from edge.verifier.auth import AUTH_HEADER
-from edge.verifier.engine import EngineConfig
-from edge.verifier.server import (
+from fedge.edge.tracing import TracingConfig, tracer_provider
+from fedge.edge.verifier.auth import AUTH_HEADER
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.server import (
     SERVICE_NAME,
     BackgroundServer,
     ServerConfig,

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from edge.fleet.adapters import check_adapter
+from fedge.edge.fleet.adapters import check_adapter
 
 LOG = logging.getLogger("fedge.fleet")
 DECISION_FILE = "rollout.json"
@@ -121,7 +121,7 @@ def decide(
 
 def _next_version(stable: str) -> str:
     """Application name of the version after `stable` (fedge-v3 after fedge-v2)."""
-    from edge.fleet.app import VERSION_PREFIX, version_app
+    from fedge.edge.fleet.app import VERSION_PREFIX, version_app
 
     return version_app(int(stable.removeprefix(VERSION_PREFIX)) + 1)
 
@@ -174,7 +174,7 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
     """Run one canary rollout against a live fleet's ingress handle; returns the recorded decision."""
     from ray import serve
 
-    from edge.fleet.app import replica_actors, replica_application
+    from fedge.edge.fleet.app import replica_actors, replica_application
 
     recover_rollout(ingress)
     fleet = pickle.loads(ingress.fleet_config.remote().result())

@@ -41,8 +41,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from edge.fleet.speed import SpeedMeter, call_kind, work_tokens
-from edge.fleet.wire import ROUTE_PIN, ROUTE_TOKENS, SERVING, SPEEDS
+from fedge.edge.fleet.speed import SpeedMeter, call_kind, work_tokens
+from fedge.edge.fleet.wire import ROUTE_PIN, ROUTE_TOKENS, SERVING, SPEEDS
 
 ROUTE_REPLICA = "route_replica"  # kwarg: unique id of the replica holding the call's session
 ROUTE_MOVE_TOKENS = "route_move_tokens"  # kwarg: tokens a reopen elsewhere would prefill
@@ -133,7 +133,7 @@ class FleetRouter(RequestRouter):
     routed until Ray Serve reports it completed (success, error or cancellation), so
     a slow replica accumulates work and the load-aware policies steer away from it.
     Each completed call also updates its replica's seconds per token for its kind of
-    call (`call_kind`, `edge.fleet.speed.SpeedMeter`); `relative_slowness` compares
+    call (`call_kind`, `fedge.edge.fleet.speed.SpeedMeter`); `relative_slowness` compares
     replicas on these. A call's tokens are the work it waited through (`work_tokens`: the
     replica's pending tokens when it was routed, and its own), so a speed is the replica's,
     not its queue's: per token of the call alone, a fast replica given most of the load
@@ -260,7 +260,7 @@ class FleetRouter(RequestRouter):
         self, candidates: Sequence[RunningReplica]
     ) -> dict[tuple[ReplicaID, str], float]:
         """The speeds to compare `candidates` on: the replicas' own reports (`SPEEDS`, in
-        their routing stats: `edge.fleet.speed.ReplicaSpeed`) when every candidate has
+        their routing stats: `fedge.edge.fleet.speed.ReplicaSpeed`) when every candidate has
         reported, else those this handle measured within `SPEED_MAX_AGE_S` (`SpeedMeter`).
 
         A replica's report counts every call in flight there, from every ingress; this

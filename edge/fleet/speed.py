@@ -1,7 +1,7 @@
 """How fast a verifier replica serves: seconds per token of work, per kind of call (Ray-free).
 
-Both sides measure it. A router (`edge.fleet.routers`) measures each replica from the
-calls its own handle sent there; a replica (`edge.fleet.replica`) measures itself from
+Both sides measure it. A router (`fedge.edge.fleet.routers`) measures each replica from the
+calls its own handle sent there; a replica (`fedge.edge.fleet.replica`) measures itself from
 every call it serves, whichever ingress sent it, and reports that through Serve's routing
 stats (`SPEEDS`), since only the replica sees its whole queue.
 """

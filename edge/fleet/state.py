@@ -5,7 +5,7 @@ ingress can die and another (or its restart) carries on: the live and canary
 applications and the split, the promoted fleet config (adapter), the live rate
 limits, the progress of a rollout, each session's home (scoped by owner), which
 application serves a model version, every device's token buckets and the canary's
-per-application figures. `RedisState` (`edge.fleet.redis_state`) keeps it in a Redis server (the `redis`
+per-application figures. `RedisState` (`fedge.edge.fleet.redis_state`) keeps it in a Redis server (the `redis`
 client, asyncio); `MemoryState` keeps it in the process, for the single-ingress
 default without a Redis (it dies with its ingress, as the state did before).
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge.fleet.stats import ArmStats, CallOutcome
-from edge.verifier.limits import DeviceBuckets
-from edge.verifier.rate_config import RateLimitConfig
+from fedge.edge.fleet.stats import ArmStats, CallOutcome
+from fedge.edge.verifier.limits import DeviceBuckets
+from fedge.edge.verifier.rate_config import RateLimitConfig
 
 ROUTING = ("stable", "canary", "fraction", "limits")  # the fields of Routing
 
@@ -235,6 +235,6 @@ def open_state(
     """The fleet's state: in the Redis at `url`, else in this process (one ingress only)."""
     if url is None:
         return MemoryState(max_devices)
-    from edge.fleet.redis_state import RedisState
+    from fedge.edge.fleet.redis_state import RedisState
 
     return RedisState.connect(url, password_file)

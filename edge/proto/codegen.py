@@ -1,6 +1,6 @@
 """Regenerate the verifier's Python stubs from `verifier.proto` with grpc_tools.protoc.
 
-Run `python -m edge.proto.codegen` (or `make proto`) after editing the proto; the
+Run `python -m fedge.edge.proto.codegen` (or `make proto`) after editing the proto; the
 generated `*_pb2.py`, `*_pb2_grpc.py` and `*_pb2.pyi` are committed and never
 edited by hand. Imports in the generated gRPC module are rewritten to the
 package path so they resolve without touching `sys.path`.
@@ -34,7 +34,7 @@ def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
     grpc_module = out_dir / "verifier_pb2_grpc.py"
     text = grpc_module.read_text()
     grpc_module.write_text(
-        text.replace("import verifier_pb2 as", "from edge.proto import verifier_pb2 as")
+        text.replace("import verifier_pb2 as", "from fedge.edge.proto import verifier_pb2 as")
     )
     return [out_dir / name for name in GENERATED]
 

@@ -7,7 +7,7 @@ send the prompt plus the tokens already streamed, for the tokens still owed.
 
 from __future__ import annotations
 
-from edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2 as pb
 
 
 def resume_generate(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest | None:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from edge.proto import verifier_pb2 as verifier__pb2
+from fedge.edge.proto import verifier_pb2 as verifier__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__

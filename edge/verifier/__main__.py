@@ -1,7 +1,7 @@
-"""`python -m edge.verifier --model DIR ...`: `fedge verifier serve` alone, for processes hosting only it."""
+"""`python -m fedge.edge.verifier --model DIR ...`: `fedge verifier serve` alone, for processes hosting only it."""
 
 import typer
 
-from edge.cli import serve_command
+from fedge.edge.cli import serve_command
 
 typer.run(serve_command)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from edge import _hf
+from fedge.edge import _hf
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Batching verification engine: the API of the verifier's model, without gRPC.
 
 Plain Python and torch: callers validate and queue requests here (open, verify,
-close, generate); a single worker thread (`edge.verifier.worker`) owns the model,
+close, generate); a single worker thread (`fedge.edge.verifier.worker`) owns the model,
 verifies concurrent sessions' drafts in one batched forward pass, and decodes
 cloud-only Generate streams (a lone stream in a tight loop on its own cache object,
 concurrent ones batched with everything else). Each verify gets its own verdict
-(`edge.speculative`) and its session keeps the KV of its accepted tokens only.
+(`fedge.edge.speculative`) and its session keeps the KV of its accepted tokens only.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from edge.tracing import NO_TRACING, Tracing
-from edge.verifier.batching import KVGeometry
-from edge.verifier.channel import TokenChannel
-from edge.verifier.errors import (
+from fedge.edge.tracing import NO_TRACING, Tracing
+from fedge.edge.verifier.batching import KVGeometry
+from fedge.edge.verifier.channel import TokenChannel
+from fedge.edge.verifier.errors import (
     InvalidRequest,
     LengthMismatch,
     NotReady,
@@ -35,8 +35,8 @@ from edge.verifier.errors import (
     SessionBusy,
     VersionGone,
 )
-from edge.verifier.identity import ServingIdentity
-from edge.verifier.jobs import (
+from fedge.edge.verifier.identity import ServingIdentity
+from fedge.edge.verifier.jobs import (
     EngineObserver,
     GenerateJob,
     Job,
@@ -46,7 +46,7 @@ from edge.verifier.jobs import (
     WorkerParts,
     fail_job,
 )
-from edge.verifier.requests import (
+from fedge.edge.verifier.requests import (
     Draft,
     Sampling,
     SessionInfo,
@@ -56,8 +56,8 @@ from edge.verifier.requests import (
     check_session_id,
     sampling_draft,
 )
-from edge.verifier.sessions import Session, SessionStore
-from edge.verifier.worker import Worker
+from fedge.edge.verifier.sessions import Session, SessionStore
+from fedge.edge.verifier.worker import Worker
 
 LOG = logging.getLogger("fedge.verifier")
 QUEUE_FULL_RETRY_S = 0.05  # retry-after of a full queue: the worker drains a batch in ms

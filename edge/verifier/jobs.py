@@ -12,11 +12,11 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedModel
 
-from edge.tracing import Tracing
-from edge.verifier.batching import KVGeometry
-from edge.verifier.channel import TokenChannel
-from edge.verifier.requests import Draft, Sampling, SessionInfo, VerifyResult
-from edge.verifier.sessions import Session, SessionStore
+from fedge.edge.tracing import Tracing
+from fedge.edge.verifier.batching import KVGeometry
+from fedge.edge.verifier.channel import TokenChannel
+from fedge.edge.verifier.requests import Draft, Sampling, SessionInfo, VerifyResult
+from fedge.edge.verifier.sessions import Session, SessionStore
 
 
 class EngineObserver(Protocol):
@@ -51,7 +51,7 @@ class VerifyJob:
     session: Session
     draft: Draft
     future: Future[VerifyResult]
-    trace: Any = None  # the caller's OpenTelemetry context (edge.tracing), None when off
+    trace: Any = None  # the caller's OpenTelemetry context (fedge.edge.tracing), None when off
     queued_ns: int = 0
 
 

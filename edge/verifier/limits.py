@@ -1,6 +1,6 @@
 """Per-device rate limits: token buckets per device for verify, prefill and Generate tokens.
 
-A device is its authenticated identity (`edge.verifier.auth`) when the server
+A device is its authenticated identity (`fedge.edge.verifier.auth`) when the server
 authenticates callers; only on a server that does not is it named by the
 self-asserted `fedge-device` metadata, else its bearer token (hashed), else its
 peer address. Each device has one bucket per kind: a Verify costs
@@ -31,8 +31,8 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from edge.verifier.auth import CALLER
-from edge.verifier.rate_config import RateLimitConfig
+from fedge.edge.verifier.auth import CALLER
+from fedge.edge.verifier.rate_config import RateLimitConfig
 
 DEVICE_KEY = "fedge-device"  # request metadata: the device's id (asserted by the client)
 RETRY_AFTER_KEY = "fedge-retry-after-ms"  # trailing metadata on a rate-limited call

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edge.verifier.errors import InvalidRequest
+from fedge.edge.verifier.errors import InvalidRequest
 
 MAX_TEMPERATURE = 10.0
 PROB_SUM_TOLERANCE = 1e-3  # float32 softmax over a top-k support sums to 1 within ~1e-6
@@ -35,7 +35,7 @@ class SessionInfo:
     max_context: int
     session_ttl_s: float
     model_id: str = (
-        ""  # digests of the served weights, adapter and tokenizer (edge.verifier.identity)
+        ""  # digests of the served weights, adapter and tokenizer (fedge.edge.verifier.identity)
     )
     adapter_id: str = ""
     tokenizer_id: str = ""

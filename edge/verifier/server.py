@@ -27,14 +27,14 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import start_http_server
 from transformers import PreTrainedModel
 
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.tracing import Tracing, server_interceptors
-from edge.verifier.auth import Authenticator, Credentials, server_credentials, token_identity
-from edge.verifier.engine import EngineConfig, VerifierEngine
-from edge.verifier.identity import serving_identity
-from edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
-from edge.verifier.metrics import VerifierMetrics
-from edge.verifier.service import VerifierService
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.tracing import Tracing, server_interceptors
+from fedge.edge.verifier.auth import Authenticator, Credentials, server_credentials, token_identity
+from fedge.edge.verifier.engine import EngineConfig, VerifierEngine
+from fedge.edge.verifier.identity import serving_identity
+from fedge.edge.verifier.limits import RateLimitConfig, RateLimiter, RateLimitInterceptor
+from fedge.edge.verifier.metrics import VerifierMetrics
+from fedge.edge.verifier.service import VerifierService
 
 T = TypeVar("T")
 LOG = logging.getLogger("fedge.verifier")

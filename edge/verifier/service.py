@@ -21,17 +21,17 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.auth import AUTH_HEADER, CALLER
-from edge.verifier.engine import (
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.verifier.auth import AUTH_HEADER, CALLER
+from fedge.edge.verifier.engine import (
     Sampling,
     SessionInfo,
     TokenChannel,
     VerifierEngine,
     VerifyResult,
 )
-from edge.verifier.errors import (
+from fedge.edge.verifier.errors import (
     VERSION_GONE_KEY,
     InvalidRequest,
     LengthMismatch,
@@ -42,8 +42,8 @@ from edge.verifier.errors import (
     VerifierError,
     VersionGone,
 )
-from edge.verifier.limits import RETRY_AFTER_KEY
-from edge.verifier.metrics import VerifierMetrics
+from fedge.edge.verifier.limits import RETRY_AFTER_KEY
+from fedge.edge.verifier.metrics import VerifierMetrics
 
 R = TypeVar("R")
 VALIDATION_THREADS = 2  # request validation and densifying run here, off the event loop

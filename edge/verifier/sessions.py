@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from edge import _hf
-from edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
-from edge.verifier.requests import VerifyResult, position_seed
+from fedge.edge import _hf
+from fedge.edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
+from fedge.edge.verifier.requests import VerifyResult, position_seed
 
 
 def session_key(owner: str, session_id: str) -> str:

@@ -6,7 +6,7 @@ decodes in a tight loop on its own cache object (one forward per token, as plain
 greedy decoding does: no queue hop, no copy of the past), handing each token to its
 channel, and leaves the loop as soon as anything else is queued. Otherwise every
 active stream and every queued verify share one batched forward per turn (a newcomer
-joins at the next step; `edge.verifier.batching` pads them). A lone verify also runs
+joins at the next step; `fedge.edge.verifier.batching` pads them). A lone verify also runs
 on its session's cache object and crops the rejected positions.
 """
 
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from edge import _hf
-from edge.speculative import greedy_choices_verdict, sampling_verdict
-from edge.verifier.batching import batched_forward
-from edge.verifier.jobs import (
+from fedge.edge import _hf
+from fedge.edge.speculative import greedy_choices_verdict, sampling_verdict
+from fedge.edge.verifier.batching import batched_forward
+from fedge.edge.verifier.jobs import (
     GenerateJob,
     Job,
     PrefillJob,
@@ -38,8 +38,8 @@ from edge.verifier.jobs import (
     reject,
     resolve,
 )
-from edge.verifier.requests import Sampling, SessionInfo, VerifyResult, derive_seed
-from edge.verifier.sessions import Replay, Session
+from fedge.edge.verifier.requests import Sampling, SessionInfo, VerifyResult, derive_seed
+from fedge.edge.verifier.sessions import Replay, Session
 
 LOG = logging.getLogger("fedge.verifier")
 ACTIVE_WINDOW_S = 0.05  # a session used this recently counts as a stream a batch should wait for

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from fedge.privacy.accounting import gaussian_epsilon
-from server.privacy.config import DPConfig
+from fedge.server.privacy.config import DPConfig
 
 
 class DPBudget:
-    """The round loop's privacy budget (``server.budget.PrivacyBudget``) over dp-accounting.
+    """The round loop's privacy budget (``fedge.server.budget.PrivacyBudget``) over dp-accounting.
 
     One release per round: a Gaussian mechanism with noise multiplier z on a sum whose
     per-client sensitivity (add or remove one client) is C. No amplification by sampling is

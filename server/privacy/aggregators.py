@@ -21,10 +21,10 @@ from fedge.privacy.wire import (
     KEY_DP_MIN_CLIENTS,
     KEY_DP_NOISE_STD,
 )
-from server.aggregation import AggregateResult, Aggregator, ContributionSpec
-from server.grid import ReplyHookGrid
-from server.privacy.config import DPConfig
-from server.secagg.aggregator import SecAggPlusAggregator
+from fedge.server.aggregation import AggregateResult, Aggregator, ContributionSpec
+from fedge.server.grid import ReplyHookGrid
+from fedge.server.privacy.config import DPConfig
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ class CentralDPAggregator:
     """Clip every contribution to C as it arrives, let ``inner`` sum, add N(0, (z C)^2) to the sum.
 
     The server sees individual (clipped) contributions: use it with the plain aggregator.
-    Pair it with ``strategies.base.UniformWeighting`` so a client's weight is 1 and the
-    clipped contribution bounds its influence; the budget is ``server.privacy.accountant.DPBudget``.
+    Pair it with ``fedge.strategies.base.UniformWeighting`` so a client's weight is 1 and the
+    clipped contribution bounds its influence; the budget is ``fedge.server.privacy.accountant.DPBudget``.
     """
 
     def __init__(self, inner: Aggregator, cfg: DPConfig) -> None:

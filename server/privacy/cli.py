@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedge.privacy.accounting import gaussian_epsilon
-from server.privacy.config import DPConfig
+from fedge.server.privacy.config import DPConfig
 
 app = typer.Typer(help="Differential-privacy budget: plan epsilon, report a run's spending.")
 

@@ -28,15 +28,15 @@ from collections.abc import Mapping
 
 from fedge.privacy.wire import KEY_ACCOUNTANT, KEY_DPSGD_NOISE
 from fedge.secagg.config import DEFAULT_MAX_WEIGHT, SecAggConfig, weight_scales
-from server.aggregation import PlainAggregator
-from server.budget import NoBudget, PrivacyBudget
-from server.config import RunConfig
-from server.privacy.accountant import DPBudget
-from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
-from server.privacy.config import DPConfig, DPMode
-from server.secagg.aggregator import SecAggPlusAggregator
-from strategies.base import ConfigValue
-from strategies.registry import robust_config
+from fedge.server.aggregation import PlainAggregator
+from fedge.server.budget import NoBudget, PrivacyBudget
+from fedge.server.config import RunConfig
+from fedge.server.privacy.accountant import DPBudget
+from fedge.server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
+from fedge.server.privacy.config import DPConfig, DPMode
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
+from fedge.strategies.base import ConfigValue
+from fedge.strategies.registry import robust_config
 
 
 def _num(extra: Mapping[str, ConfigValue], key: str, default: float) -> float:
@@ -92,17 +92,17 @@ def dp_config(cfg: RunConfig, mode: DPMode) -> DPConfig:
 
 
 def secagg(cfg: RunConfig) -> SecAggPlusAggregator:
-    """``aggregator = "server.privacy.factories:secagg"``: SecAgg+ without DP."""
+    """``aggregator = "fedge.server.privacy.factories:secagg"``: SecAgg+ without DP."""
     return SecAggPlusAggregator(secagg_config(cfg), robust_config(cfg.to_mapping()))
 
 
 def central_dp(cfg: RunConfig) -> CentralDPAggregator:
-    """``aggregator = "server.privacy.factories:central_dp"``: clip + noise on the server."""
+    """``aggregator = "fedge.server.privacy.factories:central_dp"``: clip + noise on the server."""
     return CentralDPAggregator(PlainAggregator(), dp_config(cfg, "central"))
 
 
 def secagg_distributed_dp(cfg: RunConfig) -> DistributedDPAggregator:
-    """``aggregator = "server.privacy.factories:secagg_distributed_dp"``: clients noise, SecAgg+ sums."""
+    """``aggregator = "fedge.server.privacy.factories:secagg_distributed_dp"``: clients noise, SecAgg+ sums."""
     return DistributedDPAggregator(
         SecAggPlusAggregator(secagg_config(cfg), robust_config(cfg.to_mapping())),
         dp_config(cfg, "distributed"),
@@ -110,12 +110,12 @@ def secagg_distributed_dp(cfg: RunConfig) -> DistributedDPAggregator:
 
 
 def rdp_budget(cfg: RunConfig) -> DPBudget:
-    """``privacy-budget = "server.privacy.factories:rdp_budget"``: RDP epsilon, max-epsilon stop."""
+    """``privacy-budget = "fedge.server.privacy.factories:rdp_budget"``: RDP epsilon, max-epsilon stop."""
     return DPBudget(dataclasses.replace(dp_config(cfg, "central"), accountant="rdp"))
 
 
 def pld_budget(cfg: RunConfig) -> DPBudget:
-    """``privacy-budget = "server.privacy.factories:pld_budget"``: the tighter PLD epsilon."""
+    """``privacy-budget = "fedge.server.privacy.factories:pld_budget"``: the tighter PLD epsilon."""
     return DPBudget(dataclasses.replace(dp_config(cfg, "central"), accountant="pld"))
 
 
@@ -134,7 +134,7 @@ def default_budget(cfg: RunConfig, aggregator: object) -> PrivacyBudget:
     if cfg.max_epsilon > 0 and not dpsgd:
         raise ValueError(
             f"max-epsilon={cfg.max_epsilon} is set, but this run applies no differential privacy "
-            "to account: use a DP aggregator (server.privacy.factories:central_dp or "
+            "to account: use a DP aggregator (fedge.server.privacy.factories:central_dp or "
             "secagg_distributed_dp) or DP-SGD (dp-sgd-noise-multiplier > 0), or remove max-epsilon"
         )
     return NoBudget()

@@ -16,17 +16,17 @@ from fedge.privacy.ffa import ffa_enabled, frozen_keys
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from fedge.secagg.vectors import scale_for
-from server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes
-from server.grid import exchange_messages
-from server.secagg.engine import KeyBook, SecAggRoundFailed, SecAggServerEngine
-from server.secagg.protocol import run_secagg
-from strategies.robust import RobustConfig, aggregate_problem
+from fedge.server.aggregation import AggregateResult, ContributionSpec, record_dict_bytes
+from fedge.server.grid import exchange_messages
+from fedge.server.secagg.engine import KeyBook, SecAggRoundFailed, SecAggServerEngine
+from fedge.server.secagg.protocol import run_secagg
+from fedge.strategies.robust import RobustConfig, aggregate_problem
 
 log = logging.getLogger(__name__)
 
 # ArrayRecord in which the client mod returns its masked contribution.
 MASKED_RECORD = "fedge.secagg.masked"
-# The registered client mod every SecAgg+ run needs (clients.mods.REGISTRY).
+# The registered client mod every SecAgg+ run needs (fedge.clients.mods.REGISTRY).
 CLIENT_MOD = "secagg"
 # A client refusal that means it holds no keys of this session (restarted): re-advertise.
 _LOST_KEYS = "advertise keys"

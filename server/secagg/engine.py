@@ -131,7 +131,7 @@ class SecAggServerEngine:
 
     The caller delivers each stage's requests (``*_requests``) to the named nodes and hands
     the replies that arrived in time to the matching ``receive_*``; a node that does not
-    answer has dropped out. Clients run ``clients.secagg.mod.secaggplus_mod``.
+    answer has dropped out. Clients run ``fedge.clients.secagg.mod.secaggplus_mod``.
     """
 
     def __init__(

@@ -8,7 +8,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from fedge.secagg import wire
-from server.secagg.engine import SecAggServerEngine
+from fedge.server.secagg.engine import SecAggServerEngine
 
 # (stage, {node: request content}) -> {node: reply content} for the nodes that answered in time
 Exchange = Callable[[str, Mapping[int, RecordDict]], Mapping[int, RecordDict]]

@@ -1,8 +1,8 @@
 """SecAgg+ for any Flower ServerApp: a Flower ``Strategy`` that wraps a fedge strategy.
 
 A plain ServerApp adds fedge's SecAgg+ by wrapping its strategy, and its ClientApp by
-adding one mod (``ClientApp(mods=[clients.mods.dispatch_mods])``, which carries the
-node's privacy policy and runs ``clients.secagg.mod.secaggplus_mod`` on every SecAgg+
+adding one mod (``ClientApp(mods=[fedge.clients.mods.dispatch_mods])``, which carries the
+node's privacy policy and runs ``fedge.clients.secagg.mod.secaggplus_mod`` on every SecAgg+
 stage)::
 
     strategy = SecAggPlus(Scaffold(min_train_nodes=4, min_available_nodes=4))
@@ -33,8 +33,8 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.secagg.config import SecAggConfig, weight_scales
-from server.secagg.aggregator import SecAggPlusAggregator
-from strategies.base import Strategy
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
+from fedge.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 

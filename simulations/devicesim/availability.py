@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from simulations.devicesim.tiers import Tier
+from fedge.simulations.devicesim.tiers import Tier
 
 PATTERNS = ("sessions", "diurnal")
 DAY = 24 * 3600.0

@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulations.devicesim.population import Population
+from fedge.simulations.devicesim.population import Population
 
 KEPT, OFFLINE, DEADLINE, LATE = "kept", "offline", "deadline", "late"
 

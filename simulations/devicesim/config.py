@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from simulations.devicesim.availability import PATTERNS
-from simulations.devicesim.tiers import parse_shares
-from simulations.devicesim.workload import DTYPE_BYTES, REFERENCE_MODELS
+from fedge.simulations.devicesim.availability import PATTERNS
+from fedge.simulations.devicesim.tiers import parse_shares
+from fedge.simulations.devicesim.workload import DTYPE_BYTES, REFERENCE_MODELS
 
 MEMORY_POLICIES = ("exclude", "shrink")
 

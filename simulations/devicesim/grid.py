@@ -32,12 +32,12 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedge import keys
-from server.aggregation import reply_metrics
-from server.grid import ReplyHookGrid
-from simulations.devicesim import clock
-from simulations.devicesim.clock import Leg, Plan, Rules
-from simulations.devicesim.population import Population
-from simulations.devicesim.workload import Workload, fit_batches
+from fedge.server.aggregation import reply_metrics
+from fedge.server.grid import ReplyHookGrid
+from fedge.simulations.devicesim import clock
+from fedge.simulations.devicesim.clock import Leg, Plan, Rules
+from fedge.simulations.devicesim.population import Population
+from fedge.simulations.devicesim.workload import Workload, fit_batches
 
 log = logging.getLogger(__name__)
 PartitionQuery = Callable[[Grid, Sequence[int]], dict[int, int]]  # (grid, nodes) -> partitions
@@ -339,7 +339,7 @@ def _array_bytes(content: RecordDict) -> int:
 
 def partitions_by_query(cfg: Any) -> PartitionQuery:
     """A partition query bound to the run config (the loop's own query message)."""
-    from server.loop import query_partitions
+    from fedge.server.loop import query_partitions
 
     def query(grid: Grid, nodes: Sequence[int]) -> dict[int, int]:
         return query_partitions(grid, nodes, cfg)

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from simulations.devicesim.availability import draw_availability
-from simulations.devicesim.tiers import GB, MBPS, TIERS, Tier
+from fedge.simulations.devicesim.availability import draw_availability
+from fedge.simulations.devicesim.tiers import GB, MBPS, TIERS, Tier
 
 COMPUTE_KINDS = ("gflops", "speed", "ms_per_sample")
 KIND_FLOPS, KIND_SPEED, KIND_MS_PER_SAMPLE = 0, 1, 2

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from simulations.devicesim.grid import COUNTERS, DeviceSim
+from fedge.simulations.devicesim.grid import COUNTERS, DeviceSim
 
 HOUR = 3600.0
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from fedge import keys
-from simulations.devicesim.config import DeviceConfig
-from simulations.devicesim.grid import DeviceSim
-from simulations.devicesim.population import (
+from fedge.simulations.devicesim.config import DeviceConfig
+from fedge.simulations.devicesim.grid import DeviceSim
+from fedge.simulations.devicesim.population import (
     KIND_SPEED,
     Population,
     PopulationError,
@@ -24,14 +24,14 @@ from simulations.devicesim.population import (
     from_tiers,
     load_population,
 )
-from simulations.devicesim.tiers import parse_shares
-from simulations.devicesim.workload import (
+from fedge.simulations.devicesim.tiers import parse_shares
+from fedge.simulations.devicesim.workload import (
     REFERENCE_MODELS,
     Workload,
     measure_step_seconds,
     shape_from_model,
 )
-from strategies.registry import build_strategy
+from fedge.strategies.registry import build_strategy
 
 log = logging.getLogger(__name__)
 HOUR = 3600.0

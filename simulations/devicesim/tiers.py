@@ -1,6 +1,6 @@
 """Built-in device tiers: median figures per tier, each sourced in docs/phones.md ("Tier figures").
 
-A tier is the median device of a class. :func:`simulations.devicesim.population.from_tiers`
+A tier is the median device of a class. :func:`fedge.simulations.devicesim.population.from_tiers`
 draws a population from tiers with a per-device log-normal spread around these medians.
 Effective training throughput = peak FLOP/s x utilization: the peaks come from spec
 sheets, the utilizations are assumptions (stated as such in the docs); override either

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fedge.lm.targets import named_targets
-from simulations.devicesim.population import (
+from fedge.simulations.devicesim.population import (
     KIND_FLOPS,
     KIND_MS_PER_SAMPLE,
     KIND_SPEED,

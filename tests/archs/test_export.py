@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
-from edge.runtime import TorchDraftRuntime, load_draft_runtime
-from edge.verifier.engine import EngineConfig, VerifierEngine
+from fedge.cli.main import app
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
+from fedge.edge.runtime import TorchDraftRuntime, load_draft_runtime
+from fedge.edge.verifier.engine import EngineConfig, VerifierEngine
 from fedge.models import load_causal_lm
 from tests.architectures import ARCHITECTURES, greedy_reference, model_dir
 

@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
-import clients.app as client_module
-from clients.state import ContextStore
+import fedge.clients.app as client_module
 from fedge import keys
+from fedge.clients.state import ContextStore
 from fedge.lm import holder
 from fedge.lm.config import TrainConfig
 from fedge.paths import zoo_dir
-from server.aggregation import validate_contribution
-from server.config import RunConfig
-from server.loop import train_content
-from simulations.apps import clientapp as simulated_app
-from simulations.devices import DeviceBehaviour, local_work
-from strategies.base import GlobalState
-from strategies.registry import build_strategy
+from fedge.server.aggregation import validate_contribution
+from fedge.server.config import RunConfig
+from fedge.server.loop import train_content
+from fedge.simulations.apps import clientapp as simulated_app
+from fedge.simulations.devices import DeviceBehaviour, local_work
+from fedge.strategies.base import GlobalState
+from fedge.strategies.registry import build_strategy
 
 SMALL = {
     "local-steps": 2,
@@ -228,7 +228,7 @@ def test_an_accepted_scaffold_reply_advances_c_i(micro_zoo) -> None:  # type: ig
 
 def test_scaffold_trains_with_sgd_unless_told_otherwise(micro_zoo) -> None:  # type: ignore[no-untyped-def]
     """optimizer=auto is the strategy's own local update: SGD for SCAFFOLD, AdamW otherwise."""
-    from clients.trainer import resolve_optimizer
+    from fedge.clients.trainer import resolve_optimizer
 
     scaffold = build_strategy({"strategy": "scaffold"})
     fedavg = build_strategy({"strategy": "fedavg"})
@@ -241,7 +241,7 @@ def test_scaffold_trains_with_sgd_unless_told_otherwise(micro_zoo) -> None:  # t
 QUERY_IN_A_FRESH_PROCESS = """
 import json, sys, time
 from flwr.app import Context, Message, Metadata, RecordDict
-from clients.app import app
+from fedge.clients.app import app
 metadata = Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=7, reply_to_message_id="",
                     group_id="0", created_at=time.time(), ttl=60.0, message_type="query")
 node = Context(run_id=1, node_id=7, node_config={"partition-id": 2}, state=RecordDict(), run_config={})
@@ -256,7 +256,7 @@ def test_loading_the_app_and_answering_a_query_imports_no_training_stack() -> No
     nor opacus: the Deployment Engine starts one ClientApp process per message, and importing
     them cost each query process about 5 CPU seconds (0.7 s without).
 
-    Before the training work moved to `clients.rounds`, `clients.app` imported them at load
+    Before the training work moved to `fedge.clients.rounds`, `fedge.clients.app` imported them at load
     (checked: it reported ["torch", "transformers"])."""
     out = subprocess.run(
         [sys.executable, "-c", QUERY_IN_A_FRESH_PROCESS],

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from fedge.names import STATE
-from simulations.localnet import head_port, ray_node_command, stop_marked
+from fedge.simulations.localnet import head_port, ray_node_command, stop_marked
 
 pytestmark = pytest.mark.cluster
 

@@ -1,4 +1,4 @@
-"""`simulations.localnet.ray_head` survives a raylet that overruns Ray's fixed 30 s start-up window.
+"""`fedge.simulations.localnet.ray_head` survives a raylet that overruns Ray's fixed 30 s start-up window.
 
 Not part of `make test` (about 50 s: it waits out Ray's window once); `make test-cluster`
 runs it (``pytest -m cluster tests/cluster``). The overrun is caused for real: the first
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from simulations.localnet import RAY_NODE_MARKER, ray_head
+from fedge.simulations.localnet import RAY_NODE_MARKER, ray_head
 
 pytestmark = pytest.mark.cluster
 

@@ -37,9 +37,9 @@ import ray
 import typer
 import yaml
 
-from edge.cli import verifier_app
-from edge.proto import verifier_pb2
-from edge.verifier.server import ServerConfig
+from fedge.edge.cli import verifier_app
+from fedge.edge.proto import verifier_pb2
+from fedge.edge.verifier.server import ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -169,7 +169,7 @@ def serve_config(container: Obj) -> ServerConfig:
         built.append(config)
 
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-    with mock.patch.dict(os.environ, env), mock.patch("edge.verifier.server.serve", record):
+    with mock.patch.dict(os.environ, env), mock.patch("fedge.edge.verifier.server.serve", record):
         command.main(list(container.get("args", [])), prog_name="serve", standalone_mode=False)
     (config,) = built
     return config
@@ -722,7 +722,11 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         "import_paths: no such field",
     ),
     "import path that does not resolve": (
-        _serve(lambda c: c["applications"][0].update(import_path="edge.fleet.kuberay:replica_app")),
+        _serve(
+            lambda c: c["applications"][0].update(
+                import_path="fedge.edge.fleet.kuberay:replica_app"
+            )
+        ),
         "replica_app",
     ),
     "builder arg it does not know": (

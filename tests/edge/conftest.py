@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from edge.verifier.engine import EngineConfig
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 
 
@@ -56,7 +56,7 @@ def micro_draft(micro_zoo: ZooPaths) -> PreTrainedModel:
 @pytest.fixture(scope="session")
 def micro_prompts(micro_zoo: ZooPaths) -> list[list[int]]:
     """Held-out prompts of assorted lengths (1 to 60 tokens) in the micro tokenizer."""
-    from edge.prompts import heldout_prompts
+    from fedge.edge.prompts import heldout_prompts
     from fedge.models import load_tokenizer
 
     base = heldout_prompts(load_tokenizer(micro_zoo.target_dir), 24, 60)

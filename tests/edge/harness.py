@@ -15,13 +15,13 @@ from typing import Any, NamedTuple, TypeVar
 
 from google.protobuf import message_factory
 
-from edge.fleet.ingress import FleetIngress, IngressSpec
-from edge.fleet.relay import session_of
-from edge.fleet.replica import ReplicaSpec, VerifierReplica
-from edge.fleet.routers import ROUTE_REPLICA, ROUTE_SESSION
-from edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
-from edge.proto import verifier_pb2 as pb
-from edge.verifier.limits import DEVICE_KEY
+from fedge.edge.fleet.ingress import FleetIngress, IngressSpec
+from fedge.edge.fleet.relay import session_of
+from fedge.edge.fleet.replica import ReplicaSpec, VerifierReplica
+from fedge.edge.fleet.routers import ROUTE_REPLICA, ROUTE_SESSION
+from fedge.edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.verifier.limits import DEVICE_KEY
 
 T = TypeVar("T")
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from edge.client import ClientConfig, VerifierClient
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig
-from edge.verifier.server import BackgroundServer, ServerConfig, load_verifier_model
+from fedge.edge.client import ClientConfig, VerifierClient
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig, load_verifier_model
 from fedge.models import load_causal_lm
 from tests.architectures import ARCHITECTURES, greedy_reference, model_dir
 

@@ -13,16 +13,16 @@ import pytest
 from grpc_health.v1 import health_pb2
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, VerifierClient
-from edge.fleet.ingress_spec import IngressSpec
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.auth import IDENTITY_KEY, Credentials
-from edge.verifier.engine import EngineConfig
-from edge.verifier.limits import DEVICE_KEY, VERIFY, RateLimitConfig, retry_after_ms
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.client import ClientConfig, VerifierClient
+from fedge.edge.fleet.ingress_spec import IngressSpec
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.verifier.auth import IDENTITY_KEY, Credentials
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.limits import DEVICE_KEY, VERIFY, RateLimitConfig, retry_after_ms
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.simulations.local_services import self_signed_cert
 from fedge.zoo import ZooPaths
-from simulations.local_services import self_signed_cert
 from tests.edge.harness import (
     LocalIngress,
     NoReplicas,
@@ -140,8 +140,8 @@ def test_credentials_map_each_token_to_its_device_and_keep_no_token(tmp_path: Pa
 
 
 def test_both_verifier_clis_take_credentials_and_tls() -> None:
-    from edge.cli import generate_command, serve_command
-    from edge.fleet.cli import fleet_command
+    from fedge.edge.cli import generate_command, serve_command
+    from fedge.edge.fleet.cli import fleet_command
 
     for command in (serve_command, fleet_command):
         params = inspect.signature(command).parameters

@@ -13,13 +13,13 @@ import torch
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from edge.fleet.ingress_spec import IngressSpec
-from edge.fleet.wire import CallResult
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.engine import EngineConfig
-from edge.verifier.limits import retry_after_ms
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.fleet.ingress_spec import IngressSpec
+from fedge.edge.fleet.wire import CallResult
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.limits import retry_after_ms
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from tests.edge.harness import running_ingress
 
 PASS_S = 0.3  # each forward pass of the slowed target

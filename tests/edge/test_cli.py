@@ -12,10 +12,10 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cli.main import app
+from fedge.cli.main import app
 from fedge.zoo import ZooPaths
 
-FEDGE = [sys.executable, "-m", "cli"]
+FEDGE = [sys.executable, "-m", "fedge.cli"]
 
 
 def test_serve_then_generate_then_sigterm(micro_zoo: ZooPaths, tmp_path: Path) -> None:

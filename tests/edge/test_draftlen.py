@@ -6,15 +6,15 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.draftlen import (
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.draftlen import (
     EstimatorConfig,
     SpeculationEstimator,
     best_draft_len,
     tokens_per_second,
 )
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig, VerifierEngine
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig, VerifierEngine
 
 
 def test_rate_is_expected_tokens_over_round_time() -> None:

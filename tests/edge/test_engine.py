@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
-from edge.verifier.errors import InvalidRequest, Overloaded, SessionBusy, SessionNotFound
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
+from fedge.edge.verifier.errors import InvalidRequest, Overloaded, SessionBusy, SessionNotFound
 
 NEW_TOKENS = 24
 

@@ -9,10 +9,15 @@ import numpy as np
 import pytest
 from transformers import PreTrainedModel
 
-from edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
-from edge.export import ExportConfig, ExportValidationError, export_draft, load_export_tokenizer
-from edge.runtime import TorchDraftRuntime, load_draft_runtime
-from edge.verifier.engine import EngineConfig, VerifierEngine
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder, edge_only
+from fedge.edge.export import (
+    ExportConfig,
+    ExportValidationError,
+    export_draft,
+    load_export_tokenizer,
+)
+from fedge.edge.runtime import TorchDraftRuntime, load_draft_runtime
+from fedge.edge.verifier.engine import EngineConfig, VerifierEngine
 from fedge.errors import CorruptModelError, ModelNotFoundError
 from fedge.zoo import ZooPaths
 

@@ -9,10 +9,10 @@ import grpc
 import pytest
 import torch
 
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.engine import EngineConfig
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 
 VOCAB = 4  # a uniform target over 4 tokens accepts a one-hot draft with probability 1/4
 SESSIONS = 300

@@ -11,13 +11,13 @@ import grpc
 import pytest
 from transformers import PreTrainedModel
 
-from edge.fleet.ingress_spec import IngressSpec
-from edge.fleet.wire import CallResult
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.engine import EngineConfig
-from edge.verifier.limits import RateLimitConfig, retry_after_ms
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.fleet.ingress_spec import IngressSpec
+from fedge.edge.fleet.wire import CallResult
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.limits import RateLimitConfig, retry_after_ms
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 from tests.edge.harness import running_ingress, write_credentials
 from tests.edge.test_service import greedy

@@ -15,13 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, VerifierClient
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig
-from edge.verifier.server import EXIT_ENGINE_DIED, BackgroundServer, ServerConfig
+from fedge.edge.client import ClientConfig, VerifierClient
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.server import EXIT_ENGINE_DIED, BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 from tests.edge.test_service import given_up_on, greedy, health_status
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge.proto import codegen
+from fedge.edge.proto import codegen
 
 
 def test_regenerating_the_stubs_gives_the_committed_files(tmp_path: Path) -> None:

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, EdgeClient, RateLimited, VerifierClient
-from edge.decoder import DecodeConfig
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig
-from edge.verifier.limits import (
+from fedge.edge.client import ClientConfig, EdgeClient, RateLimited, VerifierClient
+from fedge.edge.decoder import DecodeConfig
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.limits import (
     DEVICE_KEY,
     RETRY_AFTER_KEY,
     DeviceBuckets,
@@ -23,7 +23,7 @@ from edge.verifier.limits import (
     device_of,
     retry_after_ms,
 )
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 
 MAX_DRAFT = 8  # so the longest verify costs 9 verify tokens

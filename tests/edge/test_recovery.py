@@ -13,12 +13,12 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, EdgeClient, VerifierClient
-from edge.decoder import DecodeConfig
-from edge.router import Router
-from edge.runtime import TorchDraftRuntime
+from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
+from fedge.edge.decoder import DecodeConfig
+from fedge.edge.router import Router
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.simulations.netem import LinkConfig, NetworkEmulator
 from fedge.zoo import ZooPaths
-from simulations.netem import LinkConfig, NetworkEmulator
 from tests.edge.test_service import greedy
 
 DEVICES = 16
@@ -36,7 +36,7 @@ class VerifierProcess:
 
     def __init__(self, model_dir: Path) -> None:
         command = [
-            *(sys.executable, "-m", "edge.verifier", "--model", str(model_dir)),
+            *(sys.executable, "-m", "fedge.edge.verifier", "--model", str(model_dir)),
             *("--port", "0", "--torch-threads", "1", "--grace-s", "0"),
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}

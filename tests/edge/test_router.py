@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.draftlen import EstimatorConfig, SpeculationEstimator
-from edge.router import (
+from fedge.edge.draftlen import EstimatorConfig, SpeculationEstimator
+from fedge.edge.router import (
     DeviceState,
     Objective,
     Outcome,

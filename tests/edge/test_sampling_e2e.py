@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig, VerifierEngine
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig, VerifierEngine
 
 VOCAB = 8
 PROMPT = [3, 5]

@@ -13,15 +13,20 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, EdgeClient, VerifierClient, VerifierUnreachable
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig
-from edge.verifier.server import BackgroundServer, ServerConfig, VerifierServer, load_verifier_model
+from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient, VerifierUnreachable
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.server import (
+    BackgroundServer,
+    ServerConfig,
+    VerifierServer,
+    load_verifier_model,
+)
+from fedge.simulations.local_services import self_signed_cert
 from fedge.zoo import ZooPaths
-from simulations.local_services import self_signed_cert
 
 
 def greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from edge.speculative import expected_tokens_per_pass, greedy_verdict, sampling_verdict
+from fedge.edge.speculative import expected_tokens_per_pass, greedy_verdict, sampling_verdict
 
 
 def one_hot_logits(choices: list[int], vocab: int = 6) -> torch.Tensor:

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from transformers import PreTrainedModel
 
-from edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
-from edge.verifier.errors import NotReady, Overloaded
+from fedge.edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
+from fedge.edge.verifier.errors import NotReady, Overloaded
 from tests.edge.test_engine import target_greedy
 from tests.edge.test_liveness import poll
 

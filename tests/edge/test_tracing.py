@@ -15,12 +15,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, EdgeClient, VerifierClient
-from edge.decoder import DecodeConfig
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.runtime import TorchDraftRuntime
-from edge.tracing import (
+from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
+from fedge.edge.decoder import DecodeConfig
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.tracing import (
     BATCH_SPAN,
     FORWARD_SPAN,
     REQUEST_SPAN,
@@ -30,8 +30,8 @@ from edge.tracing import (
     shutdown,
     tracer_provider,
 )
-from edge.verifier.engine import EngineConfig
-from edge.verifier.server import BackgroundServer, ServerConfig
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 
 VERIFY_RPC = "/fedge.edge.v1.Verifier/Verify"

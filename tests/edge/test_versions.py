@@ -12,15 +12,15 @@ import grpc
 import pytest
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, TokenizerMismatch, VerifierClient
-from edge.fleet.ingress_spec import IngressSpec
-from edge.fleet.wire import CallResult
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.verifier.engine import EngineConfig
-from edge.verifier.errors import VERSION_GONE_KEY
-from edge.verifier.identity import serving_identity, tokenizer_dir_id
-from edge.verifier.server import BackgroundServer, ServerConfig, load_verifier_model
+from fedge.edge.client import ClientConfig, TokenizerMismatch, VerifierClient
+from fedge.edge.fleet.ingress_spec import IngressSpec
+from fedge.edge.fleet.wire import CallResult
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.errors import VERSION_GONE_KEY
+from fedge.edge.verifier.identity import serving_identity, tokenizer_dir_id
+from fedge.edge.verifier.server import BackgroundServer, ServerConfig, load_verifier_model
 from fedge.zoo import ZooPaths
 from tests.edge.harness import running_ingress
 from tests.edge.test_service import greedy

@@ -144,10 +144,10 @@ def killed_then_damaged(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFa
     import subprocess
     import sys
 
-    from simulations.localnet import wait_for_file
+    from fedge.simulations.localnet import wait_for_file
 
     out = tmp_path_factory.mktemp("killed") / "zoo"
-    command = [sys.executable, "-m", "cli", "models", "build", "--preset", "micro"]
+    command = [sys.executable, "-m", "fedge.cli", "models", "build", "--preset", "micro"]
     process = subprocess.Popen(
         [*command, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from edge.verifier.limits import RateLimitConfig
+from fedge.edge.verifier.limits import RateLimitConfig
 from fedge.models import load_causal_lm
+from fedge.simulations.local_services import redis_server
 from fedge.zoo import ZooPaths
-from simulations.local_services import redis_server
 from tests.fleet.harness import settled, wait_for
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -86,8 +86,8 @@ def fleet(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Iter
     Ray and Redis stop after."""
     import ray
 
-    from edge.fleet.app import FleetConfig, free_port, start_fleet
-    from edge.verifier.engine import EngineConfig
+    from fedge.edge.fleet.app import FleetConfig, free_port, start_fleet
+    from fedge.edge.verifier.engine import EngineConfig
 
     with redis_server(tmp_path_factory.mktemp("fleet-redis")) as redis:
         config = FleetConfig(
@@ -122,7 +122,7 @@ def as_started(fleet: Any) -> None:
     """
     from ray import serve
 
-    from edge.fleet.app import replica_application
+    from fedge.edge.fleet.app import replica_application
 
     fleet.ingress.set_rate_limits.remote(RateLimitConfig()).result()
     described = fleet.describe()
@@ -147,7 +147,7 @@ def models(micro_zoo: ZooPaths) -> tuple[PreTrainedModel, PreTrainedModel]:
 
 @pytest.fixture(scope="package")
 def prompts(micro_zoo: ZooPaths) -> list[list[int]]:
-    from edge.prompts import heldout_prompts
+    from fedge.edge.prompts import heldout_prompts
     from fedge.models import load_tokenizer
 
     base = heldout_prompts(load_tokenizer(micro_zoo.target_dir), 8, 40)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, VerifierClient
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.runtime import TorchDraftRuntime
+from fedge.edge.client import ClientConfig, VerifierClient
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.runtime import TorchDraftRuntime
 
 NEW_TOKENS = 16
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edge.fleet.adapters import AdapterMismatch, check_adapter
-from edge.fleet.app import FleetConfig
-from edge.fleet.stats import ArmStats, CallOutcome
-from edge.verifier.engine import EngineConfig
-from edge.verifier.limits import RateLimitConfig
+from fedge.edge.fleet.adapters import AdapterMismatch, check_adapter
+from fedge.edge.fleet.app import FleetConfig
+from fedge.edge.fleet.stats import ArmStats, CallOutcome
+from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.limits import RateLimitConfig
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -105,8 +105,8 @@ def test_restart_with_an_adapter_takes_the_canary_path() -> None:
     replica, skipping the canary (its signature took the adapter)."""
     import inspect
 
-    from edge.fleet.app import restart_version
-    from edge.fleet.cli import restart_command
+    from fedge.edge.fleet.app import restart_version
+    from fedge.edge.fleet.cli import restart_command
 
     assert "adapter_dir" not in inspect.signature(restart_version).parameters
     assert "rollout_command(" in inspect.getsource(restart_command)

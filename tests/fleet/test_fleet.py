@@ -24,17 +24,17 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, EdgeClient, VerifierClient
-from edge.decoder import DecodeConfig
-from edge.fleet.app import ingress_application
-from edge.fleet.ingress_spec import IngressSpec
-from edge.proto import verifier_pb2 as pb
-from edge.proto import verifier_pb2_grpc as pb_grpc
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.limits import DEVICE_KEY, RateLimitConfig, retry_after_ms
+from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
+from fedge.edge.decoder import DecodeConfig
+from fedge.edge.fleet.app import ingress_application
+from fedge.edge.fleet.ingress_spec import IngressSpec
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.limits import DEVICE_KEY, RateLimitConfig, retry_after_ms
 from fedge.models import load_causal_lm
+from fedge.simulations.local_services import self_signed_cert
 from fedge.zoo import ZooPaths
-from simulations.local_services import self_signed_cert
 from tests.edge.harness import write_credentials
 from tests.fleet.harness import (
     NEW_TOKENS,
@@ -404,7 +404,7 @@ def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
 ) -> None:
     from ray import serve
 
-    from edge.fleet.app import replica_application
+    from fedge.edge.fleet.app import replica_application
 
     _, draft = models
     stable = fleet.describe()["stable"]

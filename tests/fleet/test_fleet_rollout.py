@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel
 
-from edge.client import EdgeClient, VerifierClient
-from edge.decoder import DecodeConfig
-from edge.fleet.rollout import RolloutConfig, run_rollout
-from edge.runtime import TorchDraftRuntime
+from fedge.edge.client import EdgeClient, VerifierClient
+from fedge.edge.decoder import DecodeConfig
+from fedge.edge.fleet.rollout import RolloutConfig, run_rollout
+from fedge.edge.runtime import TorchDraftRuntime
 from tests.fleet.harness import (
     NEW_TOKENS,
     Load,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.fleet.kuberay import fleet_config, ingress_app, replicas_app
+from fedge.edge.fleet.kuberay import fleet_config, ingress_app, replicas_app
 
 
 def test_args_map_onto_the_fleet_and_engine() -> None:

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from edge.fleet import routers
-from edge.fleet.adapters import AdapterMismatch, check_adapter
-from edge.fleet.relay import session_key
-from edge.fleet.replica import ReplicaSpec, VerifierReplica
-from edge.fleet.rollout import RolloutConfig, decide
-from edge.fleet.routers import (
+from fedge.edge.fleet import routers
+from fedge.edge.fleet.adapters import AdapterMismatch, check_adapter
+from fedge.edge.fleet.relay import session_key
+from fedge.edge.fleet.replica import ReplicaSpec, VerifierReplica
+from fedge.edge.fleet.rollout import RolloutConfig, decide
+from fedge.edge.fleet.routers import (
     EARLY_COMPLETIONS_KEPT,
     ROUTE_MOVE_TOKENS,
     ROUTE_REPLICA,
@@ -36,10 +36,10 @@ from edge.fleet.routers import (
     relative_slowness,
     should_spill,
 )
-from edge.fleet.speed import SPEED_MAX_AGE_S, SPEED_MIN_SAMPLES, ReplicaSpeed
-from edge.fleet.stats import ArmStats, CallOutcome
-from edge.fleet.wire import ROUTE_PIN, SERVING, SPEEDS
-from edge.proto import verifier_pb2 as pb
+from fedge.edge.fleet.speed import SPEED_MAX_AGE_S, SPEED_MIN_SAMPLES, ReplicaSpeed
+from fedge.edge.fleet.stats import ArmStats, CallOutcome
+from fedge.edge.fleet.wire import ROUTE_PIN, SERVING, SPEEDS
+from fedge.edge.proto import verifier_pb2 as pb
 from fedge.manifest import write_manifest
 
 DEPLOYMENT = DeploymentID(name="verifier", app_name="fedge-v1")
@@ -381,7 +381,7 @@ def test_token_aware_learns_the_slow_replica_from_mixed_calls_and_places_new_ses
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [0.0]
-    monkeypatch.setattr("edge.fleet.routers.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("fedge.edge.fleet.routers.time.monotonic", lambda: clock[0])
     router = make_router(TokenAwareRouter, affinity=True)
     fast, slow = replicas("fast", "slow")
 
@@ -426,7 +426,7 @@ def test_token_aware_measures_a_busy_replica_by_its_speed_not_its_queue(
     4 x 38 = 152 > 98.
     """
     clock = [0.0]
-    monkeypatch.setattr("edge.fleet.routers.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("fedge.edge.fleet.routers.time.monotonic", lambda: clock[0])
     router = make_router(TokenAwareRouter, affinity=True)
     fast, slow = replicas("fast", "slow")
     for i in range(10):  # 60 tokens queued on the fast replica
@@ -753,7 +753,7 @@ def test_adapter_whose_weights_changed_after_hashing_is_refused(
 
 
 def test_autoscaling_on_queue_depth_within_bounds(micro_zoo: Any) -> None:
-    from edge.fleet.app import FleetConfig
+    from fedge.edge.fleet.app import FleetConfig
 
     fixed = FleetConfig(micro_zoo.target_dir, replicas=2)
     assert fixed.autoscaling() is None
@@ -787,10 +787,10 @@ def test_autoscaling_on_queue_depth_within_bounds(micro_zoo: Any) -> None:
 
 
 def test_both_clis_take_their_rate_limit_defaults_from_rate_limit_config() -> None:
-    from edge.cli import serve_command
-    from edge.cli_options import rate_limits
-    from edge.fleet.cli import fleet_command
-    from edge.verifier.limits import RateLimitConfig
+    from fedge.edge.cli import serve_command
+    from fedge.edge.cli_options import rate_limits
+    from fedge.edge.fleet.cli import fleet_command
+    from fedge.edge.verifier.limits import RateLimitConfig
 
     for command in (serve_command, fleet_command):
         params = inspect.signature(command).parameters
@@ -803,8 +803,8 @@ def test_ingress_relays_its_own_span_as_the_replicas_parent() -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import format_span_id, format_trace_id
 
-    from edge.fleet.ingress import relay_metadata
-    from edge.verifier.auth import IDENTITY_KEY, token_identity
+    from fedge.edge.fleet.ingress import relay_metadata
+    from fedge.edge.verifier.auth import IDENTITY_KEY, token_identity
 
     edge_context = ("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
     caller = [edge_context, ("authorization", "Bearer t"), ("grpc-accept-encoding", "gzip")]

@@ -19,23 +19,23 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel
 
-from edge.client import ClientConfig, VerifierClient
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.fleet.app import FleetConfig
-from edge.fleet.ingress import IngressSpec
-from edge.fleet.ingress_state import IngressState
-from edge.fleet.redis_state import RedisState
-from edge.fleet.rollout import recovery
-from edge.fleet.state import MemoryState, Routing
-from edge.fleet.stats import CallOutcome
-from edge.fleet.wire import CallResult
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.limits import VERIFY, RateLimiter
-from edge.verifier.rate_config import RateLimitConfig
-from edge.verifier.requests import Sampling
+from fedge.edge.client import ClientConfig, VerifierClient
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.fleet.app import FleetConfig
+from fedge.edge.fleet.ingress import IngressSpec
+from fedge.edge.fleet.ingress_state import IngressState
+from fedge.edge.fleet.redis_state import RedisState
+from fedge.edge.fleet.rollout import recovery
+from fedge.edge.fleet.state import MemoryState, Routing
+from fedge.edge.fleet.stats import CallOutcome
+from fedge.edge.fleet.wire import CallResult
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.limits import VERIFY, RateLimiter
+from fedge.edge.verifier.rate_config import RateLimitConfig
+from fedge.edge.verifier.requests import Sampling
+from fedge.simulations.local_services import RedisServer
+from fedge.simulations.netem import NetworkEmulator
 from fedge.zoo import ZooPaths
-from simulations.local_services import RedisServer
-from simulations.netem import NetworkEmulator
 from tests.architectures import greedy_reference
 from tests.edge.harness import LocalIngress, LocalReplicas, ReplicaHandle, running_ingress
 from tests.fleet.harness import wait_for

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from clients.privacy.ledger import STATE_DIR_ENV
 from fedge import keys
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
 from fedge.secagg import wire
-from server.app import OutcomeBox, make_server_app
-from server.config import RunConfig
-from server.rundir import MetricsLog
-from server.secagg.aggregator import MASKED_RECORD
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from simulations.runner import client_roots
+from fedge.server.app import OutcomeBox, make_server_app
+from fedge.server.config import RunConfig
+from fedge.server.rundir import MetricsLog
+from fedge.server.secagg.aggregator import MASKED_RECORD
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.runner import client_roots
 from tests.architectures import model_dir, write_text
 from tests.privacy.test_matrix import MODES
 from tests.simulations.federations import TINY_TRAINING, RecordingGrid, client_app

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cli.main import app
+from fedge.cli.main import app
 from fedge.privacy.accounting import gaussian_epsilon
 
 

@@ -9,10 +9,10 @@ from opacus.accountants import RDPAccountant
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from clients.privacy.dpsgd import DPSGDConfig, cumulative_epsilon, token_records, train_dpsgd
-from clients.privacy.ledger import Ledger
-from clients.privacy.local import BudgetExhausted, train_dpsgd_round
-from strategies.base import ClientHook
+from fedge.clients.privacy.dpsgd import DPSGDConfig, cumulative_epsilon, token_records, train_dpsgd
+from fedge.clients.privacy.ledger import Ledger
+from fedge.clients.privacy.local import BudgetExhausted, train_dpsgd_round
+from fedge.strategies.base import ClientHook
 
 
 @pytest.fixture

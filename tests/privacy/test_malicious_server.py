@@ -19,17 +19,17 @@ import pytest
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from clients.privacy.ledger import STATE_DIR_ENV
-from clients.privacy.policy import POLICY_ENV
 from fedge import keys
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
+from fedge.clients.privacy.policy import POLICY_ENV
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
-from server.aggregation import PlainAggregator
-from server.privacy.aggregators import DistributedDPAggregator
-from server.privacy.config import DPConfig
-from server.secagg.aggregator import SecAggPlusAggregator
-from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
-from server.secagg.protocol import run_secagg
+from fedge.server.aggregation import PlainAggregator
+from fedge.server.privacy.aggregators import DistributedDPAggregator
+from fedge.server.privacy.config import DPConfig
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
+from fedge.server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
+from fedge.server.secagg.protocol import run_secagg
 from tests.secagg.harness import known_client_app, partition_ids, simulate
 
 NUM_NODES = 4

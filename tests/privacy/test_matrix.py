@@ -3,7 +3,7 @@
 3 strategies x {plain, SecAgg+, central DP, SecAgg+ with distributed DP, DP-SGD}, plus a
 central-DP run that must stop on its epsilon budget. All 17 federations run through the
 real fedge ServerApp loop and ClientApp, one after another in ONE ServerApp on the
-in-process engine (`simulations.inprocess`: Flower's Message API, no Ray start-up; the
+in-process engine (`fedge.simulations.inprocess`: Flower's Message API, no Ray start-up; the
 Ray engine has its own tests in tests/simulations and tests/server).
 """
 
@@ -20,16 +20,16 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients.privacy.ledger import STATE_DIR_ENV
-from server.checkpoint import latest_round, load_checkpoint
-from server.config import RunConfig
-from server.loop import ServerModel, run_federation
-from server.rundir import MetricsLog
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
+from fedge.server.checkpoint import latest_round, load_checkpoint
+from fedge.server.config import RunConfig
+from fedge.server.loop import ServerModel, run_federation
+from fedge.server.rundir import MetricsLog
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
 STRATEGIES = ("fedavg", "fedprox", "scaffold")
 PLOTTED = "fedavg"  # the strategy whose runs draw the plots, one per privacy mode
-F = "server.privacy.factories:"
+F = "fedge.server.privacy.factories:"
 DP = {"weighting": "uniform", "privacy-budget": F + "rdp_budget", "dp-noise-multiplier": 0.8}
 MODES: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -106,7 +106,7 @@ def outcomes(
             except Exception as exc:  # recorded and asserted per case below
                 outcomes[name] = exc
 
-    from simulations.apps import clientapp as client_app
+    from fedge.simulations.apps import clientapp as client_app
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FEDGE_CONCURRENCY", "1")  # clients run one at a time, in this thread

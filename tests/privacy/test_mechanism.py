@@ -11,11 +11,11 @@ from dp_accounting.rdp import RdpAccountant as LibraryRdp
 from scipy import stats
 
 from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution, sensitive_norm
-from server.aggregation import PlainAggregator
-from server.config import RunConfig
-from server.privacy.accountant import DPBudget
-from server.privacy.config import DPConfig
-from server.privacy.factories import central_dp, default_budget
+from fedge.server.aggregation import PlainAggregator
+from fedge.server.config import RunConfig
+from fedge.server.privacy.accountant import DPBudget
+from fedge.server.privacy.config import DPConfig
+from fedge.server.privacy.factories import central_dp, default_budget
 
 
 def contribution(rng: np.random.Generator, scale: float) -> dict[str, np.ndarray]:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from clients.privacy.policy import PrivacyPolicy, dpsgd_budget, node_policy, requested_dp
-from clients.secagg.mod import node_rules
+from fedge.clients.privacy.policy import PrivacyPolicy, dpsgd_budget, node_policy, requested_dp
+from fedge.clients.secagg.mod import node_rules
 
 
 def test_a_policy_file_is_read_and_a_bad_one_is_never_an_empty_policy(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from clients.secagg.engine import SecAggClientEngine
+from fedge.clients.secagg.engine import SecAggClientEngine
 from fedge.secagg import wire
 
 

@@ -16,9 +16,9 @@ from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRe
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from clients.mods import dispatch_mods
 from fedge import keys
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.clients.mods import dispatch_mods
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
 CRASH_KEY = "crash-pids"  # train-config key: comma list of partitions whose training crashes
 NODES_TIMEOUT_S = 300  # nodes of a Ray or deployment run connect over time; bounds the wait

@@ -8,12 +8,17 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
+from fedge.clients.secagg.engine import SecAggClientEngine, SecAggProtocolError
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from fedge.secagg.crypto import generate_keypair
-from server.secagg.engine import KeyBook, SecAggRoundFailed, SecAggServerEngine, ring_neighbours
-from server.secagg.protocol import run_secagg
+from fedge.server.secagg.engine import (
+    KeyBook,
+    SecAggRoundFailed,
+    SecAggServerEngine,
+    ring_neighbours,
+)
+from fedge.server.secagg.protocol import run_secagg
 
 MASKED = "masked"
 
@@ -270,7 +275,7 @@ def test_pair_secrets_are_computed_once_per_session(
     make_federation: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare: count the X25519 agreements clients run over three rounds of one session
-    import clients.secagg.engine as client_engine
+    import fedge.clients.secagg.engine as client_engine
 
     computed: list[int] = []
     real = client_engine.shared_secrets

@@ -17,14 +17,14 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from clients.privacy.ledger import STATE_DIR_ENV
 from fedge import keys
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
 from fedge.secagg.config import SecAggConfig
-from server.aggregation import PlainAggregator
-from server.grid import ReplyHookGrid
-from server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
-from server.privacy.config import DPConfig
-from server.secagg.aggregator import SecAggPlusAggregator
+from fedge.server.aggregation import PlainAggregator
+from fedge.server.grid import ReplyHookGrid
+from fedge.server.privacy.aggregators import CentralDPAggregator, DistributedDPAggregator
+from fedge.server.privacy.config import DPConfig
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
 from tests.secagg.harness import CRASH_KEY, known_client_app, partition_ids, simulate
 
 NUM_NODES = 5

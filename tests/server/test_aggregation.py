@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from server.aggregation import build_aggregator, validate_contribution
-from server.config import RunConfig
+from fedge.server.aggregation import build_aggregator, validate_contribution
+from fedge.server.config import RunConfig
 
 SPEC = {"delta/w": (2, 3), "meta/weight": (1,), "meta/count": (1,)}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
-from strategies.base import GlobalState
+from fedge.server.checkpoint import Checkpoint, latest_round, load_checkpoint, save_checkpoint
+from fedge.strategies.base import GlobalState
 
 ADAPTER = {"a.lora_A": np.zeros((2, 4), np.float32)}
 
@@ -51,9 +51,9 @@ def test_committed_rounds_and_config_round_trip(tmp_path) -> None:  # type: igno
 
 def test_resume_refuses_a_changed_config_and_names_the_difference(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A checkpoint made by FedAvg is not resumed as SCAFFOLD; the message names both values."""
-    from server.checkpoint import check_resumable
-    from server.config import RunConfig
-    from strategies.registry import build_strategy
+    from fedge.server.checkpoint import check_resumable
+    from fedge.server.config import RunConfig
+    from fedge.strategies.registry import build_strategy
 
     saved = RunConfig.from_mapping({"strategy": "fedavg", "num-server-rounds": 2})
     ckpt = Checkpoint(GlobalState(ADAPTER, {}, 2), {}, {}, "fedavg", "abc", saved.to_mapping())
@@ -68,7 +68,7 @@ def test_resume_refuses_a_changed_config_and_names_the_difference(tmp_path) -> N
 
 def test_a_fresh_run_archives_an_earlier_run_instead_of_mixing_with_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Checkpoints and metrics of the earlier run move under previous/; nothing is deleted."""
-    from server.checkpoint import archive_previous_run
+    from fedge.server.checkpoint import archive_previous_run
 
     save_checkpoint(tmp_path, Checkpoint(GlobalState(ADAPTER, {}, 3), {}, {}, "fedavg"))
     (tmp_path / "metrics.jsonl").write_text('{"round": 3}\n')

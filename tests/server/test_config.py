@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from server.config import RunConfig
-from server.loop import resolve_partition_count
+from fedge.server.config import RunConfig
+from fedge.server.loop import resolve_partition_count
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import numpy as np
 
 from fedge.lm import holder
 from fedge.lm.evaluate import evaluate_tokens
-from server.config import RunConfig
-from server.loop import ServerModel
+from fedge.server.config import RunConfig
+from fedge.server.loop import ServerModel
 
 
 def test_participants_without_heldout_text_score_nan_not_crash(micro_zoo) -> None:  # type: ignore[no-untyped-def]

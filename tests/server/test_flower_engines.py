@@ -2,7 +2,7 @@
 Engine (a real SuperLink and SuperNodes), the fedge app and examples/flower-app.
 
 One simulation SuperLink and one Ray head serve both `flwr run` tests. The module starts the
-Ray head itself (:func:`simulations.localnet.ray_head`: its own temp dir and ports, 2 CPUs, so
+Ray head itself (:func:`fedge.simulations.localnet.ray_head`: its own temp dir and ports, 2 CPUs, so
 one ClientApp actor at Flower's default 2 CPUs each) and retries it when it overruns Ray's
 fixed 30 s node start-up window, which a loaded machine does (two fleets' Ray clusters run
 beside this file in the suite); Flower's Ray backend joins it through ``RAY_ADDRESS``
@@ -35,8 +35,8 @@ from typing import Any
 import pytest
 import torch
 
-from clients.privacy.ledger import STATE_DIR_ENV
-from simulations.localnet import (
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
+from fedge.simulations.localnet import (
     RayHead,
     local_superlink_command,
     ray_head,

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from server.aggregation import AggregateResult
-from server.budget import NoBudget
-from server.loop import aggregate_and_account, next_state, updates_in
-from strategies.base import ClientResult, GlobalState, build_contribution, sum_contributions
-from strategies.fedavg import FedAvg
-from strategies.scaffold import Scaffold
+from fedge.server.aggregation import AggregateResult
+from fedge.server.budget import NoBudget
+from fedge.server.loop import aggregate_and_account, next_state, updates_in
+from fedge.strategies.base import ClientResult, GlobalState, build_contribution, sum_contributions
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.scaffold import Scaffold
 
 ADAPTER = {"a.lora_B": np.zeros(3, np.float32)}
 
@@ -47,7 +47,7 @@ def test_dropped_straggler_replies_count_toward_no_minimum() -> None:
 
 def test_fedprox_partial_work_is_an_update() -> None:
     """FedProx keeps a straggler's partial work: three replies, three updates, the round is ok."""
-    from strategies.fedprox import FedProx
+    from fedge.strategies.fedprox import FedProx
 
     strategy = FedProx()
     summed = _round(strategy, [1.0, 0.25, 0.25])
@@ -89,7 +89,7 @@ def test_the_plateau_stop_waits_patience_rounds_without_a_real_improvement_on_th
     with patience 3 the reference is 90 again (go on); skipped evaluations (None) are not rounds.
     A drop to 80 inside the window counts though the last round rose; a best of 80 two rounds
     before the window is the reference (84 is not below 79.2)."""
-    from server.plateau import plateaued
+    from fedge.server.plateau import plateaued
 
     curve = [100.0, 90.0, 85.0, 84.8, 84.9]
     assert not plateaued(curve[:4], 2, 0.01)
@@ -106,9 +106,9 @@ def test_the_plateau_stop_waits_patience_rounds_without_a_real_improvement_on_th
 def test_the_loop_reads_the_plateau_from_the_rows_it_wrote(tmp_path: Path) -> None:
     """``plateau_reached`` reads the participants' perplexity of the metrics rows on disk with
     the run's ``plateau-*`` keys; bad values are refused naming the keys."""
-    from server.config import RunConfig
-    from server.loop import plateau_reached
-    from server.rundir import MetricsLog
+    from fedge.server.config import RunConfig
+    from fedge.server.loop import plateau_reached
+    from fedge.server.rundir import MetricsLog
 
     cfg = RunConfig.from_mapping({"plateau-patience": 2, "plateau-min-improvement": 0.01})
     fed = SimpleNamespace(cfg=cfg, metrics=MetricsLog(tmp_path))

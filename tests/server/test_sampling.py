@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from fedge.privacy.accounting import gaussian_epsilon
-from server.sampling import Draw, SampledDPBudget, draw_cohort, sampled_epsilon, sampling_scheme
+from fedge.server.sampling import (
+    Draw,
+    SampledDPBudget,
+    draw_cohort,
+    sampled_epsilon,
+    sampling_scheme,
+)
 
 CANDIDATES = list(range(100, 140))  # 40 eligible nodes
 

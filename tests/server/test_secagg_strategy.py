@@ -1,4 +1,4 @@
-"""server.secagg.strategy.SecAggPlus refuses what SecAgg+ cannot carry, naming the fix.
+"""fedge.server.secagg.strategy.SecAggPlus refuses what SecAgg+ cannot carry, naming the fix.
 
 Its rounds over a real Flower ServerApp and ClientApp run in
 tests/strategies/test_flower_app_example.py.
@@ -10,9 +10,9 @@ import pytest
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedge.secagg.config import DEFAULT_MAX_WEIGHT
-from server.secagg.strategy import SecAggPlus, summed_metrics
-from strategies.robust import RobustConfig
-from strategies.scaffold import Scaffold
+from fedge.server.secagg.strategy import SecAggPlus, summed_metrics
+from fedge.strategies.robust import RobustConfig
+from fedge.strategies.scaffold import Scaffold
 
 
 def test_a_flower_strategy_is_refused() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.config import RunConfig
-from server.tracking import MLFLOW_DIR, round_trackers
+from fedge.server.config import RunConfig
+from fedge.server.tracking import MLFLOW_DIR, round_trackers
 
 ROWS = [
     {"round": 0, "eval_loss": 5.0, "status": "ok", "resumed": False},

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from flwr.app import Message
 from flwr.clientapp import ClientApp
 
-from server.grid import ReplyHookGrid
-from simulations.inprocess import InProcessGrid
+from fedge.server.grid import ReplyHookGrid
+from fedge.simulations.inprocess import InProcessGrid
 from tests.process_state import process_state_restored
 
 # One local step on tiny windows at LoRA rank 2, no client evaluation, no merged model and no
@@ -40,8 +40,8 @@ CONFIG = {
 
 def client_app() -> ClientApp:
     """The deployed ClientApp's query and train handlers behind fedge's mods, in this process."""
-    from clients import app as deployed
-    from clients.mods import dispatch_mods
+    from fedge.clients import app as deployed
+    from fedge.clients.mods import dispatch_mods
 
     app = ClientApp(mods=[dispatch_mods])
     app.query()(deployed.query)
@@ -68,7 +68,7 @@ def simulate_here(args: Sequence[str]) -> str:
     (`tests.process_state`: a module fixture runs outside a test's own restoring)."""
     from typer.testing import CliRunner
 
-    from simulations.cli import app
+    from fedge.simulations.cli import app
 
     with process_state_restored():
         os.environ["FEDGE_CONCURRENCY"] = "1"

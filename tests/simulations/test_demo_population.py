@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from server.rundir import MetricsLog, read_config
-from simulations.demo_population import population_stage
-from simulations.report import population_section
+from fedge.server.rundir import MetricsLog, read_config
+from fedge.simulations.demo_population import population_stage
+from fedge.simulations.report import population_section
 from tests.simulations.federations import TINY_TRAINING
 
 PHONES = 12

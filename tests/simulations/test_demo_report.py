@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from server.rundir import MetricsLog
-from server.tracking import RoundScalars
-from simulations.report import write_report
+from fedge.server.rundir import MetricsLog
+from fedge.server.tracking import RoundScalars
+from fedge.simulations.report import write_report
 
 
 def _federation(
@@ -131,7 +131,7 @@ def test_report_keeps_a_client_too_short_to_measure(tmp_path: Path) -> None:
 
     The demo's first run with a row per client crashed here: the plot added None to a bar.
     """
-    from simulations.report import _plot_acceptance, _realignment_section
+    from fedge.simulations.report import _plot_acceptance, _realignment_section
 
     clients = [
         {

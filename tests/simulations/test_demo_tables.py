@@ -15,9 +15,9 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from edge.demo import _sample_panel, _table
-from simulations.demo import FederationResult, acceptance_table, perplexity_table
-from simulations.realign import ClientAcceptance
+from fedge.edge.demo import _sample_panel, _table
+from fedge.simulations.demo import FederationResult, acceptance_table, perplexity_table
+from fedge.simulations.realign import ClientAcceptance
 
 
 def render(renderable: object, width: int) -> str:

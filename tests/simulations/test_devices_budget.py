@@ -8,7 +8,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
 
 from fedge import keys
-from simulations.devices import device_mod
+from fedge.simulations.devices import device_mod
 
 
 def _budget_seen(config: dict[str, Any]) -> int:

@@ -14,8 +14,16 @@ import math
 import numpy as np
 import pytest
 
-from simulations.devicesim.clock import DEADLINE, KEPT, LATE, OFFLINE, Leg, Rules, plan_exchange
-from simulations.devicesim.population import Population, _pack
+from fedge.simulations.devicesim.clock import (
+    DEADLINE,
+    KEPT,
+    LATE,
+    OFFLINE,
+    Leg,
+    Rules,
+    plan_exchange,
+)
+from fedge.simulations.devicesim.population import Population, _pack
 
 MB = 1e6
 

@@ -45,7 +45,7 @@ def test_a_federation_runs_on_fedscale_capacity_and_behaviour_files(
     """Device 2 (offline at every round's start) is never selected, device 3 drops out
     offline mid-round in round 1 and is not eligible in round 2, devices 0 and 1 train twice;
     round 1 closes at device 0's and 1's report, 6 s."""
-    from simulations.runner import _scenario_from_tables, run_simulation
+    from fedge.simulations.runner import _scenario_from_tables, run_simulation
 
     capacity = tmp_path / "client_device_capacity"
     behaviour = tmp_path / "client_behave_trace"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulations.devicesim.population import (
+from fedge.simulations.devicesim.population import (
     KIND_MS_PER_SAMPLE,
     PopulationError,
     as_rows,
@@ -20,7 +20,7 @@ from simulations.devicesim.population import (
     from_tiers,
     load_population,
 )
-from simulations.devicesim.tiers import TIERS, parse_shares
+from fedge.simulations.devicesim.tiers import TIERS, parse_shares
 
 HEADER = (
     "device_id,tier,gflops,memory_gb,uplink_mbps,downlink_mbps,latency_ms,availability,period_s\n"
@@ -203,8 +203,8 @@ def test_diurnal_availability_puts_phones_online_at_night_and_laptops_by_day() -
     eligible in one window a day around 02:00, laptops (8 / 16 h) around 13:00. At 02:00
     most phones and almost no laptops are eligible, at 14:00 the other way round, and over a
     day each tier keeps its share (on main the option did not exist: [devices] refused it)."""
-    from simulations.devicesim.config import DeviceConfig
-    from simulations.devicesim.setup import build_population
+    from fedge.simulations.devicesim.config import DeviceConfig
+    from fedge.simulations.devicesim.setup import build_population
 
     dcfg = DeviceConfig(tiers="midrange:1,laptop:1", availability="diurnal")
     pop = build_population(dcfg, nodes=400, seed=0)

@@ -20,13 +20,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
-from clients.mods import dispatch_mods
 from fedge import keys
+from fedge.clients.mods import dispatch_mods
 from fedge.secagg.config import SecAggConfig
-from server.secagg.aggregator import SecAggPlusAggregator
-from simulations.devicesim.grid import DeviceGrid, DeviceSim
-from simulations.devicesim.population import KIND_MS_PER_SAMPLE, Population, _pack
-from simulations.devicesim.workload import ModelShape, Workload
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
+from fedge.simulations.devicesim.grid import DeviceGrid, DeviceSim
+from fedge.simulations.devicesim.population import KIND_MS_PER_SAMPLE, Population, _pack
+from fedge.simulations.devicesim.workload import ModelShape, Workload
 
 NODES = [101, 102, 103, 104, 105]  # node i + 101 is device i
 SIZE = 64

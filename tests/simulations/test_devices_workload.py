@@ -7,8 +7,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from simulations.devicesim.population import KIND_FLOPS, KIND_MS_PER_SAMPLE, KIND_SPEED, Population
-from simulations.devicesim.workload import REFERENCE_MODELS, ModelShape, Workload, fit_batches
+from fedge.simulations.devicesim.population import (
+    KIND_FLOPS,
+    KIND_MS_PER_SAMPLE,
+    KIND_SPEED,
+    Population,
+)
+from fedge.simulations.devicesim.workload import REFERENCE_MODELS, ModelShape, Workload, fit_batches
 
 # params 1000, hidden 8, 2 layers, 2 heads, vocab 16, untied; 100 LoRA params; batch 4 x seq 8.
 SHAPE = ModelShape(
@@ -82,9 +87,9 @@ def test_auto_optimizer_counts_adamw_state_in_device_memory(micro_zoo) -> None: 
     """``optimizer = "auto"`` trains FedAvg with AdamW: its 2 fp32 states per LoRA parameter
     (8 bytes each) are in the memory estimate; SCAFFOLD's SGD holds none (on main "auto"
     matched neither name and the AdamW states were left out)."""
-    from server.config import RunConfig
-    from simulations.devicesim.config import DeviceConfig
-    from simulations.devicesim.setup import build_workload
+    from fedge.server.config import RunConfig
+    from fedge.simulations.devicesim.config import DeviceConfig
+    from fedge.simulations.devicesim.setup import build_workload
 
     base = {"model": str(micro_zoo.target_dir), "optimizer": "auto"}
     fedavg = build_workload(DeviceConfig(), RunConfig.from_mapping(base), needs_machine=False)
@@ -114,7 +119,7 @@ def test_auto_lora_targets_resolve_on_the_timing_reference() -> None:
     Before, a timing model with the default targets stopped with "no shape for LoRA target(s)
     ['auto']". By hand: 24 layers x r 8 x ((896 + 896) + (896 + 128)) = 540,672.
     """
-    from simulations.devicesim.workload import REFERENCE_MODELS
+    from fedge.simulations.devicesim.workload import REFERENCE_MODELS
 
     reference = REFERENCE_MODELS["qwen2.5-0.5b"]
     assert reference.lora_params(8, ["auto"]) == 24 * 8 * ((896 + 896) + (896 + 128)) == 540_672

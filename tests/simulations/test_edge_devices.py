@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.decoder import DecodeConfig, SpeculativeDecoder
-from edge.runtime import TorchDraftRuntime
-from edge.verifier.engine import EngineConfig, VerifierEngine
-from fedge.zoo import ZooPaths
-from simulations.edge_devices import (
+from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.runtime import TorchDraftRuntime
+from fedge.edge.verifier.engine import EngineConfig, VerifierEngine
+from fedge.simulations.edge_devices import (
     ReplayRuntime,
     ReplayTable,
     RequestFigures,
     devices_meeting,
     max_devices,
 )
+from fedge.zoo import ZooPaths
 
 NEW = 20
 

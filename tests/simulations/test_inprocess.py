@@ -14,12 +14,12 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from fedge import keys
-from server.app import OutcomeBox, make_server_app
-from server.config import RunConfig
-from server.grid import ReplyHookGrid
-from server.membership import Roster
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from simulations.runner import client_roots
+from fedge.server.app import OutcomeBox, make_server_app
+from fedge.server.config import RunConfig
+from fedge.server.grid import ReplyHookGrid
+from fedge.server.membership import Roster
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.runner import client_roots
 from tests.simulations.federations import TINY_TRAINING
 
 FAST = {
@@ -250,10 +250,10 @@ def _run_with_membership(
 
     When device 0 trains, every device in ``doomed`` disconnects (a node dying mid-round).
     """
-    from clients import app as deployed
-    from clients.mods import dispatch_mods
+    from fedge.clients import app as deployed
+    from fedge.clients.mods import dispatch_mods
     from fedge.lm import holder
-    from simulations.devices import device_mod
+    from fedge.simulations.devices import device_mod
 
     grid = InProcessGrid(
         ClientApp(), DeviceTable(6, online=np.array([1, 1, 1, 1, 0, 0])), tmp_path / "state"
@@ -312,7 +312,7 @@ def test_a_superlink_error_reply_is_charged_to_the_node_it_answers_for(tmp_path:
     """The SuperLink writes NODE_UNAVAILABLE replies from itself; the round names the dead node."""
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from server.aggregation import PlainAggregator
+    from fedge.server.aggregation import PlainAggregator
 
     class LikeSuperLink(ReplyHookGrid):
         def on_reply(self, msg: Message) -> Message:
@@ -339,7 +339,7 @@ def test_under_simulated_devices_a_slow_machine_drops_no_client_the_clock_kept(
     starts). With a [devices] table the virtual clock has already chosen who reports, so all
     4 come back (on main the wall clock dropped 3 of the clients the virtual clock had
     recorded as trained, a number set by this machine's speed)."""
-    from simulations.runner import _scenario_from_tables, inprocess_grid
+    from fedge.simulations.runner import _scenario_from_tables, inprocess_grid
 
     now = [0.0]
     app = _partition_app()
@@ -369,7 +369,7 @@ def test_n_is_the_known_population_not_the_partitions_seen_so_far(tmp_path: Path
     through any Grid wrapper, from the first round (on main N was the 4 partitions seen so far,
     so the first control-variate updates were 10/4 too large). An engine that does not know
     its population (Flower's Ray engine) still learns N from the partitions seen."""
-    from server.membership import federation_size
+    from fedge.server.membership import federation_size
 
     grid = _grid(tmp_path, 10, online=np.array([1] * 4 + [0] * 6))
     roster = Roster(_query)

@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from simulations.netem import PROFILES, LinkConfig, NetworkEmulator, NetworkProfile, profile
+from fedge.simulations.netem import PROFILES, LinkConfig, NetworkEmulator, NetworkProfile, profile
 
 ECHO = "/netem.Test/Echo"
 SLOW = "/netem.Test/Slow"  # replies after the number of milliseconds given as the request's text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulations.runner import load_scenario
+from fedge.simulations.runner import load_scenario
 
 
 @pytest.mark.parametrize(
@@ -15,7 +15,7 @@ def test_population_scenarios_account_at_one_over_the_population(name: str) -> N
     phones: the settings the bench's epsilon figures rest on; and phones holding a corpus the
     base model has not learnt (corpus:indent2), so that the plain run these figures are
     weighed against learns something."""
-    from server.sampling import sampling_scheme
+    from fedge.server.sampling import sampling_scheme
 
     scenario = load_scenario(name)
     extra = scenario.config.extra

@@ -7,18 +7,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.app import OutcomeBox, make_server_app
-from server.config import RunConfig
-from server.sampling import sampled_epsilon
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from simulations.runner import client_roots
+from fedge.server.app import OutcomeBox, make_server_app
+from fedge.server.config import RunConfig
+from fedge.server.sampling import sampled_epsilon
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.runner import client_roots
 from tests.simulations.federations import CONFIG, client_app
 
 PRIVATE = {
     **CONFIG,
     "strategy": "fedavg",
     "weighting": "uniform",
-    "aggregator": "server.privacy.factories:central_dp",
+    "aggregator": "fedge.server.privacy.factories:central_dp",
     "dp-noise-multiplier": 1.0,
     "dp-clip-norm": 0.5,
     "dp-target-delta": 0.125,  # 1 / population
@@ -34,7 +34,7 @@ def test_a_poisson_cohort_is_accounted_at_its_sampling_rate(micro_zoo, tmp_path:
     q = 0.5, below the unamplified figure. On main the key was ignored: cohorts were the
     seeded first-K and epsilon the full release's: 3.69 against 1.72 after 3 rounds here)."""
     from fedge.lm import holder
-    from server.rundir import MetricsLog
+    from fedge.server.rundir import MetricsLog
 
     cfg = RunConfig.from_mapping(
         {

@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 from fedge import keys
 from fedge.lm import distill, holder
 from fedge.models import load_causal_lm
+from fedge.server.rundir import MetricsLog
+from fedge.simulations.realign import acceptance_by_client, participating, realign_draft
+from fedge.simulations.runner import load_scenario, run_simulation
 from fedge.types import ConfigValue
 from fedge.zoo import ZooPaths
 from fedge.zoo.evaluate import greedy_agreement, prompts_from
-from server.rundir import MetricsLog
-from simulations.realign import acceptance_by_client, participating, realign_draft
-from simulations.runner import load_scenario, run_simulation
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.app import OutcomeBox, make_server_app
-from server.config import RunConfig
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from simulations.runner import client_roots
+from fedge.server.app import OutcomeBox, make_server_app
+from fedge.server.config import RunConfig
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.runner import client_roots
 from tests.simulations.federations import CONFIG, client_app
 
 
@@ -57,7 +57,7 @@ def _run(root: Path, online: list[int], crash_at: int = -1, resume: bool = False
 
 
 def _rows(root: Path) -> dict[int, dict[str, Any]]:
-    from server.rundir import MetricsLog
+    from fedge.server.rundir import MetricsLog
 
     return {int(r["round"]): r for r in MetricsLog(root / "run").rows()}
 
@@ -81,7 +81,7 @@ def test_a_resume_after_churn_continues_with_the_same_n_and_participants(
     for r in (2, 3):
         assert b[r]["partitions_trained"] == a[r]["partitions_trained"] == [0, 1, 2]
         assert b[r]["participants_eval_loss"] == pytest.approx(a[r]["participants_eval_loss"])
-    from server.checkpoint import load_checkpoint
+    from fedge.server.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(tmp_path / "crashed" / "run")
     assert (ckpt.seen, ckpt.participants) == ([0, 1, 2, 3], [0, 1, 2, 3])
@@ -100,8 +100,8 @@ def test_a_crash_while_saving_the_device_clock_leaves_a_resumable_run(
     is round 1, whose clock is on disk: the resume replays round 2 and completes. On main the
     checkpoint of round 2 was written first and the resume refused: "the device clock of
     round 2 cannot be restored; start a fresh run"."""
-    from simulations.devicesim.grid import DeviceSim
-    from simulations.runner import _scenario_from_tables, run_simulation
+    from fedge.simulations.devicesim.grid import DeviceSim
+    from fedge.simulations.runner import _scenario_from_tables, run_simulation
 
     scenario = _scenario_from_tables(
         "clock",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from simulations.runner import SCENARIO_DIR, load_scenario
+from fedge.simulations.runner import SCENARIO_DIR, load_scenario
 
 
 def test_each_strategy_trains_at_the_phones_scenarios_own_rate_and_the_cli_still_wins() -> None:

@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from simulations.localnet import wait_for_file
+from fedge.simulations.localnet import wait_for_file
 from tests.simulations.federations import simulate_here
 
 FAST = ["--set", "client-eval=false", "--set", "server-eval-batches=4"]
 
 
 def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli", "simulate", *args]
+    return [sys.executable, "-m", "fedge.cli", "simulate", *args]
 
 
 MARKER = f"fedge-test-{uuid.uuid4().hex}"  # inherited by every process a run starts (Ray included)
@@ -175,10 +175,10 @@ def test_malformed_replies_fail_a_round_below_minimum_and_the_run_resumes(
     """
     from typer.testing import CliRunner
 
-    from simulations.cli import app
+    from fedge.simulations.cli import app
 
     run = tmp_path / "faulty"
-    faults = ["--set", "client-mods=clients.faults:fault_mod", "--set", "min-train-nodes=2"]
+    faults = ["--set", "client-mods=fedge.clients.faults:fault_mod", "--set", "min-train-nodes=2"]
     failed = CliRunner().invoke(
         app,
         [
@@ -228,7 +228,7 @@ def test_bad_cli_input_is_named(args: list[str], expected: str) -> None:
     """Bad rounds, scenario, strategy or key: exit code 2 and a message naming it (no run starts)."""
     from typer.testing import CliRunner
 
-    from simulations.cli import app
+    from fedge.simulations.cli import app
 
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2

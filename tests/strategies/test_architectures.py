@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from flwr.clientapp import ClientApp
 
-from server.app import OutcomeBox, make_server_app
-from server.config import RunConfig
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from simulations.runner import client_roots
+from fedge.server.app import OutcomeBox, make_server_app
+from fedge.server.config import RunConfig
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.runner import client_roots
 from tests.architectures import ARCHITECTURES, model_dir, write_text
 from tests.simulations.federations import TINY_TRAINING
 
@@ -34,7 +34,7 @@ def test_one_federation_round_with_auto_lora_targets(
     name: str, micro_zoo, text_dir: Path, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
     """The round completes, the adapter moved, and exactly the expected modules were adapted."""
-    from clients import app as deployed
+    from fedge.clients import app as deployed
     from fedge.lm import holder
 
     model = model_dir(name, tmp_path, micro_zoo)
@@ -68,7 +68,7 @@ def test_one_federation_round_with_auto_lora_targets(
 
 
 def _assert_tensorboard_rounds(logdir: Path, rounds: list[int]) -> None:
-    """Every run tracks its rounds in TensorBoard by default (server.tracking)."""
+    """Every run tracks its rounds in TensorBoard by default (fedge.server.tracking)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(logdir))

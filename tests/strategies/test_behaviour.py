@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulations.synthetic import make_clients, optimum_loss, run_federation
-from strategies.fedavg import FedAvg
-from strategies.fedprox import FedProx
-from strategies.scaffold import Scaffold
+from fedge.simulations.synthetic import make_clients, optimum_loss, run_federation
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.fedprox import FedProx
+from fedge.strategies.scaffold import Scaffold
 
 
 def _rounds_to(history: list[float], target: float) -> float:

@@ -2,7 +2,7 @@
 fedge's SecAgg+, one run-config key apart.
 
 The example's own ServerApp and ClientApp run through fedge's in-process grid
-(``simulations.inprocess``: no SuperLink, no ports, no Ray), with the run config
+(``fedge.simulations.inprocess``: no SuperLink, no ports, no Ray), with the run config
 ``flwr run --run-config`` would pass.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from clients.privacy.ledger import STATE_DIR_ENV
 from fedge import keys
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 from tests.simulations.federations import RecordingGrid
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-app"

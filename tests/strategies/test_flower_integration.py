@@ -9,9 +9,9 @@ import pytest
 import tomllib
 from flwr.app import Message, RecordDict
 
-from server.app import refuse_device_simulation
-from simulations import flower_internals
-from simulations.runner import backend_config, client_state_dir, load_scenario
+from fedge.server.app import refuse_device_simulation
+from fedge.simulations import flower_internals
+from fedge.simulations.runner import backend_config, client_state_dir, load_scenario
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,10 +38,10 @@ def test_client_state_goes_to_the_configured_shared_directory(tmp_path: Path) ->
 
 
 def test_the_fab_deploys_the_production_client_app_and_refuses_device_keys() -> None:
-    """pyproject's clientapp is clients.app:app; under `flwr run` device simulation keys are
+    """pyproject's clientapp is fedge.clients.app:app; under `flwr run` device simulation keys are
     refused naming them (they would be ignored by the production ClientApp)."""
     components = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    assert components["components"]["clientapp"] == "clients.app:app"
+    assert components["components"]["clientapp"] == "fedge.clients.app:app"
     refuse_device_simulation(components["config"])  # the defaults pass
     with pytest.raises(ValueError, match="straggler-fraction"):
         refuse_device_simulation({**components["config"], "straggler-fraction": 0.5})

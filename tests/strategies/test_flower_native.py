@@ -1,7 +1,7 @@
 """fedge strategies as Flower strategies: ``strategy.start`` in a plain Flower ServerApp.
 
 Each test runs a real Flower ``ServerApp`` and ``ClientApp`` through the in-process
-grid (:mod:`simulations.inprocess`), on a least-squares model small enough that a
+grid (:mod:`fedge.simulations.inprocess`), on a least-squares model small enough that a
 whole federation takes well under a second.
 """
 
@@ -22,11 +22,11 @@ from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from strategies.client import TrainRound
-from strategies.fedavg import FedAvg
-from strategies.fedprox import FedProx
-from strategies.scaffold import Scaffold
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.strategies.client import TrainRound
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.fedprox import FedProx
+from fedge.strategies.scaffold import Scaffold
 
 NODES, DIM, STEPS, LR = 4, 6, 5, 0.05
 
@@ -170,7 +170,7 @@ def test_scaffold_refuses_a_plain_flower_reply_and_names_the_helper(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A Flower reply carries no control delta: every reply is refused, the arrays stay put."""
-    caplog.set_level(logging.WARNING, logger="strategies.base")
+    caplog.set_level(logging.WARNING, logger="fedge.strategies.base")
     result = _run(Scaffold(**SAMPLING), _flower_client(), tmp_path / "b", rounds=1)
     assert "TrainRound" in caplog.text
     assert not result.train_metrics_clientapp
@@ -194,7 +194,7 @@ def test_robust_rule_inside_flower_drops_a_poisoned_reply(tmp_path: Path) -> Non
             )
         return fl.reply(num_examples=len(_data(pid)[1]), local_steps=STEPS, lr=LR)
 
-    from strategies.robust import RobustConfig
+    from fedge.strategies.robust import RobustConfig
 
     clean = _run(FedAvg(**SAMPLING), _fedge_client(), tmp_path / "c")
     mean = _run(FedAvg(**SAMPLING), app, tmp_path / "m")

@@ -1,6 +1,6 @@
 """Robust aggregation and per-client bounds against poisoned clients (plain mode).
 
-The federation is :mod:`simulations.synthetic`'s least-squares problem (10 clients, every
+The federation is :mod:`fedge.simulations.synthetic`'s least-squares problem (10 clients, every
 client in every round, 5 local SGD steps, 20 rounds; the real strategy, trainer and
 contribution code). Two of the ten clients are malicious. The score is the fraction of
 the clean FedAvg run's loss reduction a run keeps: (L0 - L) / (L0 - L_clean), 1.0 = as
@@ -29,13 +29,13 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedge import keys
-from server.aggregation import PlainAggregator, build_aggregator
-from server.config import RunConfig
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from simulations.synthetic import global_loss, make_clients, run_federation
-from strategies.base import Arrays
-from strategies.fedavg import FedAvg
-from strategies.robust import RobustConfig, apply_bounds, robust_sum, update_norm
+from fedge.server.aggregation import PlainAggregator, build_aggregator
+from fedge.server.config import RunConfig
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.synthetic import global_loss, make_clients, run_federation
+from fedge.strategies.base import Arrays
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.robust import RobustConfig, apply_bounds, robust_sum, update_norm
 
 CLIENTS = make_clients(10, 8, heterogeneity=0.1, seed=0)
 ATTACKERS = {0, 1}

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from fedge import keys
-from server.config import RunConfig
-from strategies.base import ClientResult, GlobalState, build_contribution, sum_contributions
-from strategies.registry import build_strategy
-from strategies.server_opt import PREFIX_MOMENT1, PREFIX_MOMENT2, SERVER_OPTIMIZERS
+from fedge.server.config import RunConfig
+from fedge.strategies.base import ClientResult, GlobalState, build_contribution, sum_contributions
+from fedge.strategies.registry import build_strategy
+from fedge.strategies.server_opt import PREFIX_MOMENT1, PREFIX_MOMENT2, SERVER_OPTIMIZERS
 from tests.simulations.federations import TINY_TRAINING
 
 X0 = np.array([1.0, 2.0], np.float32)
@@ -127,9 +127,9 @@ def _federation(run_dir: Path, rounds: int, tmp_path: Path, resume: bool = False
     """fedge's own loop with FedAdam on the micro zoo, two in-process nodes; its outcome."""
     from flwr.clientapp import ClientApp
 
-    from clients import app as deployed
-    from server.app import OutcomeBox, make_server_app
-    from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+    from fedge.clients import app as deployed
+    from fedge.server.app import OutcomeBox, make_server_app
+    from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
     cfg = RunConfig.from_mapping(
         {
@@ -157,7 +157,7 @@ def test_fedadam_moments_are_checkpointed_and_a_resumed_run_matches(
 ) -> None:  # type: ignore[no-untyped-def]
     """The real loop: 3 rounds straight, and 2 rounds then --resume to 3, end on the same
     adapter bit for bit; the moments (opt/m/, opt/v/) were in the round-2 checkpoint."""
-    from server.checkpoint import load_checkpoint
+    from fedge.server.checkpoint import load_checkpoint
 
     straight = _federation(tmp_path / "a", 3, tmp_path)
     _federation(tmp_path / "b", 2, tmp_path)

@@ -7,19 +7,19 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from clients.state import ContextStore, DiskStore, MemoryStore
 from fedge import keys
-from strategies.base import (
+from fedge.clients.state import ContextStore, DiskStore, MemoryStore
+from fedge.strategies.base import (
     ClientResult,
     GlobalState,
     UniformWeighting,
     build_contribution,
     sum_contributions,
 )
-from strategies.fedavg import FedAvg
-from strategies.fedprox import FedProx, proximal_term
-from strategies.registry import build_strategy
-from strategies.scaffold import Scaffold
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.fedprox import FedProx, proximal_term
+from fedge.strategies.registry import build_strategy
+from fedge.strategies.scaffold import Scaffold
 
 
 def _contribute(strategy, deltas, examples, completed=None):  # type: ignore[no-untyped-def]
@@ -86,7 +86,7 @@ def test_finalize_refuses_a_round_without_weight() -> None:
 
 def _sgd_client(strategy, x, b, steps, lr, store, server_round=1, payload=None):  # type: ignore[no-untyped-def]
     """Minimise 0.5*(w-b)^2 from w=x with the strategy's hook and plain SGD; return the hook's outputs."""
-    from clients.trainer import run_local_steps
+    from fedge.clients.trainer import run_local_steps
 
     w = torch.nn.Parameter(torch.tensor([x], dtype=torch.float64))
     state = GlobalState(

@@ -6,9 +6,9 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.mods import dispatch_mods
+from fedge.clients.mods import dispatch_mods
+from fedge.strategies.client import TrainRound
 from flowerapp.task import Net, evaluate, load_data, train
-from strategies.client import TrainRound
 
 app = ClientApp(mods=[dispatch_mods])  # a no-op under Flower's FedAvg and fedge's bare strategies
 

@@ -10,9 +10,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from fedge.server.secagg.strategy import SecAggPlus
+from fedge.strategies.scaffold import Scaffold
 from flowerapp.task import Net
-from server.secagg.strategy import SecAggPlus
-from strategies.scaffold import Scaffold
 
 app = ServerApp()
 

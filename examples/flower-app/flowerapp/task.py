@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from strategies.client import TrainRound
+from fedge.strategies.client import TrainRound
 
 NUM_FEATURES, NUM_CLASSES = 16, 4
 

@@ -1,6 +1,6 @@
 """An active malicious SecAgg+ server as a script: it crafts stage messages and tries to unmask one input.
 
-The clients are fedge's real :class:`clients.secagg.engine.SecAggClientEngine` objects
+The clients are fedge's real :class:`fedge.clients.secagg.engine.SecAggClientEngine` objects
 (or real ClientApps behind a Flower grid); only the server is played. ``recover`` is
 what such a server computes from the replies it collected: the victim's masked input
 minus its self mask minus every pair mask it learnt. It returns the victim's input only
@@ -15,7 +15,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, RecordDict
 
-from clients.secagg.engine import ClientRules, SecAggClientEngine
+from fedge.clients.secagg.engine import ClientRules, SecAggClientEngine
 from fedge.secagg import identity, wire
 from fedge.secagg.binding import content_digest
 from fedge.secagg.config import SecAggConfig

@@ -22,16 +22,16 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from clients.privacy.ledger import STATE_DIR_ENV
-from clients.privacy.policy import POLICY_ENV
 from fedge import keys
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
+from fedge.clients.privacy.policy import POLICY_ENV
 from fedge.secagg import identity
 from fedge.secagg.config import SecAggConfig
-from server.privacy.aggregators import DistributedDPAggregator
-from server.privacy.config import DPConfig
-from server.secagg.aggregator import SecAggPlusAggregator
-from server.secagg.engine import SecAggServerEngine
-from simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.server.privacy.aggregators import DistributedDPAggregator
+from fedge.server.privacy.config import DPConfig
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
+from fedge.server.secagg.engine import SecAggServerEngine
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 from tests.privacy.adversary import attacker as atk
 from tests.secagg.harness import CRASH_KEY, known_client_app
 

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from flwr.app import RecordDict
 
-import clients.secagg.engine as client_engine
+import fedge.clients.secagg.engine as client_engine
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
-from server.secagg.aggregator import SecAggPlusAggregator
-from server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
-from server.secagg.protocol import run_secagg
-from strategies.robust import RobustConfig, clip_contribution, update_norm
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
+from fedge.server.secagg.engine import SecAggRoundFailed, SecAggServerEngine
+from fedge.server.secagg.protocol import run_secagg
+from fedge.strategies.robust import RobustConfig, clip_contribution, update_norm
 from tests.secagg.conftest import Federation, random_contributions
 
 MASKED = "masked"

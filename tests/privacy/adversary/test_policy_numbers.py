@@ -21,9 +21,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients.privacy.ledger import STATE_DIR_ENV, Ledger
-from clients.privacy.policy import PolicyRefusal, PrivacyPolicy, check_evaluate, check_train
 from fedge import keys
+from fedge.clients.privacy.ledger import STATE_DIR_ENV, Ledger
+from fedge.clients.privacy.policy import PolicyRefusal, PrivacyPolicy, check_evaluate, check_train
 from fedge.secagg import wire
 
 STRICT = PrivacyPolicy(require_dp=True, min_noise=1.0, max_clip=0.1)

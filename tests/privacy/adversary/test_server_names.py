@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-import clients.app as client_module
+import fedge.clients.app as client_module
 from fedge import keys
 from fedge.lm import holder
 from fedge.names import UnsafeName, resolve_config

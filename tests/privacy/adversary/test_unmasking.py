@@ -18,8 +18,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, RecordDict
 
-from clients.secagg.engine import ClientRules, SecAggProtocolError
-from clients.secagg.rules import check_neighbourhood, check_unmask
+from fedge.clients.secagg.engine import ClientRules, SecAggProtocolError
+from fedge.clients.secagg.rules import check_neighbourhood, check_unmask
 from fedge.secagg import wire
 from fedge.secagg.config import MAX_NEIGHBOURS, SecAggConfig
 from fedge.secagg.crypto import (
@@ -32,7 +32,7 @@ from fedge.secagg.crypto import (
     split_secret,
     unseal,
 )
-from server.secagg.engine import SecAggServerEngine
+from fedge.server.secagg.engine import SecAggServerEngine
 from tests.privacy.adversary import attacker as atk
 
 
