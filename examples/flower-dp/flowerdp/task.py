@@ -9,28 +9,21 @@ from torch import nn
 NUM_FEATURES, NUM_CLASSES = 16, 4
 
 
-class Net(nn.Module):
+def Net() -> nn.Module:
     """A small MLP classifier."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(NUM_FEATURES, 32), nn.ReLU(), nn.Linear(32, NUM_CLASSES)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Class logits."""
-        return self.layers(x)
+    return nn.Sequential(nn.Linear(NUM_FEATURES, 32), nn.ReLU(), nn.Linear(32, NUM_CLASSES))
 
 
-def load_data(partition_id: int, num_partitions: int, n: int = 256) -> torch.utils.data.Dataset:
+def load_data(
+    partition_id: int, num_partitions: int, n: int = 256
+) -> torch.utils.data.TensorDataset:
     """This client's examples: shared class centres, a client-specific shift, skewed labels."""
     centres = np.random.default_rng(1234).normal(size=(NUM_CLASSES, NUM_FEATURES)) * 2.0
     rng = np.random.default_rng([partition_id, num_partitions])
     labels = rng.choice(NUM_CLASSES, size=n, p=rng.dirichlet(np.full(NUM_CLASSES, 0.5)))
     x = centres[labels] + rng.normal(size=NUM_FEATURES) * 0.5 + rng.normal(size=(n, NUM_FEATURES))
     return torch.utils.data.TensorDataset(
-        torch.tensor(x, dtype=torch.float32), torch.tensor(labels, dtype=torch.int64)
+        torch.tensor(x, dtype=torch.float32), torch.tensor(labels)
     )
 
 
@@ -45,13 +38,3 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, loader, epochs: in
             optimizer.step()
             losses.append(float(loss.detach()))
     return sum(losses) / max(len(losses), 1)
-
-
-def evaluate(net: nn.Module, data: torch.utils.data.TensorDataset) -> tuple[float, float]:
-    """Loss and accuracy."""
-    x, y = data.tensors
-    with torch.no_grad():
-        logits = net(x)
-    return float(nn.functional.cross_entropy(logits, y)), float(
-        (logits.argmax(1) == y).float().mean()
-    )
