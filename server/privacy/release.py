@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from flwr.app import MetricRecord
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 
 from fedge.privacy.accounting import METHODS, Method, gaussian_epsilon
@@ -32,6 +33,7 @@ MET_UNCLIPPED = "dp-unclipped-fraction"  # adaptive clipping: the noised fractio
 MET_EXHAUSTED = "dp-budget-exhausted"  # 1: this round was refused, its release would overspend
 
 OnBudget = Literal["stop", "raise"]
+Metrics = dict[str, int | float | list[int] | list[float]]  # what a MetricRecord holds
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ class ReleaseAccount:
         self.exhausted_at = server_round
         return False
 
-    def record(self, server_round: int, clip_norm: float | None = None) -> dict[str, float]:
+    def record(self, server_round: int, clip_norm: float | None = None) -> Metrics:
         """Account ``server_round``'s release; return the round's DP metrics (and log them)."""
         self.budget.record(server_round, 1, 0)
         clip = self.cfg.clip_norm if clip_norm is None else clip_norm
@@ -153,9 +155,11 @@ class ReleaseAccount:
             MET_CLIP: clip,
         }
 
-    def refused(self) -> dict[str, float]:
+    def refused(self) -> MetricRecord:
         """The metrics of a round refused for the budget: the unchanged epsilon and the flag."""
-        return {MET_EPSILON: self.epsilon, MET_DELTA: self.cfg.target_delta, MET_EXHAUSTED: 1.0}
+        return MetricRecord(
+            {MET_EPSILON: self.epsilon, MET_DELTA: self.cfg.target_delta, MET_EXHAUSTED: 1.0}
+        )
 
 
 def finite_positive(name: str, value: float) -> float:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
@@ -37,6 +37,7 @@ from fedge.privacy.randomness import secure_normal
 from fedge.server.privacy.config import DPConfig
 from fedge.server.privacy.release import (
     MET_UNCLIPPED,
+    Metrics,
     OnBudget,
     ReleaseAccount,
     finite_positive,
@@ -209,13 +210,13 @@ class CentralDP(FlowerStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip every reply's update to C, sum, noise, then the inner strategy's ``aggregate_sum``."""
         if self._refused:
-            return None, MetricRecord(self.account.refused())
+            return None, self.account.refused()
         state = self.inner.round_state
         if state is None:
             return None, None
         spec = self.inner.contribution_spec(state)
         clipped: list[Arrays] = []
-        contents = []
+        contents: list[RecordDict] = []
         unclipped = 0
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -251,7 +252,7 @@ class CentralDP(FlowerStrategy):
             return None, None
         clip_used = self.clip_norm
         z = self.account.cfg.noise_multiplier
-        metrics: dict[str, float] = {}
+        metrics: Metrics = {}
         if self.adaptive is not None:
             z = update_noise_multiplier(z, self._count_stddev())
             noisy = (unclipped + float(secure_normal((), self._count_stddev()))) / len(clipped)
@@ -282,7 +283,7 @@ class CentralDP(FlowerStrategy):
             return self.adaptive.count_stddev
         return max(self._sampled, 1) / 20.0
 
-    def _client_metrics(self, contents: list) -> dict[str, float]:  # type: ignore[type-arg]
+    def _client_metrics(self, contents: list[RecordDict]) -> Metrics:
         """Flower's aggregation of the clients' train metrics (those reporting the weight key)."""
         key = self.inner.weighted_by_key
         usable = [
@@ -291,7 +292,7 @@ class CentralDP(FlowerStrategy):
             if len(c.metric_records) == 1 and key in next(iter(c.metric_records.values()))
         ]
         record = self.inner.train_metrics_aggr_fn(usable, key) if usable else None
-        return {k: v for k, v in (record or {}).items() if isinstance(v, int | float)}
+        return dict(record or {})
 
 
 __all__ = ["AdaptiveClip", "CentralDP", "update_noise_multiplier"]

@@ -42,10 +42,12 @@ from fedge import keys
 from fedge.secagg.config import SecAggConfig, weight_scales
 from fedge.server.aggregation import AggregateResult
 from fedge.server.privacy.aggregators import DistributedDPAggregator
-from fedge.server.privacy.release import DistributedDP, ReleaseAccount
+from fedge.server.privacy.release import DistributedDP, Metrics, ReleaseAccount
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
 from fedge.strategies.base import Strategy, UniformWeighting
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
+
+__all__ = ["DistributedDP", "SecAggPlus", "round_failure", "summed_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ class SecAggPlus(FlowerStrategy):
         """Run the SecAgg+ stages on the sampled nodes; the unmasked sum -> the next arrays."""
         pending, self._pending = self._pending, None
         if self._refused and self.account is not None:
-            return None, MetricRecord(self.account.refused())
+            return None, self.account.refused()
         if pending is None:
             return None, None
         state = self.inner.round_state
@@ -172,7 +174,8 @@ class SecAggPlus(FlowerStrategy):
         arrays = self.inner.aggregate_sum(server_round, result.summed)
         metrics = summed_metrics(result.summed_metrics, len(result.accepted))
         if released:
-            metrics = MetricRecord({**dict(metrics or {}), **released})
+            merged: Metrics = {**dict(metrics or {}), **released}
+            metrics = MetricRecord(merged)
         return arrays, metrics
 
     def configure_evaluate(
