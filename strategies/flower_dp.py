@@ -33,12 +33,15 @@ class FlowerDPWrapperRefused(ValueError):
     """A fedge strategy was wrapped in one of Flower's DP strategy wrappers."""
 
 
-def refuse_flower_dp_wrapper(strategy: object, depth: int = 2) -> None:
-    """Raise :class:`FlowerDPWrapperRefused` when the caller ``depth`` frames up is a method of
-    one of Flower's DP strategy wrappers (called first thing in ``configure_train``, before any
-    message is built, so nothing is sent)."""
-    frame = sys._getframe(depth)
-    caller = frame.f_locals.get("self")
+def refuse_flower_dp_wrapper(strategy: object) -> None:
+    """Raise :class:`FlowerDPWrapperRefused` when ``strategy``'s caller (the first frame up whose
+    ``self`` is another object: a subclass's ``super()`` calls are skipped) is a method of one
+    of Flower's DP strategy wrappers. Called first thing in ``configure_train``, before any
+    message is built, so nothing is sent."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_locals.get("self") is strategy:
+        frame = frame.f_back  # type: ignore[assignment]
+    caller = frame.f_locals.get("self") if frame is not None else None
     if caller is None or not type(caller).__module__.startswith(FLOWER_DP_MODULES):
         return
     raise FlowerDPWrapperRefused(

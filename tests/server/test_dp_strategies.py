@@ -108,14 +108,28 @@ def _ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------- Flower's own DP wrappers
+class WithExtraKey(FedAvg):
+    """A user's subclass whose configure_train adds a key and calls super()."""
+
+    def __init__(self) -> None:
+        super().__init__(min_train_nodes=NODES, min_available_nodes=NODES, fraction_evaluate=0.0)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Any:
+        config["extra"] = 1
+        return super().configure_train(server_round, arrays, config, grid)
+
+
 @pytest.mark.parametrize(
     "wrap",
     [
         lambda s: DifferentialPrivacyServerSideFixedClipping(s, 1.0, 1.0, NODES),
         lambda s: DifferentialPrivacyClientSideFixedClipping(s, 1.0, 1.0, NODES),
         lambda s: DifferentialPrivacyServerSideFixedClipping(SecAggPlus(s), 1.0, 1.0, NODES),
+        lambda s: DifferentialPrivacyServerSideFixedClipping(WithExtraKey(), 1.0, 1.0, NODES),
     ],
-    ids=["server-side", "client-side", "around-secagg"],
+    ids=["server-side", "client-side", "around-secagg", "user-subclass"],
 )
 def test_flower_dp_wrappers_around_fedge_are_refused_naming_the_reason(
     wrap: Callable[[Any], FlowerStrategy], tmp_path: Path
