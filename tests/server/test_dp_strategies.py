@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.exception import PrivacyBudgetExhausted
@@ -53,9 +53,10 @@ def direction(partition: int) -> np.ndarray:
     return (v / np.linalg.norm(v) * 2.0 * (partition + 1)).astype(np.float32)
 
 
-def fixed_update_app(fail_partition: int | None = None) -> ClientApp:
-    """A ClientApp whose node p adds ``direction(p)`` to the weight and replies through TrainRound,
-    claiming 10 (p + 1) examples; ``fail_partition`` raises in training."""
+def fixed_update_app(fail_partition: int | None = None, flower_shape: bool = False) -> ClientApp:
+    """A ClientApp whose node p adds ``direction(p)`` to the weight and replies through TrainRound
+    (or, ``flower_shape``, as Flower's quickstart: its arrays and ``num-examples``), claiming
+    10 (p + 1) examples; ``fail_partition`` raises in training."""
     app = ClientApp(mods=[dispatch_mods])
 
     @app.train()
@@ -67,6 +68,10 @@ def fixed_update_app(fail_partition: int | None = None) -> ClientApp:
         fl = TrainRound.start(msg, context, net)
         with torch.no_grad():
             net.weight.add_(torch.from_numpy(direction(p)))
+        if flower_shape:
+            metrics = MetricRecord({"num-examples": 10 * (p + 1)})
+            content = RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics})
+            return Message(content, reply_to=msg)
         return fl.reply(num_examples=10 * (p + 1), local_steps=1, lr=1.0)
 
     return app
@@ -153,11 +158,14 @@ def test_flower_dp_wrappers_around_fedge_are_refused_naming_the_reason(
 
 
 # ---------------------------------------------------------------- central DP
+@pytest.mark.parametrize("flower_shape", [False, True], ids=["trainround", "flower-reply"])
 def test_central_dp_clips_each_update_weighs_each_node_once_and_noises_the_sum(
-    tmp_path: Path,
+    flower_shape: bool, tmp_path: Path
 ) -> None:
     """Updates of norm 2, 4, 6, 8 clipped to C = 0.5 (each then d_p / |d_p| x 0.5), each weighing
-    1 whatever num-examples it reports (10..40): the model is mean(clipped) + N(0, (z C)^2) / 4.
+    1 whatever num-examples it reports (10..40; a Flower quickstart reply arrives as
+    n (local - global) with weight n and is divided back): the model is
+    mean(clipped) + N(0, (z C)^2) / 4.
     With z = 0.8 the 4,096 residuals x 4 have std z C = 0.4 (their sample std is within 4%: a
     chi-square bound far beyond 5 sigma), and the Result's round-1 epsilon is one Gaussian
     release of z = 0.8 (RDP, delta 1e-5) as dp-accounting computes it."""
@@ -166,7 +174,7 @@ def test_central_dp_clips_each_update_weighs_each_node_once_and_noises_the_sum(
     strategy = CentralDP(fedavg(), noise_multiplier=z, clip=clip)
     expected = sum(direction(p) / np.linalg.norm(direction(p)) * clip for p in range(NODES))
     # Execute
-    result, _ = run(strategy, tmp_path)
+    result, _ = run(strategy, tmp_path, app=fixed_update_app(flower_shape=flower_shape))
     # Assert
     residual = (final_weight(result) - expected / NODES) * NODES
     assert abs(float(residual.std()) / (z * clip) - 1) < 0.04
