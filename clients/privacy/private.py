@@ -30,6 +30,7 @@ no privacy), instead of in the loss where Opacus' per-example clipping would dro
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -131,8 +132,8 @@ def make_private(
         if ledger is not None
         else (history if history is not None else {})
     )
+    PrivacyEngine = _privacy_engine()  # first: every opacus import installs the handler
     accountant = load_accountant(state)  # before any hook: a corrupt history refuses the round
-    from opacus import PrivacyEngine
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus warns that secure_mode is off at construction
@@ -165,6 +166,20 @@ def make_private(
         _add_hook_after_noise(dp_optimizer, fl.hook, fl.trainable)
     _cap_steps(out)
     return out
+
+
+def _privacy_engine() -> type:
+    """Opacus' PrivacyEngine, imported without the root log handler Opacus installs on import
+    (``logging.basicConfig`` in ``opacus.utils.module_utils``), which would print every line
+    of Flower's log a second time in the ClientApp's process."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from opacus import PrivacyEngine
+
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    return PrivacyEngine
 
 
 def _cap_steps(run: PrivateTraining) -> None:

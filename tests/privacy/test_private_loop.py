@@ -3,6 +3,8 @@ Opacus on a small MLP (16 -> 32 -> 4, 256 examples, batches of 32: sample rate 1
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,27 @@ def test_a_step_beyond_the_admitted_ones_never_reaches_the_model() -> None:
     assert all(torch.equal(a, b) for a, b in zip(after_two, net.parameters(), strict=True))
     assert history["steps"] == [2]
     assert epsilon == pytest.approx(opacus_epsilon([2]), rel=1e-9)
+
+
+def test_opacus_adds_no_log_handler_to_the_clientapps_process() -> None:
+    """Opacus calls ``logging.basicConfig`` on import, which printed every line of Flower's log
+    twice in a ClientApp process that used DP-SGD (seen in examples/flower-dp before the fix);
+    a fresh process that runs a private round keeps the root logger without handlers."""
+    # Prepare
+    code = (
+        "import logging, torch\n"
+        "from fedge.clients.privacy.private import make_private\n"
+        "net = torch.nn.Linear(4, 2)\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))\n"
+        "loader = torch.utils.data.DataLoader(data, batch_size=4)\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "with make_private(net, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0):\n"
+        "    pass\n"
+        "print(len(logging.getLogger().handlers))\n"
+    )
+    # Execute
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    # Assert
+    assert out.stdout.strip() == "0", out.stderr[-2000:]
