@@ -53,10 +53,15 @@ def direction(partition: int) -> np.ndarray:
     return (v / np.linalg.norm(v) * 2.0 * (partition + 1)).astype(np.float32)
 
 
-def fixed_update_app(fail_partition: int | None = None, flower_shape: bool = False) -> ClientApp:
+def fixed_update_app(
+    fail_partition: int | None = None,
+    flower_shape: bool = False,
+    heavy_partition: int | None = None,
+) -> ClientApp:
     """A ClientApp whose node p adds ``direction(p)`` to the weight and replies through TrainRound
     (or, ``flower_shape``, as Flower's quickstart: its arrays and ``num-examples``), claiming
-    10 (p + 1) examples; ``fail_partition`` raises in training."""
+    10 (p + 1) examples; ``fail_partition`` raises in training; ``heavy_partition`` sends no
+    update but claims 10^7 examples."""
     app = ClientApp(mods=[dispatch_mods])
 
     @app.train()
@@ -66,6 +71,8 @@ def fixed_update_app(fail_partition: int | None = None, flower_shape: bool = Fal
             raise RuntimeError("this node crashes while training")
         net = torch.nn.Linear(SIZE, SIZE, bias=False)
         fl = TrainRound.start(msg, context, net)
+        if p == heavy_partition:
+            return fl.reply(num_examples=10**7, local_steps=1, lr=1.0)
         with torch.no_grad():
             net.weight.add_(torch.from_numpy(direction(p)))
         if flower_shape:
@@ -300,3 +307,34 @@ def test_a_failing_distributed_dp_round_names_its_cause(
     assert any("need at least 4" in r.getMessage() for r in caplog.records)
     assert len(result.arrays) == 0  # nothing applied
     assert MET_EPSILON not in result.train_metrics_clientapp.get(1, {})  # nothing released
+
+
+def unclipped_quantize(vec: np.ndarray, clip: float, levels: int, rng: np.random.Generator):  # type: ignore[no-untyped-def]
+    """A malicious client's quantizer: no clipping, any value mod 2^32 (no range proofs)."""
+    scaled = rng.random(vec.shape) + vec * (levels / (2.0 * clip)) + levels / 2.0
+    return (scaled.astype(np.uint64) % 2**32).astype(np.uint32)
+
+
+def test_a_sum_out_of_the_secagg_bounds_is_not_applied_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A malicious node skips the range check and quantizes weight 10^7 (it sends no update)
+    under SecAggPlus(FedAvg()) with example weighting: the unmasked sum's weight is above what
+    4 honest nodes can encode (4 x 8,000). SecAggPlus applied such a sum anyway (the
+    aggregator's ``out_of_bounds`` was never read: RUN against the code before, the round's
+    model was the 4 nodes' mean shrunk 10^5-fold towards the attacker's zero update); now the
+    round keeps the model and its error line and ``last_failure`` name the bound."""
+    # Prepare
+    import fedge.clients.secagg.engine as client_engine
+    import fedge.clients.secagg.mod as client_mod
+
+    monkeypatch.setattr(client_mod, "_check_range", lambda arrays, rec: None)
+    monkeypatch.setattr(client_engine, "quantize", unclipped_quantize)
+    strategy = SecAggPlus(fedavg())
+    # Execute
+    with caplog.at_level(logging.ERROR):
+        result, _ = run(strategy, tmp_path, app=fixed_update_app(heavy_partition=0))
+    # Assert
+    assert len(result.arrays) == 0
+    assert strategy.last_failure is not None and "max-client-weight=8000" in strategy.last_failure
+    assert any("max-client-weight=8000" in r.getMessage() for r in caplog.records)
