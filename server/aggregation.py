@@ -58,6 +58,7 @@ class AggregateResult:
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     summed_metrics: dict[str, float] = field(default_factory=dict)  # SecAgg+: only their sums
     out_of_bounds: str | None = None  # SecAgg+: why the sum breaks the per-client bounds
+    failure: str | None = None  # why no sum came back (SecAgg+: the protocol's reason)
     bytes_up: int = 0
     bytes_down: int = 0
 

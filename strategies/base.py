@@ -83,6 +83,7 @@ from fedge.strategies.contract import (
     replace_state,
     sum_contributions,
 )
+from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
 from fedge.strategies.replies import reply_contribution
 from fedge.strategies.robust import RobustConfig, apply_bounds, robust_sum
 from fedge.strategies.server_opt import PREFIX_OPT, ServerOptConfig, ServerOptimizer
@@ -220,6 +221,7 @@ class Strategy(FlowerFedAvg, ABC):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Flower's sampling and messages, plus this strategy's config keys and payload record."""
+        refuse_flower_dp_wrapper(self)  # Flower's DP wrappers misread fedge's replies
         adapter = {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in arrays.items()}
         held = self._round_state
         extras = (

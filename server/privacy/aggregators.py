@@ -87,6 +87,11 @@ class DistributedDPAggregator:
         # bounded by the clients' clip C instead; the summed weight and count are still checked.
         inner.bounds = replace(inner.bounds, max_update_norm=0.0)
 
+    @property
+    def last_failure(self) -> str | None:
+        """Why the last round produced no sum (the SecAgg+ aggregator's reason), else None."""
+        return self.inner.last_failure
+
     def aggregate(
         self,
         grid: Grid,

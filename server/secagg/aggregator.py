@@ -114,7 +114,7 @@ class SecAggPlusAggregator:
             )
             summed = run_secagg(engine, exchange)
         except SecAggRoundFailed as exc:
-            self.last_failure = f"round {server_round}: {exc}"
+            self.last_failure = result.failure = f"round {server_round}: {exc}"
             log.error("%s", self.last_failure)
             for nid in node_ids:
                 result.rejected.setdefault(nid, str(exc))

@@ -19,6 +19,13 @@ Evaluation passes through to the inner strategy.
 
 Only the sum reaches the server, so a rule that needs each client's update (median,
 trimmed mean, Krum, per-client bounds) cannot apply and is refused at construction.
+
+Distributed DP is the same object with ``dp``: every client clips its update and adds its
+share of the noise before masking, the server accounts one Gaussian release per round and
+refuses a round that would pass ``max_epsilon`` before sending it, and each round's epsilon
+is logged and returned in its train metrics (so in Flower's ``Result``)::
+
+    strategy = SecAggPlus(Scaffold(), dp=DistributedDP(noise_multiplier=1.0, clip_norm=0.5))
 """
 
 from __future__ import annotations
@@ -33,8 +40,14 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.secagg.config import SecAggConfig, weight_scales
+from fedge.server.aggregation import AggregateResult
+from fedge.server.privacy.aggregators import DistributedDPAggregator
+from fedge.server.privacy.release import DistributedDP, Metrics, ReleaseAccount
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
-from fedge.strategies.base import Strategy
+from fedge.strategies.base import Strategy, UniformWeighting
+from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
+
+__all__ = ["DistributedDP", "SecAggPlus", "round_failure", "summed_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +66,19 @@ class SecAggPlus(FlowerStrategy):
 
     ``cfg`` defaults to SecAgg+'s defaults with the divisors ``inner``'s weighting needs
     (:func:`fedge.secagg.config.weight_scales`); ``timeout`` bounds the collect stage
-    (training) in seconds, beside ``cfg.stage_timeout_s`` for the other stages.
+    (training) in seconds, beside ``cfg.stage_timeout_s`` for the other stages. ``dp`` adds
+    distributed DP (:class:`DistributedDP`; weighting then uniform: a strategy with example
+    weighting is wrapped in :class:`UniformWeighting`). A round that yields no sum logs its
+    cause and keeps it in ``last_failure``; the model stays as it was.
     """
 
     def __init__(
-        self, inner: Strategy, cfg: SecAggConfig | None = None, timeout: float | None = None
+        self,
+        inner: Strategy,
+        cfg: SecAggConfig | None = None,
+        timeout: float | None = None,
+        *,
+        dp: DistributedDP | None = None,
     ) -> None:
         if not isinstance(inner, Strategy):
             raise ValueError(
@@ -72,22 +93,45 @@ class SecAggPlus(FlowerStrategy):
                 "update (rule median/trimmed-mean/krum, max_weight, max_update_norm), and "
                 "SecAgg+ shows the server only the sum; pass robust=None"
             )
+        if dp is not None and inner.weighting != "uniform":
+            log.info("SecAggPlus with DP: %s weighs every client 1 (uniform weighting)", inner.name)
+            inner = UniformWeighting(inner)
         self.inner = inner
         self.aggregator = SecAggPlusAggregator(
             cfg if cfg is not None else SecAggConfig(key_scales=weight_scales(inner.weighting))
         )
         self.timeout = timeout
+        self.dp = dp
+        self._dp_aggregator = (
+            DistributedDPAggregator(self.aggregator, dp.config()) if dp is not None else None
+        )
+        self.account = ReleaseAccount(dp.config(), dp.on_budget) if dp is not None else None
+        self.last_failure: str | None = None
         self._pending: _Pending | None = None
+        self._refused = False
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent so far under ``dp`` (0.0 without it)."""
+        return self.account.epsilon if self.account is not None else 0.0
 
     def summary(self) -> None:
         """Log the SecAgg+ settings, then the inner strategy's."""
         log.info("fedge SecAgg+ around %s: %s", type(self.inner).__name__, self.aggregator.cfg)
+        if self.dp is not None:
+            log.info("fedge distributed DP: %s", self.dp)
         self.inner.summary()
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample and build the train content with the inner strategy; send nothing yet."""
+        """Sample and build the train content with the inner strategy; send nothing yet (nothing
+        at all when this round's DP release would pass the budget)."""
+        refuse_flower_dp_wrapper(self)
+        self._refused = self.account is not None and not self.account.admit(server_round)
+        if self._refused:
+            self._pending = None
+            return []
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         self._pending = (
             _Pending(grid, [m.metadata.dst_node_id for m in messages], messages[0].content)
@@ -101,11 +145,14 @@ class SecAggPlus(FlowerStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Run the SecAgg+ stages on the sampled nodes; the unmasked sum -> the next arrays."""
         pending, self._pending = self._pending, None
+        if self._refused and self.account is not None:
+            return None, self.account.refused()
         if pending is None:
             return None, None
         state = self.inner.round_state
         assert state is not None  # the inner configure_train opened the round
-        result = self.aggregator.aggregate(
+        aggregator = self._dp_aggregator if self._dp_aggregator is not None else self.aggregator
+        result = aggregator.aggregate(
             pending.grid,
             server_round,
             pending.node_ids,
@@ -113,13 +160,23 @@ class SecAggPlus(FlowerStrategy):
             self.inner.contribution_spec(state),
             self.timeout,
         )
+        self.last_failure = None
         if result.summed is None:
-            log.error(
-                "round %d: no aggregate applied (%s)", server_round, self.aggregator.last_failure
-            )
+            self.last_failure = round_failure(server_round, result)
+            log.error("round %d: no aggregate applied: %s", server_round, self.last_failure)
             return None, None
+        # The server unmasked a (noised) sum: that is a release, applied or not.
+        released = self.account.record(server_round) if self.account is not None else {}
+        if result.out_of_bounds is not None:
+            self.last_failure = f"round {server_round}: sum rejected: {result.out_of_bounds}"
+            log.error("round %d: no aggregate applied: %s", server_round, self.last_failure)
+            return None, MetricRecord(released) if released else None
         arrays = self.inner.aggregate_sum(server_round, result.summed)
-        return arrays, summed_metrics(result.summed_metrics, len(result.accepted))
+        metrics = summed_metrics(result.summed_metrics, len(result.accepted))
+        if released:
+            merged: Metrics = {**dict(metrics or {}), **released}
+            metrics = MetricRecord(merged)
+        return arrays, metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -132,6 +189,14 @@ class SecAggPlus(FlowerStrategy):
     ) -> MetricRecord | None:
         """The inner strategy's aggregation of the evaluation replies."""
         return self.inner.aggregate_evaluate(server_round, replies)
+
+
+def round_failure(server_round: int, result: AggregateResult) -> str:
+    """Why a round produced no sum: the aggregator's reason, else the nodes' refusals."""
+    if result.failure:
+        return result.failure
+    reasons = "; ".join(f"node {n}: {why}" for n, why in sorted(result.rejected.items()))
+    return f"round {server_round}: no sum ({reasons or 'no contributor'})"
 
 
 def summed_metrics(sums: dict[str, float], contributors: int) -> MetricRecord | None:

@@ -274,3 +274,31 @@ def test_the_flower_app_example_runs_scaffold_under_secagg_with_flwr_run(
     assert sorted(key.name for key in identities.glob("*.key")) == [
         f"partition-{p:05d}.key" for p in nodes
     ]
+
+
+EXAMPLE_DP = REPO / "examples" / "flower-dp"
+
+
+def test_the_flower_dp_example_runs_distributed_dp_with_flwr_run(
+    superlink: LocalSuperLink, tmp_path: Path
+) -> None:
+    """examples/flower-dp as its README runs it, `privacy="distributed"` (SecAggPlus with
+    DistributedDP), 4 SuperNodes on Flower's Ray simulation, 2 rounds at z = 0.5: the run
+    ends with a model, and the Result's train metrics hold each round's epsilon, that of r
+    Gaussian releases (RDP, delta 1e-5)."""
+    from fedge.privacy.accounting import gaussian_epsilon
+
+    # Prepare
+    out = tmp_path / "out"
+    config = f"privacy='distributed' noise-multiplier=0.5 num-server-rounds=2 out-dir='{out}'"
+    # Execute
+    run = superlink.run(
+        EXAMPLE_DP, "--federation-config", "num-supernodes=4", "--run-config", config
+    )
+    # Assert
+    log = run.stdout[-3000:] + run.stderr[-3000:]
+    assert (out / "final_model.pt").is_file(), log
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    for r in (1, 2):
+        expected = gaussian_epsilon([0.5] * r, 1e-5, "rdp")
+        assert metrics[str(r)]["dp-epsilon"] == pytest.approx(expected), log
