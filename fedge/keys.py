@@ -57,7 +57,9 @@ NODE_NUM_PARTITIONS: Final = "num-partitions"
 # ---------------------------------------------------------------- run / client config keys
 CFG_ROUNDS: Final = "num-server-rounds"
 CFG_STRATEGY: Final = "strategy"  # fedavg | fedprox | scaffold
-CFG_SERVER_LR: Final = "server-lr"  # the server step: plain multiplier, FedAvgM lr, FedOpt eta
+CFG_SERVER_LR: Final = (
+    "server-lr"  # server step (plain x, FedAvgM lr, FedOpt eta); 0: optimizer's own
+)
 CFG_SERVER_OPTIMIZER: Final = "server-optimizer"  # none | fedavgm | fedadam | fedyogi | fedadagrad
 CFG_SERVER_MOMENTUM: Final = "server-momentum"  # FedAvgM's momentum
 CFG_SERVER_BETA1: Final = "server-beta1"  # FedAdam / FedYogi first-moment decay
@@ -125,4 +127,8 @@ CFG_MAX_CLIENT_WEIGHT: Final = "max-client-weight"  # cap on a client's meta/wei
 CFG_MAX_UPDATE_NORM: Final = (
     "max-update-norm"  # refuse a client update above this L2 norm (0: none)
 )
+CFG_NORM_MULTIPLE: Final = "norm-bound-multiple"  # refuse updates above x median norm (0: off)
+CFG_WEIGHT_MULTIPLE: Final = "weight-cap-multiple"  # cap weights at x median weight (0: off)
+CFG_ROBUST_STRICT: Final = "robust-strict"  # refuse a round whose robust rule is too small
+CFG_MAX_REJECTED_ROUNDS: Final = "max-rejected-rounds"  # stop after this many rejected sums
 CFG_PRIVACY_BUDGET: Final = "privacy-budget"  # "" or "package.module:factory" (fedge.server.budget)

@@ -4,7 +4,9 @@ The round loop (:mod:`fedge.server.loop`) hands an aggregator the sampled node i
 train message content; the aggregator returns the element-wise SUM of the valid
 contributions (see :mod:`fedge.strategies.base`). :class:`PlainAggregator` sends one train
 message per node and sums in the clear; seeing each contribution, it also enforces the
-per-client bounds (``max-client-weight``, ``max-update-norm``) and, with ``aggregator``
+per-client bounds (``max-client-weight``, ``max-update-norm``), the default defence
+(:func:`fedge.strategies.robust.adaptive_bounds`: weights capped and outlying update norms
+refused relative to the round's medians) and, with ``aggregator``
 ``median``, ``trimmed-mean`` or ``krum``, combines them robustly
 (:mod:`fedge.strategies.robust`; the result keeps the shape of a sum). Privacy variants plug
 in by name through the ``aggregator`` config key, as a dotted ``"package.module:factory"``
@@ -33,7 +35,7 @@ from fedge.server.grid import exchange_messages
 from fedge.strategies.base import Arrays
 from fedge.strategies.registry import ROBUST_AGGREGATORS, robust_config
 from fedge.strategies.replies import contribution_problem
-from fedge.strategies.robust import RobustConfig, apply_bounds, robust_sum
+from fedge.strategies.robust import RobustConfig, adaptive_bounds, apply_bounds, robust_sum
 
 if TYPE_CHECKING:
     from fedge.server.config import RunConfig
@@ -163,6 +165,18 @@ class PlainAggregator:
             log.warning("round %d: node %d did not reply in time", server_round, nid)
         # Sum in partition order so a resumed run adds floats in the same order.
         valid.sort(key=lambda t: (t[0], t[1]))
+        kept, refused = adaptive_bounds([c for _, _, c in valid], self.robust)
+        for index, reason in sorted(refused.items()):
+            nid = valid[index][1]
+            result.rejected[nid] = reason
+            result.metrics.pop(nid, None)
+            log.warning("round %d: rejected reply from node %d: %s", server_round, nid, reason)
+        valid = [
+            (order, nid, c)
+            for (order, nid, _), c in zip(
+                [v for i, v in enumerate(valid) if i not in refused], kept, strict=True
+            )
+        ]
         result.accepted = [nid for _, nid, _ in valid]
         if valid:
             result.summed = robust_sum([c for _, _, c in valid], self.robust)

@@ -36,7 +36,7 @@ class RunConfig:
 
     num_server_rounds: int = 3
     strategy: str = "fedavg"
-    server_lr: float = 1.0  # the server step: plain multiplier, FedAvgM lr, FedOpt eta
+    server_lr: float = 0.0  # server step (plain x, FedAvgM lr, FedOpt eta); 0: the optimizer's own
     server_optimizer: str = "none"  # none | fedavgm | fedadam | fedyogi | fedadagrad
     server_momentum: float = 0.9  # FedAvgM (Hsu et al. 2019)
     server_beta1: float = 0.9  # FedAdam / FedYogi (Reddi et al. 2021)
@@ -65,6 +65,10 @@ class RunConfig:
     krum_malicious: int = 0  # Krum's f
     max_client_weight: float = 0.0  # weight cap (0: none; SecAgg+: the sum is checked)
     max_update_norm: float = 0.0  # L2 bound of ||delta/weight|| (0: none; SecAgg+: the sum)
+    norm_bound_multiple: float = 3.0  # plain: refuse updates above x the round's median norm
+    weight_cap_multiple: float = 3.0  # plain: cap weights at x the round's median weight
+    robust_strict: bool = False  # refuse a round whose robust rule is too small for it
+    max_rejected_rounds: int = 3  # stop after this many rejected SecAgg+ sums (0: never)
     privacy_budget: str = ""
     max_epsilon: float = 0.0  # 0: no budget stop
     plateau_patience: int = 0  # stop after this many rounds without improving (server/plateau.py)
@@ -104,8 +108,13 @@ class RunConfig:
             )
         if self.num_partitions < 0:
             raise ValueError(f"num-partitions must be >= 0, got {self.num_partitions}")
-        if self.server_lr <= 0 or self.proximal_mu < 0 or self.round_timeout <= 0:
-            raise ValueError("server-lr and round-timeout must be > 0 and proximal-mu >= 0")
+        if self.server_lr < 0 or self.proximal_mu < 0 or self.round_timeout <= 0:
+            raise ValueError(
+                "server-lr must be >= 0 (0: the optimizer's own default), round-timeout > 0 and "
+                "proximal-mu >= 0"
+            )
+        if self.max_rejected_rounds < 0:
+            raise ValueError(f"max-rejected-rounds must be >= 0, got {self.max_rejected_rounds}")
         if self.over_selection < 0 or self.target_reports < 0:
             raise ValueError(
                 f"over-selection and target-reports must be >= 0, got {self.over_selection} "

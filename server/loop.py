@@ -15,7 +15,9 @@ fresh or resume from the newest checkpoint), then per round:
   5. :func:`evaluate_round`: server-side perplexity on the union of held-out splits and on
      the participants' own, and the sampled clients' held-out loss;
   6. :func:`checkpoint_and_report`: write the metrics row and the checkpoint;
-  7. :func:`plateau_reached`: with ``plateau-patience``, stop once the participants'
+  7. :func:`rejected_rounds_reached`: under SecAgg+, stop once ``max-rejected-rounds`` sums
+     broke the per-client bounds (each rejected round logs which bound);
+  8. :func:`plateau_reached`: with ``plateau-patience``, stop once the participants'
      held-out perplexity stops improving (:mod:`fedge.server.plateau`).
 
 A round with fewer valid replies than ``min-train-nodes`` fails (:func:`shortfall`): the
@@ -232,6 +234,9 @@ def _run(
             connected=len(cohort.candidates),
         )
         checkpoint_and_report(fed, row)
+        if (stop := rejected_rounds_reached(fed, result)) is not None:
+            status, message = "failed", stop
+            break
         if plateau_reached(fed):
             message = (
                 f"stopped after round {server_round}: the participants' held-out perplexity "
@@ -340,6 +345,28 @@ def open_run(
     on_row(row)
     _checkpoint(fed)
     return fed
+
+
+def rejected_rounds_reached(fed: Federation, result: AggregateResult) -> str | None:
+    """Why the run stops after this round: ``max-rejected-rounds`` SecAgg+ sums (counted over
+    the run's metrics, so a resume keeps the count) broke the per-client bounds; else None.
+
+    A poisoned client under SecAgg+ gets every round's sum rejected (the server cannot tell
+    which client broke the bound): without this the run would end at its initial model.
+    """
+    limit = fed.cfg.max_rejected_rounds
+    if result.out_of_bounds is None or limit <= 0:
+        return None
+    rejected = sum(1 for row in fed.metrics.rows() if row.get("status") == "out-of-bounds")
+    if rejected < limit:
+        return None
+    return (
+        f"stopped: {rejected} rounds' SecAgg+ sums broke the per-client bounds "
+        f"(max-rejected-rounds={limit}); the last: {result.out_of_bounds}. A client sends more "
+        "than the bounds allow (a poisoned or misconfigured client, or max-update-norm / "
+        "max-client-weight set below honest clients' values); the global model is the last "
+        "accepted one"
+    )
 
 
 def plateau_reached(fed: Federation) -> bool:

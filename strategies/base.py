@@ -85,7 +85,7 @@ from fedge.strategies.contract import (
 )
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
 from fedge.strategies.replies import reply_contribution
-from fedge.strategies.robust import RobustConfig, apply_bounds, robust_sum
+from fedge.strategies.robust import RobustConfig, adaptive_bounds, apply_bounds, robust_sum
 from fedge.strategies.server_opt import PREFIX_OPT, ServerOptConfig, ServerOptimizer
 from fedge.types import Arrays, ConfigValue
 
@@ -250,6 +250,7 @@ class Strategy(FlowerFedAvg, ABC):
         spec = self.contribution_spec(state)
         contributions: list[Arrays] = []
         contents: list[RecordDict] = []
+        nodes: list[int] = []
         for msg in replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -268,9 +269,16 @@ class Strategy(FlowerFedAvg, ABC):
                 continue
             contributions.append(arrays)
             contents.append(msg.content)
-        if not contributions:
+            nodes.append(node)
+        kept, refused = adaptive_bounds(contributions, self.robust)  # the default defence
+        for index, why in sorted(refused.items()):
+            log.warning(
+                "round %d: rejected the reply of node %d: %s", server_round, nodes[index], why
+            )
+        contents = [c for i, c in enumerate(contents) if i not in refused]
+        if not kept:
             return None, None
-        record = self.aggregate_sum(server_round, robust_sum(contributions, self.robust))
+        record = self.aggregate_sum(server_round, robust_sum(kept, self.robust))
         return record, self._train_metrics(contents)
 
     def aggregate_sum(self, server_round: int, summed: Arrays) -> ArrayRecord:

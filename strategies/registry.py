@@ -15,7 +15,7 @@ from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.fedprox import FedProx
 from fedge.strategies.robust import AGGREGATION_RULES, RobustConfig
 from fedge.strategies.scaffold import Scaffold
-from fedge.strategies.server_opt import ServerOptConfig
+from fedge.strategies.server_opt import ServerOptConfig, default_server_lr
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "scaffold")
 ROBUST_AGGREGATORS = tuple(r for r in AGGREGATION_RULES if r != "mean")  # values of `aggregator`
@@ -43,13 +43,17 @@ def robust_config(config: Mapping[str, ConfigValue]) -> RobustConfig:
         krum_malicious=int(config.get(keys.CFG_KRUM_MALICIOUS, defaults.krum_malicious)),  # type: ignore[call-overload]
         max_weight=float(config.get(keys.CFG_MAX_CLIENT_WEIGHT, defaults.max_weight)),  # type: ignore[arg-type]
         max_update_norm=float(config.get(keys.CFG_MAX_UPDATE_NORM, defaults.max_update_norm)),  # type: ignore[arg-type]
+        norm_multiple=float(config.get(keys.CFG_NORM_MULTIPLE, defaults.norm_multiple)),  # type: ignore[arg-type]
+        weight_multiple=float(config.get(keys.CFG_WEIGHT_MULTIPLE, defaults.weight_multiple)),  # type: ignore[arg-type]
+        strict=str(config.get(keys.CFG_ROBUST_STRICT, defaults.strict)).lower() in ("true", "1"),
     )
 
 
 def build_strategy(config: Mapping[str, ConfigValue]) -> Strategy:
     """Return the strategy named by ``config['strategy']`` with its knobs from the same mapping."""
     name = str(config.get(keys.CFG_STRATEGY, "fedavg"))
-    server_lr = float(config.get(keys.CFG_SERVER_LR, 1.0))  # type: ignore[arg-type]
+    optimizer = server_opt_config(config)
+    server_lr = float(config.get(keys.CFG_SERVER_LR, 0.0)) or default_server_lr(optimizer.name)  # type: ignore[arg-type]
     weighting_raw = str(config.get(keys.CFG_WEIGHTING, "examples"))
     if weighting_raw not in ("examples", "uniform"):
         raise ValueError(
@@ -59,7 +63,7 @@ def build_strategy(config: Mapping[str, ConfigValue]) -> Strategy:
     common = {
         "server_lr": server_lr,
         "weighting": weighting,
-        "server_optimizer": server_opt_config(config),
+        "server_optimizer": optimizer,
         "robust": robust_config(config),
     }
     if name == "fedavg":

@@ -1,13 +1,20 @@
 """Robust aggregation and per-client bounds, for rounds where the server sees each contribution.
 
-Plain (non-SecAgg) rounds can defend against malicious clients in two layers:
+Plain (non-SecAgg) rounds can defend against malicious clients in three layers:
 
 1. :func:`apply_bounds` — the server's bounds on ONE contribution: its self-reported
    weight is capped at ``max_weight`` (the delta is rescaled with it, so the client's
    update is unchanged and only its say shrinks), and a contribution whose update
    norm ``||delta / weight||`` (plus its ``ctrl/`` part) exceeds ``max_update_norm``
    is refused with a reason. One mechanism, usable wherever contributions are seen.
-2. :func:`robust_sum` — the round's combination rule. ``mean`` is the exact weighted
+2. :func:`adaptive_bounds` — the default defence, on with no option set: each weight is
+   capped at ``weight_multiple`` x the round's median weight (the delta rescaled with it),
+   and an update whose norm is above ``norm_multiple`` x the round's median update norm is
+   refused with a reason. Honest clients of one round run the same steps and learning rate,
+   so their norms sit within a small factor of each other and a clean round keeps every
+   client; a client that scales its update (x(-50)) or its weight (x1e6) is cut back to at
+   most a median client's say. It needs an honest majority of the round (3 or more clients).
+3. :func:`robust_sum` — the round's combination rule. ``mean`` is the exact weighted
    sum (:func:`~fedge.strategies.contract.sum_contributions`); ``median`` (Yin et al. 2018),
    ``trimmed-mean`` (same paper) and ``krum`` (Blanchard et al. 2017) combine the
    per-client UNSCALED updates ``delta / weight`` with equal say (a self-reported weight
@@ -24,6 +31,7 @@ the server checks that the sum could be one of that many clipped contributions
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +40,19 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from fedge import keys
+from fedge.errors import FedgeError
 from fedge.strategies.contract import sum_contributions
 from fedge.types import Arrays
 
+log = logging.getLogger(__name__)
+
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean", "krum")
+DEFAULT_NORM_MULTIPLE = 3.0  # refuse an update above 3x the round's median update norm
+DEFAULT_WEIGHT_MULTIPLE = 3.0  # cap a weight at 3x the round's median weight
+
+
+class RuleTooSmall(FedgeError):
+    """A robust rule is sized so it cannot remove what it is meant to (strict mode refuses it)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,9 @@ class RobustConfig:
     krum_malicious: int = 0  # Krum's f, the attackers it must tolerate (n - f - 2 neighbours)
     max_weight: float = 0.0  # cap on a client's meta/weight (e.g. its true example count bound)
     max_update_norm: float = 0.0  # refuse a client whose ||delta/weight|| exceeds this
+    norm_multiple: float = DEFAULT_NORM_MULTIPLE  # refuse above this x median norm (0: off)
+    weight_multiple: float = DEFAULT_WEIGHT_MULTIPLE  # cap at this x median weight (0: off)
+    strict: bool = False  # refuse (not only warn about) a rule too small for its round
 
     def __post_init__(self) -> None:
         """Refuse unknown rules and impossible bounds, naming the config key."""
@@ -63,6 +83,12 @@ class RobustConfig:
                 "max-client-weight and max-update-norm must be >= 0 (0: no bound), got "
                 f"{self.max_weight} and {self.max_update_norm}"
             )
+        for key, value in (
+            ("norm-bound-multiple", self.norm_multiple),
+            ("weight-cap-multiple", self.weight_multiple),
+        ):
+            if not (value == 0 or value >= 1) or not np.isfinite(value):
+                raise ValueError(f"{key} must be 0 (off) or >= 1, got {value}")
 
 
 def update_norm(contribution: Arrays) -> float:
@@ -111,6 +137,81 @@ def cap_weight(contribution: Arrays, max_weight: float) -> Arrays:
     }
     capped[keys.KEY_WEIGHT] = np.array([max_weight], np.float32)
     return capped
+
+
+def adaptive_bounds(
+    contributions: list[Arrays], cfg: RobustConfig
+) -> tuple[list[Arrays], dict[int, str]]:
+    """The default defence over one round's contributions (already through :func:`apply_bounds`).
+
+    Returns the kept contributions, weights capped at ``weight_multiple`` x the median weight
+    (delta rescaled, so only the say shrinks), and ``{index: reason}`` for those refused
+    because their update norm is above ``norm_multiple`` x the median update norm. Only live
+    contributions (count 1, weight > 0) set the medians; fewer than 3 of them leave the round
+    as it is (a median of two is their mean: an attacker's own norm would set the bound).
+    """
+    live = [
+        i
+        for i, c in enumerate(contributions)
+        if float(c[keys.KEY_COUNT][0]) > 0 and float(c[keys.KEY_WEIGHT][0]) > 0
+    ]
+    if len(live) < 3 or not (cfg.norm_multiple > 0 or cfg.weight_multiple > 0):
+        return list(contributions), {}
+    refused: dict[int, str] = {}
+    if cfg.norm_multiple > 0:
+        norms = {i: update_norm(contributions[i]) for i in live}
+        bound = cfg.norm_multiple * float(np.median(list(norms.values())))
+        refused = {
+            i: (
+                f"update norm {n:.4g} exceeds norm-bound-multiple={cfg.norm_multiple:g} x the "
+                f"round's median update norm ({bound:.4g})"
+            )
+            for i, n in norms.items()
+            if not n <= bound
+        }
+    kept_live = [i for i in live if i not in refused]
+    cap = 0.0
+    if cfg.weight_multiple > 0 and kept_live:
+        weights = [float(contributions[i][keys.KEY_WEIGHT][0]) for i in kept_live]
+        cap = cfg.weight_multiple * float(np.median(weights))
+    kept = [cap_weight(c, cap) for i, c in enumerate(contributions) if i not in refused]
+    return kept, refused
+
+
+def sizing_problem(rule: str, clients: int, cfg: RobustConfig) -> str | None:
+    """Why ``rule`` over ``clients`` contributions cannot remove an attacker (None if it can).
+
+    Trimmed mean cuts floor(beta x n) per tail: nothing when beta x n < 1. Krum needs
+    n > 2f + 2 (Blanchard et al. 2017) to score each update against n - f - 2 neighbours.
+    """
+    if rule == "trimmed-mean" and cfg.trim_beta * clients < 1:
+        return (
+            f"trimmed-mean-beta={cfg.trim_beta:g} x {clients} clients < 1: the trimmed mean cuts "
+            "nothing from either tail and is the plain mean; raise trimmed-mean-beta to at least "
+            f"{1 / clients:.3g} or sample more clients"
+        )
+    if rule == "krum" and clients <= 2 * cfg.krum_malicious + 2:
+        return (
+            f"krum over {clients} clients with krum-malicious={cfg.krum_malicious}: Krum needs "
+            f"more than 2f + 2 = {2 * cfg.krum_malicious + 2} clients to outvote f attackers"
+        )
+    return None
+
+
+_warned_sizes: set[str] = set()
+
+
+def check_sizing(clients: int, cfg: RobustConfig) -> None:
+    """Warn once per distinct problem when the rule is too small for its round; refuse it in
+    strict mode (:class:`RuleTooSmall`)."""
+    problem = sizing_problem(cfg.rule, clients, cfg)
+    if problem is None:
+        return
+    if cfg.strict:
+        raise RuleTooSmall(f"{problem} (robust-strict refuses the round)")
+    if problem not in _warned_sizes:
+        _warned_sizes.add(problem)
+        log.warning("%s", problem)
 
 
 def clip_contribution(contribution: Arrays, cfg: RobustConfig) -> Arrays:
@@ -191,6 +292,7 @@ def robust_sum(contributions: list[Arrays], cfg: RobustConfig) -> Arrays:
     ]
     if not live:  # every client's work was dropped: the plain sum says so (weight 0)
         return sum_contributions(contributions)
+    check_sizing(len(live), cfg)
     updates = [_unscaled(c) for c in live]
     names = [k for k in updates[0] if not k.startswith(keys.PREFIX_META)]
     if cfg.rule == "krum":

@@ -30,6 +30,25 @@ SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 PREFIX_MOMENT1 = "opt/m/"  # FedAvgM's momentum buffer, FedOpt's first moment m_t
 PREFIX_MOMENT2 = "opt/v/"  # FedOpt's second moment v_t
 PREFIX_OPT = "opt/"
+# The step size each optimizer gets when ``server-lr`` is 0 (its default): Flower's own
+# defaults (FedAvgM server_learning_rate, FedAdam/FedAdagrad eta 0.1, FedYogi eta 0.01),
+# and 1.0, the exact mean, for fedge's plain step.
+DEFAULT_SERVER_LR = {
+    "none": 1.0,
+    "fedavgm": 1.0,
+    "fedadam": 0.1,
+    "fedyogi": 0.01,
+    "fedadagrad": 0.1,
+}
+
+
+def default_server_lr(name: str) -> float:
+    """The server step size of optimizer ``name`` when ``server-lr`` is 0 (Flower's default)."""
+    if name not in DEFAULT_SERVER_LR:
+        raise ValueError(
+            f"server-optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, got {name!r}"
+        )
+    return DEFAULT_SERVER_LR[name]
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,26 @@ def test_the_loop_reads_the_plateau_from_the_rows_it_wrote(tmp_path: Path) -> No
         assert plateau_reached(fed) == (server_round == 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="plateau-min-improvement"):
         RunConfig.from_mapping({"plateau-patience": 2, "plateau-min-improvement": 1.5})
+
+
+def test_a_run_stops_after_max_rejected_rounds_saying_which_bound_failed() -> None:
+    """Under SecAgg+ a poisoned client gets every round's sum rejected; before, the run went on
+    to its last round at the initial model without a word. Now the third rejected round (the
+    default max-rejected-rounds) stops it with the bound that failed; 0 never stops."""
+    from fedge.server.loop import rejected_rounds_reached
+
+    rows: list[dict[str, object]] = [{"status": "ok"}, {"status": "out-of-bounds"}]
+    fed = SimpleNamespace(
+        cfg=SimpleNamespace(max_rejected_rounds=3), metrics=SimpleNamespace(rows=lambda: rows)
+    )
+    result = AggregateResult(None)
+    result.out_of_bounds = "summed update norm 9.1 (ctrl 0) exceeds the bound of 3 clients"
+    assert rejected_rounds_reached(fed, result) is None  # type: ignore[arg-type]
+    rows.append({"status": "out-of-bounds"})
+    assert rejected_rounds_reached(fed, result) is None  # type: ignore[arg-type]
+    rows.append({"status": "out-of-bounds"})
+    stop = rejected_rounds_reached(fed, result)  # type: ignore[arg-type]
+    assert stop is not None and "max-rejected-rounds=3" in stop and "summed update norm" in stop
+    assert rejected_rounds_reached(fed, AggregateResult(None)) is None  # type: ignore[arg-type]
+    fed.cfg.max_rejected_rounds = 0
+    assert rejected_rounds_reached(fed, result) is None  # type: ignore[arg-type]
