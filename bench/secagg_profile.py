@@ -51,7 +51,7 @@ STEPS = (
     ("client: key pinning and secrets", "clients/secagg/engine.py", "_check_neighbourhood", ""),
     ("client: whole unmask", "clients/secagg/engine.py", "_unmask", ""),
     ("client: AES-GCM unseal", "fedge/secagg/crypto.py", "unseal", ""),
-    ("client: range check", "clients/secagg/mod.py", "_check_range", ""),
+    ("client: range clip", "clients/secagg/mod.py", "_clip_to_range", ""),
     ("client: the vector app (train)", "bench/secagg_rounds.py", "train", ""),
     ("client: privacy policy and mod dispatch", "clients/mods.py", "dispatch_mods", ""),
     ("server: collect requests", "server/secagg/engine.py", "collect_requests", ""),

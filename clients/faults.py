@@ -3,8 +3,11 @@
 Enable with ``client-mods = "fedge.clients.faults:fault_mod"`` and
 ``x-fault-partitions = "1:nan,2:missing"`` (partition:fault). Faults: ``nan`` (a NaN
 in the first delta), ``missing`` (drops one key), ``dtype`` (float64 array),
-``shape`` (one array flattened and truncated), ``error`` (the client raises).
-The server must reject each such reply, log the node id, and aggregate the rest.
+``shape`` (one array flattened and truncated), ``error`` (the client raises), ``poison``
+(a well-formed model-poisoning reply: the update x(-50) at weight x1e6, the attack of
+issue 30 that ``bench/poisoning.py`` measures). The server must reject each malformed reply,
+log the node id, and aggregate the rest; a poisoned one is for the default defence
+(:func:`fedge.strategies.robust.adaptive_bounds`) or a robust rule to handle.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from flwr.clientapp.typing import ClientAppCallable
 from fedge import keys
 
 FAULT_KEY = "x-fault-partitions"
-FAULTS = ("nan", "missing", "dtype", "shape", "error")
+FAULTS = ("nan", "missing", "dtype", "shape", "error", "poison")
+POISON_UPDATE, POISON_WEIGHT = -50.0, 1e6  # the poisoned client's update and weight factors
 
 
 def parse_faults(spec: str) -> dict[int, str]:
@@ -53,6 +57,12 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         del arrays[first]
     elif kind == "dtype":
         arrays[first] = arrays[first].astype(np.float64)
+    elif kind == "poison":  # update x(-50) at weight x1e6: delta = weight x update
+        factor = np.float32(POISON_UPDATE * POISON_WEIGHT)
+        arrays = {
+            k: v * factor if k.startswith(keys.PREFIX_DELTA) else v for k, v in arrays.items()
+        }
+        arrays[keys.KEY_WEIGHT] = arrays[keys.KEY_WEIGHT] * np.float32(POISON_WEIGHT)
     elif kind == "shape":
         arrays[first] = arrays[first].reshape(-1)[:-1].copy()
     reply.content[keys.REC_CONTRIB] = ArrayRecord(

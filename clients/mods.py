@@ -21,6 +21,7 @@ reply must keep its keys, shapes and float32 dtype (see :mod:`fedge.keys`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from flwr.app import Context, Error, Message, MessageType
@@ -28,6 +29,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from fedge import keys
 from fedge.clients.faults import fault_mod
+from fedge.clients.privacy.ledger import ModelAlreadyUsed
 from fedge.clients.privacy.mods import distributed_dp_mod
 from fedge.clients.privacy.policy import (
     ERROR_POLICY,
@@ -36,10 +38,19 @@ from fedge.clients.privacy.policy import (
     check_train,
     node_policy,
 )
+from fedge.clients.privacy.replies import (
+    announce_promise,
+    fixed_failure,
+    private_train,
+    public_reply,
+)
 from fedge.clients.secagg.mod import secaggplus_mod
 from fedge.privacy.wire import KEY_DP_NOISE_STD
 from fedge.secagg import wire as secagg_wire
 
+log = logging.getLogger(__name__)
+UNREADABLE_POLICY = "privacy policy: this node's policy file is unreadable (its log says why)"
+UNREADABLE_STATE = "privacy policy: this node's privacy state is unreadable (its log says why)"
 MOD_SECAGG = "secagg"
 MOD_DISTRIBUTED_DP = "distributed-dp"
 MOD_FAULTS = "faults"
@@ -94,20 +105,45 @@ def required_mods(msg: Message, names: list[str]) -> list[str]:
 
 
 def dispatch_mods(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Check the node's privacy policy, then apply the registered mods around ``call_next``."""
+    """Check the node's privacy policy, then apply the registered mods around ``call_next``.
+
+    Where privacy is in play (:func:`fedge.clients.privacy.replies.private_train`) the reply
+    says nothing that depends on the node's data: clear metrics cut to the public ones, an
+    exception a fixed code and reason. Every train and evaluate reply says what the node
+    promises (:func:`fedge.clients.privacy.replies.announce_promise`).
+    """
+    kind = msg.metadata.message_type.split(".")[0]
+    try:
+        policy = node_policy(context.node_config)
+    except ValueError as exc:  # an unreadable policy file: refuse, promise unknown
+        log.error("privacy policy unreadable, message refused: %s", exc)
+        return Message(Error(code=ERROR_POLICY, reason=UNREADABLE_POLICY), reply_to=msg)
     try:
         names = required_mods(msg, configured_mods(msg, context))
-        kind = msg.metadata.message_type.split(".")[0]
         if kind == MessageType.TRAIN:
-            check_train(node_policy(context.node_config), msg, context)
+            check_train(policy, msg, context)
         elif kind == MessageType.EVALUATE:
-            check_evaluate(node_policy(context.node_config))
-    except (PolicyRefusal, ValueError) as exc:
+            check_evaluate(policy)
+    except (PolicyRefusal, ModelAlreadyUsed) as exc:  # the rule, never data or numbers
         return Message(Error(code=ERROR_POLICY, reason=f"privacy policy: {exc}"), reply_to=msg)
+    except ValueError as exc:  # the node's own state (ledger): the cause stays here
+        log.error("privacy state unreadable, message refused: %s", exc)
+        return Message(Error(code=ERROR_POLICY, reason=UNREADABLE_STATE), reply_to=msg)
     handler: ClientAppCallable = call_next
     for name in reversed(names):
         handler = _wrap(REGISTRY[name], handler)
-    return handler(msg, context)
+    if kind not in (MessageType.TRAIN, MessageType.EVALUATE):
+        return handler(msg, context)
+    private = private_train(policy, msg)
+    try:
+        reply = handler(msg, context)
+    except Exception as exc:
+        if not private:
+            raise
+        return fixed_failure(msg, exc)
+    if private and kind == MessageType.TRAIN:
+        reply = public_reply(reply)
+    return announce_promise(policy, msg, reply)
 
 
 def _wrap(mod: Mod, inner: ClientAppCallable) -> Callable[[Message, Context], Message]:

@@ -76,9 +76,9 @@ def token_records(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
     """Cut a token stream into disjoint (records, seq_len + 1) windows: the DP unit."""
     n = len(tokens) // (seq_len + 1)
     if n < 1:
-        raise ValueError(
-            f"a stream of {len(tokens)} tokens gives {n} DP-SGD records of seq-len + 1 = "
-            f"{seq_len + 1} tokens; lower seq-len or give the client more data"
+        raise ValueError(  # no count: the stream's length is this node's data
+            "this client's stream holds no whole DP-SGD record of seq-len + 1 tokens; lower "
+            "seq-len or give the client more data"
         )
     rows = np.asarray(tokens[: n * (seq_len + 1)], dtype=np.int64).reshape(n, seq_len + 1)
     return torch.from_numpy(rows)

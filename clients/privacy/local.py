@@ -10,6 +10,7 @@ Config keys (plug-in keys of ``RunConfig.extra``, sent with every message):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 
@@ -37,6 +38,7 @@ from fedge.strategies.base import ClientHook, ConfigValue
 
 __all__ = ["KEY_FFA", "apply_ffa", "dpsgd_config", "ffa_enabled", "train_dpsgd_round"]
 ERROR_BUDGET = 643  # error code of a round refused for an exhausted budget
+log = logging.getLogger(__name__)
 
 
 def dpsgd_config(config: Mapping[str, ConfigValue]) -> DPSGDConfig | None:
@@ -93,10 +95,16 @@ def train_dpsgd_round(
             state, dp, records=records, batch_size=batch_size, steps=steps
         )
         if projected > max_epsilon:
+            log.warning(  # the figures stay in this node's log: epsilon reveals its data size
+                "DP-SGD budget: %d more steps would take epsilon from %.3f to %.3f, above %s",
+                steps,
+                cumulative_epsilon(state, dp.target_delta),
+                projected,
+                max_epsilon,
+            )
             raise BudgetExhausted(
-                f"{REFUSAL_BUDGET}: {steps} more DP-SGD steps would bring this client's epsilon "
-                f"from {cumulative_epsilon(state, dp.target_delta):.3f} to {projected:.3f}, above "
-                f"max-epsilon {max_epsilon}; it stops contributing"
+                f"{REFUSAL_BUDGET}: more DP-SGD steps would take this client's epsilon above "
+                "its max-epsilon; it stops contributing"
             )
     outcome = train_dpsgd(
         model,

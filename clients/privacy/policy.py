@@ -18,8 +18,10 @@ refuses, with an error reply naming the rule, any train message that breaks it::
     once-per-model = true       # train at most once on each global model (ledger-backed)
 
 Under require-secagg, require-dp or max-epsilon, evaluate messages are refused (their
-replies carry the node's loss in clear). Every DP number in a message must be finite and
-in range. A SecAgg+ threshold of at most half the neighbours is refused with or without
+replies carry the node's loss in clear), and no train metric leaves the node in clear
+(:mod:`fedge.clients.privacy.replies`). Every DP number in a message must be finite and
+in range. A refusal names the rule, never a count or value of this node's data, nor the
+numbers it compared (a refusal that depends on data is an oracle a server can bisect). A SecAgg+ threshold of at most half the neighbours is refused with or without
 a policy (``fedge.clients.secagg.engine``).
 """
 
@@ -63,6 +65,9 @@ from fedge.secagg.wire import (
 NODE_POLICY_KEY = "privacy-policy"  # node config: path of the policy file
 POLICY_ENV = "FEDGE_PRIVACY_POLICY"  # the same, for engines without node config
 ERROR_POLICY = 642  # error code of a refused train message (Flower reserves the small codes)
+# min-noise under require-dp or max-epsilon when the policy file does not set it: z = 1.0, one
+# release of which costs epsilon ~4.8 at delta 1e-5 (Gaussian, RDP); never 0.
+DEFAULT_MIN_NOISE = 1.0
 
 
 class PolicyRefusal(FedgeError):
@@ -75,7 +80,9 @@ class PrivacyPolicy:
 
     require_secagg: bool = False
     require_dp: bool = False
-    min_noise: float = 0.0  # z: least noise multiplier accepted under require-dp
+    min_noise: float = (
+        math.nan
+    )  # z accepted under require-dp (unset: DEFAULT_MIN_NOISE there, else 0)
     max_clip: float = math.inf  # C: largest clip norm accepted under require-dp
     max_epsilon: float = 0.0  # 0: no cap of this node's own epsilon (> 0 implies require-dp)
     delta: float = 1e-5  # delta of max-epsilon
@@ -85,7 +92,10 @@ class PrivacyPolicy:
     once_per_model: bool = False  # train at most once on each global model (no differencing)
 
     def __post_init__(self) -> None:
-        """Reject a policy that cannot be enforced, naming the field."""
+        """Resolve an unset min-noise, reject a policy that cannot be enforced, naming the field."""
+        if math.isnan(self.min_noise):  # unset: a floor wherever DP is required
+            strict_dp = self.require_dp or self.max_epsilon > 0
+            object.__setattr__(self, "min_noise", DEFAULT_MIN_NOISE if strict_dp else 0.0)
         if not (self.min_noise >= 0 and math.isfinite(self.min_noise)):
             raise ValueError(f"privacy policy min-noise={self.min_noise}: must be >= 0")
         if not self.max_clip > 0:
@@ -101,6 +111,27 @@ class PrivacyPolicy:
                 "privacy policy secagg-min-neighbours and secagg-min-threshold must be >= 1"
             )
 
+    @property
+    def strict(self) -> bool:
+        """Whether this policy promises anything (SecAgg+ or DP): its replies carry no metric
+        and no refusal text that depends on the node's data."""
+        return self.require_secagg or self.require_dp or self.max_epsilon > 0
+
+    def promise(self) -> str:
+        """What this node promises, as the rule names it holds ("none" for no policy)."""
+        rules = [
+            name
+            for name, held in (
+                ("require-secagg", self.require_secagg),
+                ("require-dp", self.require_dp or self.max_epsilon > 0),
+                ("max-epsilon", self.max_epsilon > 0),
+                ("trusted-keys", bool(self.trusted_keys)),
+                ("once-per-model", self.once_per_model),
+            )
+            if held
+        ]
+        return ",".join(rules) or "none"
+
     @classmethod
     def from_mapping(cls, raw: Mapping[str, object], source: str) -> PrivacyPolicy:
         """Build from hyphenated keys; an unknown key is an error naming ``source``."""
@@ -112,7 +143,7 @@ class PrivacyPolicy:
             )
         values = {}
         for key, value in raw.items():
-            kind = type(getattr(cls(), known[key].name))
+            kind = type(getattr(cls(), known[key].name))  # min-noise: float (0.0 resolved)
             if kind is bool and not isinstance(value, bool):
                 raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
             values[known[key].name] = kind(value)  # type: ignore[call-arg]
@@ -205,7 +236,7 @@ def _number(
     above = value >= low if closed else value > low
     if not (math.isfinite(value) and above and value <= high):
         bound = f"{'>=' if closed else '>'} {low}" + (f" and <= {high}" if high < math.inf else "")
-        raise PolicyRefusal(
+        raise PolicyRefusal(  # the key and its fixed bound: nothing of this node's
             f"config '{key}' must be a finite number {bound} (rule: every number from a message "
             "is finite and in range); this node refuses the message"
         )
@@ -255,16 +286,13 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
             raise PolicyRefusal(
                 "distributed DP without SecAgg+ would show the server this node's update"
             )
-        if dp.noise_multiplier < policy.min_noise:
-            raise PolicyRefusal(
-                f"{dp.mechanism} noise multiplier {dp.noise_multiplier:.4g} (this node's worst "
-                "case, counting only the contributors it can verify) is below this node's "
-                f"min-noise {policy.min_noise}"
+        if not (dp.noise_multiplier > 0 and dp.noise_multiplier >= policy.min_noise):
+            raise PolicyRefusal(  # no numbers: the rule alone (its values stay on the node)
+                f"the {dp.mechanism} noise multiplier (this node's worst case, counting only the "
+                "contributors it can verify) is below this node's min-noise"
             )
         if dp.clip > policy.max_clip:
-            raise PolicyRefusal(
-                f"{dp.mechanism} clip norm {dp.clip:.4g} is above this node's max-clip {policy.max_clip}"
-            )
+            raise PolicyRefusal(f"the {dp.mechanism} clip norm is above this node's max-clip")
     if policy.once_per_model:
         node_ledger(context).claim_model(model_digest(content))
     if policy.max_epsilon > 0 and dp is not None and dp.mechanism == "distributed DP":
@@ -272,8 +300,8 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
         projected = gaussian_epsilon([*ledger.releases(), dp.noise_multiplier], policy.delta, "rdp")
         if projected > policy.max_epsilon:
             raise PolicyRefusal(
-                f"{REFUSAL_BUDGET}: one more distributed-DP round would bring this node's "
-                f"epsilon to {projected:.3f}, above its max-epsilon {policy.max_epsilon}"
+                f"{REFUSAL_BUDGET}: one more distributed-DP round would take this node's "
+                "epsilon above its max-epsilon"
             )
 
 

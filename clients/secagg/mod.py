@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,13 @@ from flwr.clientapp.typing import ClientAppCallable
 from fedge import keys
 from fedge.clients.privacy.ledger import ledger_root
 from fedge.clients.privacy.policy import node_policy
+from fedge.clients.privacy.replies import (
+    FIXED_FAILURE,
+    LOCAL_METRICS,
+    PUBLIC_METRICS,
+    dp_requested,
+    warn_once,
+)
 from fedge.clients.secagg.engine import ClientRules, SecAggClientEngine, SecAggProtocolError
 from fedge.privacy.wire import KEY_DP_NOISE_STD, MET_DPSGD_EPSILON
 from fedge.secagg import identity as ident
@@ -23,7 +31,9 @@ from fedge.strategies.robust import clip_contribution
 
 # Error code of a refused SecAgg+ message (Flower reserves the small codes).
 ERROR_SECAGG = 640
-# Per-client metrics that travel summed inside the masked vector; every other metric stays home.
+# Per-client metrics travel summed inside the masked vector: every numeric metric of the train
+# reply (a user's own included) but fedge's per-node diagnostics (LOCAL_METRICS); under DP only
+# the public ones (a sum of losses carries none of the DP noise). Kept for callers that list them.
 MASKED_METRICS = (
     keys.MET_TRAIN_LOSS,
     keys.MET_NUM_EXAMPLES,
@@ -32,6 +42,11 @@ MASKED_METRICS = (
     keys.MET_TRAIN_SECONDS,
     MET_DPSGD_EPSILON,
 )
+NON_FINITE = (
+    "the contribution holds a non-finite value (rule: every value of a contribution is "
+    "finite); this node sends nothing this round"
+)
+log = logging.getLogger(__name__)
 
 
 def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -39,10 +54,13 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
 
     In the collect stage the mod trains through ``call_next``, clips the contribution's
     weight and update to the run's ``max-client-weight`` / ``max-update-norm`` (the server
-    checks only their sum), then replaces the reply by the masked form of its ``contribution`` with the summable metrics folded into the same
-    masked vector, so neither the plain contribution nor any client's own metrics leave
-    the client. Under distributed DP the metrics stay home: their sum would carry no noise. A refused stage becomes an error reply naming the reason; the server
-    counts that node as dropped. The server half is ``fedge.server.secagg.aggregator``.
+    checks only their sum), clips every value into the quantizer's range (never refuses
+    one: a value-dependent refusal is an oracle), then replaces the reply by the masked
+    form of its ``contribution`` with the reply's numeric metrics folded into the same
+    masked vector (:func:`_metric_arrays`), so neither the plain contribution nor any
+    client's own metrics leave the client. Under distributed DP the metrics stay home:
+    their sum would carry no noise. A refused stage becomes an error reply naming the rule
+    (never a count or value of the node's data); the server counts that node as dropped. The server half is ``fedge.server.secagg.aggregator``.
     """
     if not msg.has_content() or wire.SECAGG_RECORD not in msg.content.config_records:
         return call_next(msg, context)
@@ -59,8 +77,12 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     )
 
     def contribute() -> dict[str, np.ndarray]:
-        reply = call_next(msg, context)
-        if reply.has_error():
+        try:
+            reply = call_next(msg, context)
+        except Exception as exc:  # the cause stays here: its text could carry data
+            log.error("SecAgg+: local training raised (kept on this node): %r", exc)
+            raise SecAggProtocolError(FIXED_FAILURE) from None
+        if reply.has_error():  # fedge's own refusals below name a rule, never data
             raise SecAggProtocolError(f"local training failed: {reply.error.reason}")
         record = reply.content.array_records.get(keys.REC_CONTRIB)
         if record is None:
@@ -68,11 +90,15 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
         arrays = {k: a.numpy() for k, a in record.items()}
         config = msg.content.config_records.get(keys.REC_CONFIG, ConfigRecord())
         if KEY_DP_NOISE_STD in config:  # the metrics' sum would carry none of the DP noise
-            _check_range(arrays, rec)  # (clipped to C before its noise: never rescaled here)
-            return arrays
+            metrics = reply.content.metric_records.get(keys.REC_METRICS, MetricRecord())
+            warn_once(
+                "SecAgg+ with distributed DP: these train metrics stay on this node",
+                [k for k in metrics if k not in LOCAL_METRICS],
+            )
+            return _clip_to_range(arrays, rec)  # (clipped to C before its noise)
         arrays = clip_contribution(arrays, robust_config(dict(config)))  # type: ignore[arg-type]
-        _check_range(arrays, rec)
-        return {**arrays, **_metric_arrays(reply.content, rec)}
+        dp = dp_requested(config)
+        return {**_clip_to_range(arrays, rec), **_metric_arrays(reply.content, rec, dp)}
 
     try:
         out = engine.handle(msg.content, contribute)
@@ -118,37 +144,64 @@ def _parsed_trust_list(path: str, text: str) -> frozenset[bytes]:
     return ident.parse_trust_list(text, path)
 
 
-def _metric_arrays(content: RecordDict, rec: ConfigRecord) -> dict[str, np.ndarray]:
-    """The reply's summable metrics as (1,) arrays, clamped into the quantizer's range.
+def _metric_arrays(content: RecordDict, rec: ConfigRecord, dp: bool) -> dict[str, np.ndarray]:
+    """The reply's summable metrics as (1,) arrays, clipped into the quantizer's range.
 
-    Only metrics the reply carries are sent (every client of a round runs the same
-    config, so they all carry the same ones; a client that differs has a different
-    layout and is dropped, never mis-summed).
+    Every numeric metric the reply carries is summed, a user's own included, except
+    fedge's per-node diagnostics (:data:`LOCAL_METRICS`, meaningless as a sum); under DP
+    only the public ones (:data:`PUBLIC_METRICS`: a sum of losses carries no DP noise), the
+    others named once in the node's log. Every client of a round runs the same app and
+    config, so they all carry the same ones; a client that differs has a different layout
+    and is dropped, never mis-summed. A value beyond +-(clipping range x its scale) is
+    clipped (its sum is then a bound, named once in the node's log), never refused.
     """
     metrics = content.metric_records.get(keys.REC_METRICS, MetricRecord())
     clip = wire.get_number(rec, wire.KEY_CLIPPING_RANGE)
     scales = wire.get_scales(rec)
-    out = {}
-    for name in MASKED_METRICS:
-        value = metrics.get(name)
-        if not isinstance(value, int | float):
-            continue
+    kept = [
+        name
+        for name, value in metrics.items()
+        if isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and name not in LOCAL_METRICS
+        and (not dp or name in PUBLIC_METRICS)
+    ]
+    if dp:
+        warn_once(
+            "SecAgg+ with DP-SGD: these train metrics depend on this node's data and stay on it",
+            [k for k in metrics if k not in LOCAL_METRICS and k not in kept],
+        )
+    out, clipped = {}, []
+    for name in sorted(kept):
+        value = float(metrics[name])  # type: ignore[arg-type]
         key = wire.PREFIX_METRIC + name
         bound = clip * scale_for(key, scales)
-        clamped = min(bound, max(-bound, float(value))) if np.isfinite(value) else 0.0
+        if np.isfinite(value) and abs(value) > bound:
+            clipped.append(name)
+        clamped = min(bound, max(-bound, value)) if np.isfinite(value) else 0.0
         out[key] = np.array([clamped], dtype=np.float32)
+    warn_once("SecAgg+: these metrics were clipped into the quantizer's range", clipped)
     return out
 
 
-def _check_range(arrays: dict[str, np.ndarray], rec: ConfigRecord) -> None:
-    """Refuse values the quantizer would clip: a clipped sum would be silently wrong."""
+def _clip_to_range(arrays: dict[str, np.ndarray], rec: ConfigRecord) -> dict[str, np.ndarray]:
+    """Clip every value into the quantizer's range (clipping range x the key's scale).
+
+    Clipped by the client, not refused: a refusal that depends on a value is an oracle (on
+    main, 30 refusals bisected a client's max |delta| to 9 digits). A clipped sum is a
+    bound on the true one, as the client's norm clip already makes it; the node's log
+    names the keys it clipped. A non-finite value is refused with a fixed reason.
+    """
     clip = wire.get_number(rec, wire.KEY_CLIPPING_RANGE)
     scales = wire.get_scales(rec)
+    out, clipped = {}, []
     for name, arr in arrays.items():
-        peak = float(np.max(np.abs(arr))) / scale_for(name, scales) if arr.size else 0.0
-        if not np.isfinite(peak) or peak > clip:
-            raise SecAggProtocolError(
-                f"contribution {name!r} leaves the SecAgg+ clipping range {clip} after scaling "
-                "(its value is not reported: refusals name the rule, never data); raise "
-                "secagg-clipping-range or the key's scale"
-            )
+        if arr.size and not np.all(np.isfinite(arr)):
+            raise SecAggProtocolError(NON_FINITE)
+        bound = np.float32(clip * scale_for(name, scales))
+        if arr.size and float(np.max(np.abs(arr))) > bound:
+            clipped.append(name)
+            arr = np.clip(arr, -bound, bound).astype(arr.dtype)
+        out[name] = arr
+    warn_once("SecAgg+: these contribution keys were clipped into the quantizer's range", clipped)
+    return out

@@ -161,10 +161,14 @@ def test_a_refusal_never_reports_a_data_dependent_value(
 ) -> None:
     """A tiny clipping range: on main every refusal carried the contribution's peak |value|
     (its reason read "reaches <peak> after scaling": max |delta| leaked every round, read
-    from main's code, not run); now the reason names the rule only."""
+    from main's code, not run); the fix after it still refused per array, a bit oracle (30
+    rounds of ranges bisected a client's max |delta| to 9 digits). Now the client clips into
+    the range and refuses nothing: the round completes, no reply says anything of the data,
+    and each summed value is within the three clients' clipped range."""
     # Prepare
     (tmp_path / "policy.toml").write_text("require-secagg = true\n")
-    aggregator = SecAggPlusAggregator(SecAggConfig(num_shares=1.0, clipping_range=1e-3))
+    clip = 1e-3
+    aggregator = SecAggPlusAggregator(SecAggConfig(num_shares=1.0, clipping_range=clip))
     content = RecordDict({keys.REC_CONFIG: ConfigRecord({"weighting": "uniform"})})
 
     def script(g: Grid) -> dict[str, Any]:
@@ -172,13 +176,10 @@ def test_a_refusal_never_reports_a_data_dependent_value(
 
     # Execute
     result = drive(grid, script)["result"]
-    # Assert: refused for the range, and no partition's peak appears in any reason
-    assert result.summed is None
-    reasons = " ".join(result.rejected.values())
-    assert "clipping range" in reasons
-    for pid in range(3):
-        peak = float(np.max(np.abs(contribution(pid)["delta/w"])))  # scale 1
-        assert f"{peak:.3g}" not in reasons
+    # Assert: nothing refused, the sum is of clipped values (3 clients x range + quantization)
+    assert result.rejected == {} and len(result.accepted) == 3
+    assert result.summed is not None
+    assert float(np.max(np.abs(result.summed["delta/w"]))) <= 3 * clip * 1.01
 
 
 STRICTEST = """require-secagg = true
