@@ -178,7 +178,9 @@ def test_scaffold_refuses_a_plain_flower_reply_and_names_the_helper(
 
 
 def test_robust_rule_inside_flower_drops_a_poisoned_reply(tmp_path: Path) -> None:
-    """A node that multiplies its update by -50 ruins fedge FedAvg's mean, not its median."""
+    """A node that multiplies its update by -50 ruins fedge FedAvg's undefended mean, not its
+    median, nor the default FedAvg (the adaptive norm bound refuses it; before it, the default
+    FedAvg was the ruined mean)."""
     app = ClientApp()
 
     @app.train()
@@ -197,7 +199,10 @@ def test_robust_rule_inside_flower_drops_a_poisoned_reply(tmp_path: Path) -> Non
     from fedge.strategies.robust import RobustConfig
 
     clean = _run(FedAvg(**SAMPLING), _fedge_client(), tmp_path / "c")
-    mean = _run(FedAvg(**SAMPLING), app, tmp_path / "m")
+    off = RobustConfig(norm_multiple=0, weight_multiple=0)  # the default defence off
+    mean = _run(FedAvg(robust=off, **SAMPLING), app, tmp_path / "m")
     median = _run(FedAvg(robust=RobustConfig(rule="median"), **SAMPLING), app, tmp_path / "r")
+    default = _run(FedAvg(**SAMPLING), app, tmp_path / "d")
     assert _global_loss(mean.arrays) > 10 * _global_loss(clean.arrays)
     assert _global_loss(median.arrays) < 1.5 * _global_loss(clean.arrays)
+    assert _global_loss(default.arrays) < 1.5 * _global_loss(clean.arrays)
