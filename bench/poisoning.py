@@ -78,9 +78,7 @@ def run_cell(
     if attackers:
         config["client-mods"] = "faults"
         config["x-fault-partitions"] = ",".join(f"{p}:poison" for p in range(attackers))
-    scenario = load_scenario(
-        "quick", config, {"num-supernodes": clients, "engine": "inprocess"}
-    )
+    scenario = load_scenario("quick", config, {"num-supernodes": clients, "engine": "inprocess"})
     with tempfile.TemporaryDirectory(prefix="fedge-poisoning-") as tmp:
         run = Path(tmp) / "run"
         run_simulation(scenario, run)
