@@ -37,6 +37,7 @@ from fedge.server.privacy.config import DPConfig, DPMode
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
 from fedge.strategies.base import ConfigValue
 from fedge.strategies.registry import robust_config
+from fedge.strategies.robust import RobustConfig
 
 
 def _num(extra: Mapping[str, ConfigValue], key: str, default: float) -> float:
@@ -97,8 +98,13 @@ def secagg(cfg: RunConfig) -> SecAggPlusAggregator:
 
 
 def central_dp(cfg: RunConfig) -> CentralDPAggregator:
-    """``aggregator = "fedge.server.privacy.factories:central_dp"``: clip + noise on the server."""
-    return CentralDPAggregator(PlainAggregator(), dp_config(cfg, "central"))
+    """``aggregator = "fedge.server.privacy.factories:central_dp"``: clip + noise on the server.
+
+    The inner sum is exact: the clip to C is the defence, and the default one (refusing an
+    update relative to the round's median norm) would make one client's presence depend on
+    the others' data, so the sum could move by more than C (the noise's sensitivity)."""
+    exact = RobustConfig(norm_multiple=0.0, weight_multiple=0.0)
+    return CentralDPAggregator(PlainAggregator(exact), dp_config(cfg, "central"))
 
 
 def secagg_distributed_dp(cfg: RunConfig) -> DistributedDPAggregator:

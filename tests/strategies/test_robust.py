@@ -396,3 +396,17 @@ def test_server_lr_zero_is_the_optimizers_own_default(optimizer: str, lr: float)
     assert mapping["server-lr"] == 0.0
     assert build_strategy(mapping).server_lr == lr
     assert build_strategy({**mapping, "server-lr": 0.5}).server_lr == 0.5
+
+
+def test_central_dp_keeps_its_inner_sum_exact() -> None:
+    """Central DP's sensitivity is the clip C: a refusal relative to the round's median norm
+    would make one client's presence depend on the others' data (the sum could move by more
+    than C), so its inner PlainAggregator runs with the default defence off."""
+    from fedge.server.privacy.factories import central_dp
+
+    cfg = RunConfig.from_mapping({"weighting": "uniform"})
+    inner = central_dp(cfg).inner
+    assert isinstance(inner, PlainAggregator)
+    assert (inner.robust.norm_multiple, inner.robust.weight_multiple) == (0.0, 0.0)
+    assert isinstance(build_aggregator("plain", cfg), PlainAggregator)
+    assert build_aggregator("plain", cfg).robust.norm_multiple == 3.0  # type: ignore[attr-defined]
