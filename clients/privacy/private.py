@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from opacus.optimizers import DPOptimizer
 
 __all__ = ["BudgetExhausted", "PrivateTraining", "make_private"]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,10 +158,16 @@ def make_private(
         projected = float(trial.get_epsilon(target_delta))
         if projected > max_epsilon:
             private._close()  # type: ignore[operator]
+            log.warning(  # the figures stay in this node's log: epsilon reveals its data size
+                "DP-SGD budget: %s more steps would take epsilon from %.3f to %.3f, above %s",
+                out.steps_allowed,
+                out.epsilon,
+                projected,
+                max_epsilon,
+            )
             raise BudgetExhausted(
-                f"{REFUSAL_BUDGET}: {out.steps_allowed} more DP-SGD steps would bring this "
-                f"client's epsilon from {out.epsilon:.3f} to {projected:.3f}, above "
-                f"max_epsilon {max_epsilon}; no step is taken"
+                f"{REFUSAL_BUDGET}: more DP-SGD steps would take this client's epsilon above "
+                "max_epsilon; no step is taken"
             )
     if fl is not None:
         _add_hook_after_noise(dp_optimizer, fl.hook, fl.trainable)
