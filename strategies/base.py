@@ -86,7 +86,12 @@ from fedge.strategies.contract import (
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
 from fedge.strategies.replies import reply_contribution
 from fedge.strategies.robust import RobustConfig, adaptive_bounds, apply_bounds, robust_sum
-from fedge.strategies.server_opt import PREFIX_OPT, ServerOptConfig, ServerOptimizer
+from fedge.strategies.server_opt import (
+    PREFIX_OPT,
+    ServerOptConfig,
+    ServerOptimizer,
+    default_server_lr,
+)
 from fedge.types import Arrays, ConfigValue
 
 if TYPE_CHECKING:
@@ -122,8 +127,9 @@ class Strategy(FlowerFedAvg, ABC):
     """A federated optimisation algorithm as knobs, a client hook and a ``finalize`` step.
 
     Subclasses set ``name``, ``accepts_partial_work`` and ``local_optimizer`` and override
-    what differs. ``server_lr`` is the server step size (1.0 with ``server_optimizer``
-    "none" reproduces plain averaging); ``server_optimizer`` picks FedAvgM/FedAdam/
+    what differs. ``server_lr`` is the server step size (0, the default: the optimizer's
+    own, Flower's: 1.0 for "none", which reproduces plain averaging, and FedAvgM, 0.1 for
+    FedAdam and FedAdagrad, 0.01 for FedYogi); ``server_optimizer`` picks FedAvgM/FedAdam/
     FedYogi/FedAdagrad; ``robust`` the combination rule and per-client bounds used when
     the strategy aggregates replies itself (inside a Flower ServerApp). ``population``
     is SCAFFOLD's N there (0: the nodes connected at each round). ``flower_options``
@@ -136,7 +142,7 @@ class Strategy(FlowerFedAvg, ABC):
 
     def __init__(
         self,
-        server_lr: float = 1.0,
+        server_lr: float = 0.0,
         weighting: Weighting = "examples",
         *,
         server_optimizer: ServerOptConfig | None = None,
@@ -145,8 +151,9 @@ class Strategy(FlowerFedAvg, ABC):
         **flower_options: Any,
     ) -> None:
         super().__init__(**flower_options)
-        if server_lr <= 0:
-            raise ValueError(f"server_lr must be > 0, got {server_lr}")
+        if server_lr < 0:
+            raise ValueError(f"server_lr must be >= 0 (0: the optimizer's own), got {server_lr}")
+        server_lr = server_lr or default_server_lr((server_optimizer or ServerOptConfig()).name)
         if weighting not in ("examples", "uniform"):
             raise ValueError(f"weighting must be 'examples' or 'uniform', got {weighting!r}")
         if population < 0:

@@ -61,7 +61,7 @@ class FedProx(Strategy):
     def __init__(
         self,
         proximal_mu: float = 0.01,
-        server_lr: float = 1.0,
+        server_lr: float = 0.0,
         weighting: Weighting = "examples",
         **options: Any,
     ) -> None:

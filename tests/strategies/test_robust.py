@@ -396,6 +396,9 @@ def test_server_lr_zero_is_the_optimizers_own_default(optimizer: str, lr: float)
     assert mapping["server-lr"] == 0.0
     assert build_strategy(mapping).server_lr == lr
     assert build_strategy({**mapping, "server-lr": 0.5}).server_lr == 0.5
+    from fedge.strategies.server_opt import ServerOptConfig
+
+    assert FedAvg(server_optimizer=ServerOptConfig(optimizer)).server_lr == lr  # a Flower app
 
 
 def test_central_dp_keeps_its_inner_sum_exact() -> None:
