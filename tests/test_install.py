@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,8 @@ HEAVY = (
     "mlflow",
 )
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation")
+NOT_SOURCE = (".git", ".venv", ".fedge-cache", "runs", "build", "dist", "*.egg-info", "__pycache__")
+NOT_SOURCE += (".mypy_cache", ".ruff_cache", ".pytest_cache")
 CORE_REQUIRES = {"flwr", "torch", "numpy", "cryptography"}
 # Installed by the extras only: a core install must not bring them.
 NOT_IN_CORE_INSTALL = ("transformers", "peft", "ray", "onnxruntime", "opacus", "redis")
@@ -90,9 +93,12 @@ def test_core_imports_load_no_extra() -> None:
 
 
 def build_wheel(dest: Path) -> Path:
-    """``pip wheel`` of this checkout (no isolation: setuptools of the running venv)."""
+    """``pip wheel`` of a copy of this checkout (no isolation: setuptools of the running venv;
+    the copy keeps the ``fedge/<part>`` symlinks and keeps build/ and egg-info out of the repo)."""
+    source = dest / "src"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(*NOT_SOURCE))
     subprocess.run(
-        [*PIP_WHEEL, "-q", "-w", str(dest), str(REPO)],
+        [*PIP_WHEEL, "-q", "-w", str(dest), str(source)],
         check=True,
         capture_output=True,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
@@ -183,6 +189,10 @@ def test_fresh_venv_core_install(wheel: Path, tmp_path: Path) -> None:
     assert got["fedge_server"].startswith(site) and got["fedge_clients"].startswith(site)
     assert got["missing"] == list(NOT_IN_CORE_INSTALL)
     assert got["loaded"] == []
+    cli = subprocess.run(
+        [str(env_dir / "bin" / "fedge"), "--help"], capture_output=True, text=True, env=env
+    )
+    assert cli.returncode != 0 and "pip install 'fedge[all]'" in cli.stderr, cli.stderr[-2000:]
     pip_check = subprocess.run(
         [str(py), "-m", "pip", "check"], capture_output=True, text=True, env=env
     )
