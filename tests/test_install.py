@@ -75,6 +75,27 @@ CORE_REQUIRES = {"flwr", "torch", "numpy", "cryptography"}
 NOT_IN_CORE_INSTALL = ("transformers", "peft", "ray", "onnxruntime", "opacus", "redis")
 
 
+RUN_EXAMPLE = """
+import json, os, sys
+from pathlib import Path
+
+example, out = Path(sys.argv[1]), Path(sys.argv[2])
+sys.path.insert(0, str(example))
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
+
+os.environ[STATE_DIR_ENV] = str(out / "keys")
+from flowerapp import client_app, server_app
+
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+
+config = {"strategy": "scaffold-secagg", "num-server-rounds": 2, "final-model": str(out / "m.pt")}
+grid = InProcessGrid(client_app.app, DeviceTable(4), out / "state")
+run_inprocess(server_app.app, grid, run_config=config)
+loaded = [h for h in sys.argv[3].split(",") if h in sys.modules]
+print(json.dumps({"final": (out / "m.pt").exists(), "loaded": loaded}))
+"""
+
+
 def test_core_imports_load_no_extra() -> None:
     """Importing what a Flower user imports leaves every extra's package out of sys.modules.
 
@@ -149,7 +170,8 @@ def test_fresh_venv_core_install(wheel: Path, tmp_path: Path) -> None:
     local wheel first): the extras' packages are not installed, and a user's own ``server``
     and ``client`` modules import beside ``fedge.server``/``fedge.clients`` without either
     shadowing the other (before the namespace move the wheel installed a top-level
-    ``server`` package, and the user's ``import server`` got fedge's)."""
+    ``server`` package, and the user's ``import server`` got fedge's). The Flower app of
+    examples/flower-app then runs SCAFFOLD under SecAgg+ on that core install alone."""
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True, system_site_packages=False)
     py = env_dir / "bin" / "python"
@@ -189,6 +211,21 @@ def test_fresh_venv_core_install(wheel: Path, tmp_path: Path) -> None:
     assert got["fedge_server"].startswith(site) and got["fedge_clients"].startswith(site)
     assert got["missing"] == list(NOT_IN_CORE_INSTALL)
     assert got["loaded"] == []
+    # examples/flower-app's SCAFFOLD under SecAgg+ runs on the core alone, its log in Flower's
+    example = (str(REPO / "examples" / "flower-app"), str(tmp_path / "run"), ",".join(HEAVY))
+    run = subprocess.run(
+        [str(py), "-c", RUN_EXAMPLE, *example],
+        capture_output=True,
+        text=True,
+        cwd=app,
+        env=env,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    logs = run.stdout + run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"final": True, "loaded": []}
+    assert "aggregate_train: Received 4 results and 0 failures" in logs
+    assert "fedge: fedge SecAgg+ around Scaffold" in logs
     cli = subprocess.run(
         [str(env_dir / "bin" / "fedge"), "--help"], capture_output=True, text=True, env=env
     )
