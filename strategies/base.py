@@ -106,6 +106,7 @@ __all__ = [
     "Weighting",
     "build_contribution",
     "client_weight",
+    "log_received",
     "replace_state",
     "sum_contributions",
 ]

@@ -44,6 +44,10 @@ CORE_MODULES = (
     "fedge.clients.privacy.mods",
     "fedge.clients.privacy.dpsgd",
     "fedge.privacy.accounting",
+    "fedge.strategies.flower_dp",
+    "fedge.server.privacy.strategy",
+    "fedge.server.privacy.release",
+    "fedge.clients.privacy.private",
 )
 # Packages the core must not load (the extras' packages, and their big dependencies).
 HEAVY = (
@@ -66,6 +70,7 @@ HEAVY = (
     "dp_accounting",
     "scipy",
     "mlflow",
+    "gguf",
 )
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation")
 NOT_SOURCE = (".git", ".venv", ".fedge-cache", "runs", "build", "dist", "*.egg-info", "__pycache__")
@@ -76,24 +81,42 @@ NOT_IN_CORE_INSTALL = ("transformers", "peft", "ray", "onnxruntime", "opacus", "
 
 
 RUN_EXAMPLE = """
-import json, os, sys
+import json, os, sys, tomllib
 from pathlib import Path
 
-example, out = Path(sys.argv[1]), Path(sys.argv[2])
+example, package, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 sys.path.insert(0, str(example))
 from fedge.clients.privacy.ledger import STATE_DIR_ENV
 
 os.environ[STATE_DIR_ENV] = str(out / "keys")
-from flowerapp import client_app, server_app
+client_app = __import__(package + ".client_app", fromlist=["app"])
+server_app = __import__(package + ".server_app", fromlist=["app"])
 
 from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 
-config = {"strategy": "scaffold-secagg", "num-server-rounds": 2, "final-model": str(out / "m.pt")}
+config = tomllib.loads((example / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+config = {**config, **{k: v.replace("OUT", str(out)) if isinstance(v, str) else v
+                       for k, v in json.loads(sys.argv[4]).items()}}
 grid = InProcessGrid(client_app.app, DeviceTable(4), out / "state")
 run_inprocess(server_app.app, grid, run_config=config)
-loaded = [h for h in sys.argv[3].split(",") if h in sys.modules]
-print(json.dumps({"final": (out / "m.pt").exists(), "loaded": loaded}))
+loaded = [h for h in sys.argv[5].split(",") if h in sys.modules]
+print(json.dumps({"files": sorted(p.name for p in out.iterdir()), "loaded": loaded}))
 """
+# examples/<dir>, its package, its run config beyond the defaults, the files it must write
+EXAMPLES = (
+    (
+        "flower-app",
+        "flowerapp",
+        {"strategy": "scaffold-secagg", "num-server-rounds": 2, "final-model": "OUT/m.pt"},
+        "m.pt",
+    ),
+    (
+        "flower-dp",
+        "flowerdp",
+        {"privacy": "distributed", "num-server-rounds": 2, "num-nodes": 4, "out-dir": "OUT"},
+        "train_metrics.json",
+    ),
+)
 
 
 def test_core_imports_load_no_extra() -> None:
@@ -170,8 +193,8 @@ def test_fresh_venv_core_install(wheel: Path, tmp_path: Path) -> None:
     local wheel first): the extras' packages are not installed, and a user's own ``server``
     and ``client`` modules import beside ``fedge.server``/``fedge.clients`` without either
     shadowing the other (before the namespace move the wheel installed a top-level
-    ``server`` package, and the user's ``import server`` got fedge's). The Flower app of
-    examples/flower-app then runs SCAFFOLD under SecAgg+ on that core install alone."""
+    ``server`` package, and the user's ``import server`` got fedge's). The Flower apps of
+    examples/ then run SCAFFOLD under SecAgg+ and distributed DP on that core install alone."""
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True, system_site_packages=False)
     py = env_dir / "bin" / "python"
@@ -211,21 +234,28 @@ def test_fresh_venv_core_install(wheel: Path, tmp_path: Path) -> None:
     assert got["fedge_server"].startswith(site) and got["fedge_clients"].startswith(site)
     assert got["missing"] == list(NOT_IN_CORE_INSTALL)
     assert got["loaded"] == []
-    # examples/flower-app's SCAFFOLD under SecAgg+ runs on the core alone, its log in Flower's
-    example = (str(REPO / "examples" / "flower-app"), str(tmp_path / "run"), ",".join(HEAVY))
-    run = subprocess.run(
-        [str(py), "-c", RUN_EXAMPLE, *example],
-        capture_output=True,
-        text=True,
-        cwd=app,
-        env=env,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    logs = run.stdout + run.stderr
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"final": True, "loaded": []}
-    assert "aggregate_train: Received 4 results and 0 failures" in logs
-    assert "fedge: fedge SecAgg+ around Scaffold" in logs
+    # the Flower apps of examples/ run on the core alone: SCAFFOLD under SecAgg+, and
+    # distributed DP (SecAgg+ with noise, epsilon by the core's RDP) with its epsilon reported
+    for name, package, config, written in EXAMPLES:
+        out = tmp_path / name
+        out.mkdir()
+        argv = [str(REPO / "examples" / name), package, str(out), json.dumps(config)]
+        run = subprocess.run(
+            [str(py), "-c", RUN_EXAMPLE, *argv, ",".join(HEAVY)],
+            capture_output=True,
+            text=True,
+            cwd=app,
+            env=env,
+            timeout=900,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert written in got["files"] and got["loaded"] == [], got
+        logs = run.stdout + run.stderr
+        assert "aggregate_train: Received 4 results and 0 failures" in logs, logs[-3000:]
+        assert "fedge: fedge SecAgg+ around" in logs, logs[-3000:]
+    metrics = json.loads((tmp_path / "flower-dp" / "train_metrics.json").read_text())
+    assert "dp-epsilon" in json.dumps(metrics), metrics
     cli = subprocess.run(
         [str(env_dir / "bin" / "fedge"), "--help"], capture_output=True, text=True, env=env
     )

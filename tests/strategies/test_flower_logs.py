@@ -17,6 +17,7 @@ import pytest
 from flwr.common.logger import ConsoleHandler
 
 from fedge.logs import PREFIX
+from fedge.server.privacy.strategy import CentralDP
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.scaffold import Scaffold
 from tests.strategies.test_flower_native import NODES, SAMPLING, _fedge_client, _flower_client, _run
@@ -80,3 +81,17 @@ def test_flowers_level_is_respected(
     finally:
         flower.setLevel(level)
     assert not [r for r in collect.records if r.levelno < logging.WARNING]
+
+
+def test_central_dp_keeps_flowers_received_line(
+    tmp_path: Path, flower_log: tuple[Collect, io.StringIO]
+) -> None:
+    """CentralDP reads the replies itself too: Flower's line is there once per round, and its
+    epsilon line reaches Flower's log with fedge's prefix."""
+    _, text = flower_log
+    _run(
+        CentralDP(FedAvg(**SAMPLING), noise_multiplier=1.0, clip=0.5), _fedge_client(), tmp_path, 2
+    )
+    log = text.getvalue()
+    assert log.count("aggregate_train: Received 4 results and 0 failures") == 2, log[-3000:]
+    assert f"{PREFIX}round 2:" in log, log[-3000:]
