@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install demo test test-cluster test-archs test-pretrained lint typecheck unit proto clean
+.PHONY: install demo test test-cluster test-archs test-pretrained test-install lint typecheck unit proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[all,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -75,6 +75,11 @@ test-archs: $(STAMP)
 # two minutes, and it needs the registry, so not part of `make test`.
 test-pretrained: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m pretrained tests/fedge/test_pretrained.py -n 0 --durations=3
+# The core wheel (`pip install fedge`, no extras) into a fresh venv beside a user's own
+# server.py and client.py: torch from the wheel cache first, then the timed core install; the
+# extras' packages must be absent. Minutes (a venv and flwr's dependencies), so not in `make test`.
+test-install: $(STAMP)
+	$(BIN)/pytest -m install tests/test_install.py -n 0 -s --durations=3
 
 proto: $(STAMP)
 	$(BIN)/python -m fedge.edge.proto.codegen

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from fedge.extras import check_installed
+
 app = typer.Typer(
     name="fedge",
     help="Federated LoRA fine-tuning on Flower and edge-cloud speculative decoding.",
@@ -14,6 +16,10 @@ app = typer.Typer(
 
 def _register_subcommands() -> None:
     """Attach each part's command group; imports stay here so `fedge --help` stays one place."""
+    # The command line drives every part: on a core install (`pip install fedge`, the library
+    # a Flower app imports) say which extras it needs rather than a bare ModuleNotFoundError.
+    for package, extra in (("transformers", "lora"), ("onnxruntime", "edge"), ("ray", "fleet")):
+        check_installed(package, "all", f"the fedge command line (its {extra} commands)")
     from fedge.cli.demo import demo
     from fedge.edge.cli import edge_app, verifier_app
     from fedge.edge.fleet.cli import register as register_fleet

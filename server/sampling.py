@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedge.extras import require
 from fedge.types import ConfigValue
 
 if TYPE_CHECKING:
@@ -164,6 +165,7 @@ def sampled_epsilon(
     """Epsilon at ``delta`` of one subsampled Gaussian release per (n, K) draw."""
     if not draws:
         return 0.0
+    require("dp_accounting", "dp", "the epsilon of sampled rounds")
     import dp_accounting
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
     from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from fedge.extras import require
 from fedge.strategies.base import ClientHook
 
 if TYPE_CHECKING:  # Opacus loads SciPy (seconds): imported where a DP-SGD round needs it
@@ -96,6 +97,7 @@ def secure_generator() -> torch.Generator:
 
 def load_accountant(state: State) -> RDPAccountant:
     """Rebuild the client's RDP accountant from its persisted history."""
+    require("opacus", "dp", "DP-SGD")
     from opacus.accountants import RDPAccountant
 
     accountant = RDPAccountant()
@@ -153,6 +155,7 @@ def train_dpsgd(
         torch.utils.data.TensorDataset(records), batch_size=min(batch_size, len(records))
     )
     optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
+    require("opacus", "dp", "DP-SGD")
     from opacus import PrivacyEngine
 
     with warnings.catch_warnings():

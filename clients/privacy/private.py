@@ -49,6 +49,7 @@ from fedge.clients.privacy.dpsgd import (
 )
 from fedge.clients.privacy.ledger import DPSGD, Ledger, node_ledger
 from fedge.clients.privacy.local import BudgetExhausted
+from fedge.extras import require
 from fedge.privacy.wire import REFUSAL_BUDGET
 from fedge.strategies.client import TrainRound
 
@@ -181,6 +182,7 @@ def _privacy_engine() -> type:
     of Flower's log a second time in the ClientApp's process."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    require("opacus", "dp", "make_private (DP-SGD)")  # on the core install: names the extra
     from opacus import PrivacyEngine
 
     for handler in [h for h in root.handlers if h not in handlers]:

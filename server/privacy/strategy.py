@@ -42,7 +42,7 @@ from fedge.server.privacy.release import (
     ReleaseAccount,
     finite_positive,
 )
-from fedge.strategies.base import Strategy, UniformWeighting
+from fedge.strategies.base import Strategy, UniformWeighting, log_received
 from fedge.strategies.contract import sum_contributions
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
 from fedge.strategies.replies import reply_contribution
@@ -215,6 +215,8 @@ class CentralDP(FlowerStrategy):
         if state is None:
             return None, None
         spec = self.inner.contribution_spec(state)
+        replies = list(replies)
+        log_received(replies)  # Flower FedAvg's line, in Flower's log
         clipped: list[Arrays] = []
         contents: list[RecordDict] = []
         unclipped = 0

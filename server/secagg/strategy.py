@@ -33,8 +33,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from logging import INFO
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log as flower_log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
@@ -161,6 +163,12 @@ class SecAggPlus(FlowerStrategy):
             self.timeout,
         )
         self.last_failure = None
+        flower_log(  # Flower FedAvg's line: here a result is a contribution in the secure sum
+            INFO,
+            "aggregate_train: Received %s results and %s failures",
+            len(result.accepted),
+            len(pending.node_ids) - len(result.accepted),
+        )
         if result.summed is None:
             self.last_failure = round_failure(server_round, result)
             log.error("round %d: no aggregate applied: %s", server_round, self.last_failure)

@@ -250,7 +250,9 @@ def test_the_flower_app_example_runs_scaffold_under_secagg_with_flwr_run(
     """examples/flower-app as its README runs it, `strategy="scaffold-secagg"`, 4 SuperNodes on
     Flower's Ray simulation: the run ends, its final model beats the initial one on the nodes'
     data, and each node advertised a SecAgg+ identity (its signing key, under the privacy state
-    directory the SuperLink passed on), so the masked protocol ran, not a plain fallback."""
+    directory the SuperLink passed on), so the masked protocol ran, not a plain fallback. The
+    ``--stream`` output carries fedge's lines (before fedge/logs.py: none) and Flower's
+    "Received N results" line once per round (before: none, fedge's strategy reads replies)."""
     # Prepare
     model = tmp_path / "final_model.pt"
     config = f"strategy='scaffold-secagg' num-server-rounds=3 final-model='{model}'"
@@ -258,6 +260,10 @@ def test_the_flower_app_example_runs_scaffold_under_secagg_with_flwr_run(
     out = superlink.run(EXAMPLE, "--federation-config", "num-supernodes=4", "--run-config", config)
     # Assert
     assert model.is_file(), out.stdout[-3000:] + out.stderr[-3000:]
+    # fedge's lines reach `flwr run --stream` through Flower's logger (fedge/logs.py), and
+    # Flower's own per-round line is there for the replies fedge's strategy reads
+    assert "fedge: fedge SecAgg+ around Scaffold" in out.stdout, out.stdout[-3000:]
+    assert out.stdout.count("aggregate_train: Received 4 results and 0 failures") == 3
     sys.path.insert(0, str(EXAMPLE))
     try:
         from flowerapp import task
