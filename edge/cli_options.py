@@ -49,19 +49,28 @@ VerifyBurstOption = Annotated[int, typer.Option(help="Per-device verify token bu
 VERIFY_BURST = RateLimitConfig.verify_burst  # the bursts' defaults: RateLimitConfig's, one source
 GENERATE_BURST = RateLimitConfig.generate_burst
 PREFILL_BURST = RateLimitConfig.prefill_burst
+GENERATE_RATE = RateLimitConfig.generate_rate  # metered by default; 0 on the command line = off
+PREFILL_RATE = RateLimitConfig.prefill_rate
 PrefillRateOption = Annotated[
     float | None,
-    typer.Option(help="Per-device tokens prefilled by opens and reopens per second; off if unset."),
+    typer.Option(
+        help="Per-device tokens prefilled per second by opens, reopens and Generate prompts; "
+        "0 = off."
+    ),
 ]
 PrefillBurstOption = Annotated[
     int, typer.Option(help="Per-device prefill bucket size (a longer prompt waits for a full one).")
 ]
 SessionsPerDeviceOption = Annotated[
-    int, typer.Option(help="Sessions one device may hold per verifier; 0 = --max-sessions.")
+    int | None,
+    typer.Option(
+        help="Sessions one authenticated device may hold per verifier; unset = 16 (capped at "
+        "--max-sessions), 0 = off (each device still gets its fair share of the table)."
+    ),
 ]
 GenerateRateOption = Annotated[
     float | None,
-    typer.Option(help="Per-device Generate tokens (max_new_tokens) per second; off if unset."),
+    typer.Option(help="Per-device Generate tokens (max_new_tokens) per second; 0 = off."),
 ]
 GenerateBurstOption = Annotated[
     int, typer.Option(help="Per-device Generate token bucket size (largest max_new_tokens).")
@@ -87,15 +96,15 @@ def rate_limits(
     verify_burst: int,
     generate_rate: float | None,
     generate_burst: int,
-    prefill_rate: float | None = None,
+    prefill_rate: float | None = PREFILL_RATE,
     prefill_burst: int = PREFILL_BURST,
 ) -> RateLimitConfig:
-    """The per-device limits the rate options describe."""
+    """The per-device limits the rate options describe (a rate of 0 turns that kind off)."""
     return RateLimitConfig(
-        verify_rate=verify_rate,
+        verify_rate=verify_rate or None,
         verify_burst=verify_burst,
-        generate_rate=generate_rate,
+        generate_rate=generate_rate or None,
         generate_burst=generate_burst,
-        prefill_rate=prefill_rate,
+        prefill_rate=prefill_rate or None,
         prefill_burst=prefill_burst,
     )

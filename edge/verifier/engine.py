@@ -61,6 +61,7 @@ from fedge.edge.verifier.worker import Worker
 
 LOG = logging.getLogger("fedge.verifier")
 QUEUE_FULL_RETRY_S = 0.05  # retry-after of a full queue: the worker drains a batch in ms
+DEFAULT_SESSIONS_PER_DEVICE = 16  # the per-device quota nobody configured (identified devices)
 
 __all__ = [
     "EngineConfig",
@@ -80,7 +81,9 @@ class EngineConfig:
     max_draft: int = 16  # acceptance decays geometrically; longer drafts rarely pay
     max_context: int = 0  # 0 = the model's max_position_embeddings
     max_sessions: int = 1024
-    max_sessions_per_token: int = 0  # per bearer token; 0 = max_sessions (no quota)
+    # sessions one device (authenticated identity) may hold: None = DEFAULT_SESSIONS_PER_DEVICE
+    # (capped at max_sessions; unauthenticated callers, all one owner "", have none), 0 = off
+    max_sessions_per_token: int | None = None
     session_ttl_s: float = 300.0  # idle sessions expire; the edge reopens with its prompt
     kv_cap_bytes: int = 1 << 30
     batch_window_s: float = 0.002  # wait this long for concurrent verifies to join a batch
@@ -104,7 +107,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {value}")
         if self.torch_threads < 0:
             raise ValueError(f"EngineConfig.torch_threads must be >= 0, got {self.torch_threads}")
-        if not 0 <= self.max_sessions_per_token <= self.max_sessions:
+        quota = self.max_sessions_per_token
+        if quota is not None and not 0 <= quota <= self.max_sessions:
             raise ValueError(
                 f"EngineConfig.max_sessions_per_token must lie in [0, max_sessions="
                 f"{self.max_sessions}], got {self.max_sessions_per_token}"
@@ -113,6 +117,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_context must be >= 0, got {self.max_context}")
         if self.batch_window_s < 0:
             raise ValueError(f"EngineConfig.batch_window_s must be >= 0, got {self.batch_window_s}")
+
+    @property
+    def sessions_per_owner(self) -> int:
+        """The per-device session quota in force for an authenticated device (0 = off)."""
+        if self.max_sessions_per_token is None:
+            return min(DEFAULT_SESSIONS_PER_DEVICE, self.max_sessions)
+        return self.max_sessions_per_token
 
 
 class VerifierEngine:
@@ -149,7 +160,8 @@ class VerifierEngine:
             self.config.kv_cap_bytes,
             clock=clock,
             on_evict=lambda reason: self.observer.on_evict(reason),
-            owner_quota=self.config.max_sessions_per_token,
+            owner_quota=self.config.max_sessions_per_token or 0,
+            default_quota=self.config.sessions_per_owner,
         )
         self._clock = clock
         self._threads = self.config.torch_threads or torch.get_num_threads()

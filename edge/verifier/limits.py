@@ -6,8 +6,10 @@ self-asserted `fedge-device` metadata, else its bearer token (hashed), else its
 peer address. Each device has one bucket per kind: a Verify costs
 `len(draft_ids) + 1` verify tokens (the target positions it computes), an open
 (OpenSession's `prompt_ids`, a Verify's `committed_ids`) the prefill tokens it
-puts through the target, a Generate `max_new_tokens` generate tokens up front,
-and what a stop token leaves unused is refunded when the stream ends.
+puts through the target, a Generate its prompt as prefill tokens (it prefills it as an
+open does) and `max_new_tokens` generate tokens up front; what a stop token leaves
+unused is refunded when the stream ends. Generate and prefill are metered by default
+(`RateLimitConfig`'s defaults); verify only when a rate is set.
 Over the limit the call ends RESOURCE_EXHAUSTED with trailing metadata
 `fedge-retry-after-ms`: whole milliseconds until the bucket holds the cost.
 
@@ -195,10 +197,10 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
         """The handler with its cost charged first (as is when its kinds are unlimited)."""
         buckets = self._limiter.buckets
         if method == self._generate:
-            if GENERATE not in buckets:
+            if GENERATE not in buckets and PREFILL not in buckets:
                 return handler
             return grpc.unary_stream_rpc_method_handler(
-                self._limited_stream(handler.unary_stream, buckets[GENERATE]),  # type: ignore[arg-type]
+                self._limited_stream(handler.unary_stream, buckets.get(GENERATE)),  # type: ignore[arg-type]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -259,20 +261,21 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
     def _limited_stream(
         self,
         behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
-        buckets: Buckets,
+        buckets: Buckets | None,
     ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-        """A Generate that reserves `max_new_tokens` and refunds what it did not stream."""
+        """A Generate that pays its prompt as prefill, reserves `max_new_tokens` and refunds
+        what it did not stream."""
 
         async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             cost = max(1, int(request.max_new_tokens))
-            device = await self._admit(context, [(GENERATE, cost, "max_new_tokens")])
+            device = await self._admit(context, _generate_costs(request))
             sent = 0
             try:
                 async for reply in behavior(request, context):
                     sent += 1
                     yield reply
             finally:
-                if sent < cost:
+                if sent < cost and buckets is not None:
                     await _settled(buckets.refund(device, cost - sent))
 
         return generate
@@ -285,6 +288,14 @@ def _verify_costs(request: Any) -> list[tuple[str, int, str]]:
     return [
         (VERIFY, len(request.draft_ids) + 1, "draft_ids"),
         (PREFILL, len(request.committed_ids), "committed_ids"),
+    ]
+
+
+def _generate_costs(request: Any) -> list[tuple[str, int, str]]:
+    """A Generate: the prompt it prefills, then `max_new_tokens` generate tokens."""
+    return [
+        (PREFILL, len(request.prompt_ids), "prompt_ids"),
+        (GENERATE, max(1, int(request.max_new_tokens)), "max_new_tokens"),
     ]
 
 

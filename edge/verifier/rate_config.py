@@ -9,16 +9,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+DEFAULT_GENERATE_RATE = 1024.0  # Generate tokens/s per device with no option set
+DEFAULT_PREFILL_RATE = 8192.0  # prefilled tokens/s per device with no option set
+
 
 @dataclass(frozen=True)
 class RateLimitConfig:
-    """Per-device budgets; a rate of None leaves that kind unlimited."""
+    """Per-device budgets; a rate of None leaves that kind unlimited.
+
+    Generate and prefill are metered by default (a device cannot stream or prefill without
+    bound with no option set); the defaults are loose ceilings, set them to the capacity
+    shared. Verify is unmetered unless set (the engine shares its steps fairly by owner).
+    """
 
     verify_rate: float | None = None  # verify tokens (draft + 1 per Verify) per second per device
     verify_burst: int = 256  # bucket size: the most verify tokens one device spends at once
-    generate_rate: float | None = None  # Generate tokens (max_new_tokens) per second per device
+    generate_rate: float | None = DEFAULT_GENERATE_RATE  # Generate tokens per second per device
     generate_burst: int = 512  # bucket size; also the largest max_new_tokens one call may ask
-    prefill_rate: float | None = None  # tokens opens and reopens prefill, per second per device
+    # tokens opens, reopens and Generate prompts prefill, per second per device
+    prefill_rate: float | None = DEFAULT_PREFILL_RATE
     prefill_burst: int = 4096  # bucket size; a longer prompt passes on a full bucket (into debt)
     max_devices: int = 100_000  # buckets kept; the least recently used is dropped beyond it
 

@@ -147,12 +147,14 @@ class VerifierServer:
         self.tracing = Tracing(tracer_provider)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         authenticator = config.authenticator()
+        self._authenticated = authenticator is not None
         if authenticator is not None:
             interceptors.append(authenticator)
         interceptors += server_interceptors(tracer_provider)
+        self.limiter: RateLimiter | None = None  # the per-device buckets, when any kind is metered
         if config.rate_limits.enabled:
-            limiter = RateLimiter(config.rate_limits)
-            interceptors.append(RateLimitInterceptor(limiter, SERVICE_NAME))
+            self.limiter = RateLimiter(config.rate_limits)
+            interceptors.append(RateLimitInterceptor(self.limiter, SERVICE_NAME))
         limits = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -240,6 +242,7 @@ class VerifierServer:
         engine.on_death(lambda error: _call_soon(loop, self._engine_dead))
         self.metrics.watch(engine)
         self.engine = engine.start()
+        log_shares(self.config, authenticator_set=self._authenticated)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         LOG.info("verifier serving %s on %s:%d", self.config.model_dir, self.config.host, self.port)
 
@@ -287,6 +290,29 @@ class VerifierServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
             self._metrics_http = None
+
+
+def log_shares(config: ServerConfig, authenticator_set: bool) -> None:
+    """Say at start which per-device guarantees hold and which need an option."""
+    engine, limits = config.engine, config.rate_limits
+    quota = engine.sessions_per_owner
+    LOG.info(
+        "fair shares per device: sessions %s of %d, KV %d MiB shared max-min among devices "
+        "holding sessions, steps shared by owner; generate %s tok/s, prefill %s tok/s, verify %s",
+        f"<= {quota}" if quota else "unlimited (quota off)",
+        engine.max_sessions,
+        engine.kv_cap_bytes >> 20,
+        "unmetered" if limits.generate_rate is None else f"{limits.generate_rate:g}",
+        "unmetered" if limits.prefill_rate is None else f"{limits.prefill_rate:g}",
+        "unmetered" if limits.verify_rate is None else f"{limits.verify_rate:g} tok/s",
+    )
+    if not authenticator_set:
+        LOG.warning(
+            "no --credentials/--token: callers are not told apart, so per-device shares, "
+            "quotas and rate limits key on what callers assert; set credentials to enforce them"
+        )
+    if not quota:
+        LOG.warning("per-device session quota off: one device may hold the session table")
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:

@@ -46,6 +46,7 @@ class Session:
     last_used: float
     owner: str = ""  # digest of the bearer token that opened it ("" without auth)
     busy: bool = False
+    stream: bool = False  # a Generate stream's: busy for its life, preemptible above its share
     nbytes: int = field(default=0)
     last: Replay | None = None
 
@@ -65,15 +66,25 @@ class Session:
 
 
 class SessionStore:
-    """Holds sessions under three limits; evicts idle sessions least-recently-used first.
+    """Holds sessions under per-owner fair shares; evicts idle sessions least-recently-used first.
 
-    Thread-safe: the gRPC threads open, look up and close; the engine's worker
-    thread grows KV caches. A busy session (verify in flight) is never evicted. An
-    owner (the caller's authenticated identity) holds at most `owner_quota` sessions.
-    Whatever limit a new session or a growing cache meets (the quota, the session
-    count, the memory cap), it makes room only among its own owner's idle sessions,
-    least recently used first, never another owner's: when its owner has none to give
-    up, the call is refused Overloaded and the other owners' sessions stay.
+    Thread-safe: the gRPC threads open, look up and close; the engine's worker thread
+    admits sessions and grows KV caches (every eviction happens there or in `expire`). A
+    session with a verify in flight is never evicted. Two resources are shared, the
+    session table (`max_sessions`) and the KV memory (`cap_bytes`), each max-min fairly
+    among the owners holding sessions (plus the one asking): the fair share of each is
+    the capacity over that count. An owner (the caller's authenticated identity) also
+    holds at most `owner_quota` sessions (0: no quota).
+
+    When a new session or a growing cache of owner X needs room:
+
+    - X within its fair share after the growth makes room first among the idle sessions
+      of owners above their share (the one most above first, its least recently used
+      first), then by preempting their Generate streams, then among its own idle sessions;
+      never from an owner at or below its share;
+    - X above its share makes room only among its own idle sessions, and may not take
+      the free room the other owners still need to reach their share;
+    - with no room to make, the call is refused Overloaded; nobody else's sessions go.
     """
 
     def __init__(
@@ -84,16 +95,22 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[str], None] | None = None,
         owner_quota: int = 0,
+        default_quota: int = 0,
     ) -> None:
+        """`owner_quota` applies to every owner; `default_quota` (the quota nobody configured)
+        only to identified owners: without authentication every caller is owner ""."""
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.lock = threading.RLock()
-        self._owner_quota = owner_quota or max_sessions
+        self._owner_quota = owner_quota
+        self._default_quota = default_quota
         self._max_sessions = max_sessions
         self._ttl_s = ttl_s
         self._cap_bytes = cap_bytes
         self._clock = clock
         self._on_evict = on_evict or (lambda reason: None)
         self._total_bytes = 0
+        self._bytes: dict[str, int] = {}  # owner -> KV bytes of its sessions
+        self._count: dict[str, int] = {}  # owner -> its sessions (owners holding none absent)
 
     def __len__(self) -> int:
         with self.lock:
@@ -105,8 +122,12 @@ class SessionStore:
         with self.lock:
             return self._total_bytes
 
+    def quota_of(self, owner: str) -> int:
+        """The most sessions `owner` may hold (0: no quota beyond its fair share)."""
+        return self._owner_quota or (self._default_quota if owner else 0)
+
     def add(self, session: Session) -> None:
-        """Admit a session, making room by expiry and LRU eviction; Overloaded if impossible."""
+        """Admit a session, making room by expiry and fair eviction; Overloaded if impossible."""
         with self.lock:
             self.expire()
             if session.key in self._sessions:
@@ -114,24 +135,33 @@ class SessionStore:
                     f"session {session.session_id!r} is already open (a retry racing its first "
                     "attempt?); retry the verify without committed_ids"
                 )
-            owners = {session.owner}
-            while self.owned_by(session.owner) >= self._owner_quota:
-                if not self._evict_one(set(), owners, "quota"):
-                    raise Overloaded(
-                        f"this device's {self._owner_quota} sessions are all busy (per-device "
-                        "quota); close some or retry later"
-                    )
-            while len(self._sessions) >= self._max_sessions:
-                if not self._evict_one(set(), owners, "lru"):
-                    raise Overloaded(
-                        f"all {self._max_sessions} sessions are held, none idle of this device's "
-                        "own; retry later or raise max_sessions"
-                    )
+            self.make_slot(session.owner)
             session.nbytes = _hf.cache_nbytes(session.cache)
-            self.reserve(session.nbytes, set(), owners)
+            self.reserve(session.nbytes, set(), session.owner)
             session.last_used = self._clock()
             self._sessions[session.key] = session
-            self._total_bytes += session.nbytes
+            self._charge(session.owner, session.nbytes, 1)
+
+    def make_slot(self, owner: str) -> None:
+        """Make room in the table for one more session of `owner` (before its prefill runs)."""
+        with self.lock:
+            quota = self.quota_of(owner)
+            while quota and self._count.get(owner, 0) >= quota:
+                if not self._evict_own(owner, set(), "quota"):
+                    raise Overloaded(
+                        f"this device's {quota} sessions are all busy (per-device quota); close "
+                        "some or retry later"
+                    )
+            self._make_room(
+                owner,
+                1,
+                set(),
+                self._count,
+                self._max_sessions,
+                lambda _: len(self._sessions),
+                "sessions",
+                "lru",
+            )
 
     def active_since(self, since: float) -> int:
         """Sessions busy or used at or after `since` (clock time): streams likely to verify soon."""
@@ -141,7 +171,17 @@ class SessionStore:
     def owned_by(self, owner: str) -> int:
         """Sessions held by `owner`."""
         with self.lock:
-            return sum(1 for s in self._sessions.values() if s.owner == owner)
+            return self._count.get(owner, 0)
+
+    def bytes_of(self, owner: str) -> int:
+        """KV bytes held by `owner`'s sessions."""
+        with self.lock:
+            return self._bytes.get(owner, 0)
+
+    def holds(self, session: Session) -> bool:
+        """Whether `session` itself is still in the store (not closed, expired or evicted)."""
+        with self.lock:
+            return self._sessions.get(session.key) is session
 
     def get(self, session_id: str, owner: str = "") -> Session:
         """Look a session up and mark it most recently used; SessionNotFound if absent or expired."""
@@ -166,7 +206,7 @@ class SessionStore:
                 raise SessionNotFound(
                     f"session {session_id!r} is unknown, closed, expired or evicted"
                 )
-            self._total_bytes -= session.nbytes
+            self._charge(session.owner, -session.nbytes, -1)
             return session
 
     def resized(self, session: Session) -> None:
@@ -174,18 +214,39 @@ class SessionStore:
         nbytes = _hf.cache_nbytes(session.cache)
         with self.lock:
             if self._sessions.get(session.key) is session:
-                self._total_bytes += nbytes - session.nbytes
+                self._charge(session.owner, nbytes - session.nbytes, 0)
             session.nbytes = nbytes
 
-    def reserve(self, extra_bytes: int, keep: set[str], owners: set[str]) -> None:
-        """Evict idle LRU sessions of `owners` (not in `keep`) until `extra_bytes` more fit."""
+    def reserve(
+        self, extra_bytes: int, keep: set[str], owners: str | set[str], hold: bool = False
+    ) -> None:
+        """Make room for `extra_bytes` more KV of one owner (sessions in `keep` stay).
+
+        `owners` names that owner (a one-element set is accepted for older callers). With
+        `hold` the bytes stay counted to it until `release`: a batch holds each owner's growth
+        while it reserves the next owner's."""
+        owner = owners if isinstance(owners, str) else _single(owners)
         with self.lock:
-            while self._total_bytes + extra_bytes > self._cap_bytes:
-                if not self._evict_one(keep, owners, "lru"):
-                    raise Overloaded(
-                        f"KV memory cap of {self._cap_bytes} bytes reached by sessions in use or "
-                        "of other devices; retry later or raise the cap"
-                    )
+            self._make_room(
+                owner,
+                extra_bytes,
+                keep,
+                self._bytes,
+                self._cap_bytes,
+                lambda _: self._total_bytes,
+                "KV bytes",
+                "lru",
+            )
+            if hold:
+                self._bytes[owner] = self._bytes.get(owner, 0) + extra_bytes
+                self._total_bytes += extra_bytes
+
+    def release(self, owner: str, nbytes: int) -> None:
+        """Stop counting bytes a `reserve(..., hold=True)` held (the caches now hold them)."""
+        with self.lock:
+            self._total_bytes -= nbytes
+            if owner in self._bytes:
+                self._bytes[owner] -= nbytes
 
     def expire(self) -> int:
         """Drop idle sessions older than the TTL; returns how many went."""
@@ -195,16 +256,89 @@ class SessionStore:
                 sid for sid, s in self._sessions.items() if s.last_used < deadline and not s.busy
             ]
             for sid in stale:
-                self._total_bytes -= self._sessions.pop(sid).nbytes
-                self._on_evict("ttl")
+                self._drop(sid, "ttl")
             return len(stale)
 
-    def _evict_one(self, keep: set[str], owners: set[str], reason: str) -> bool:
-        """Evict the least recently used idle session of `owners` not in `keep`."""
-        for sid, session in self._sessions.items():
-            if session.busy or sid in keep or session.owner not in owners:
+    # ------------------------------------------------------------------ fair shares
+    def _charge(self, owner: str, nbytes: int, count: int) -> None:
+        """Account `nbytes` and `count` sessions more (or less) to `owner`."""
+        self._total_bytes += nbytes
+        self._bytes[owner] = self._bytes.get(owner, 0) + nbytes
+        self._count[owner] = self._count.get(owner, 0) + count
+        if self._count[owner] <= 0:
+            del self._count[owner]
+            self._bytes.pop(owner, None)
+
+    def _drop(self, key: str, reason: str) -> None:
+        """Evict the session stored under `key`."""
+        session = self._sessions.pop(key)
+        self._charge(session.owner, -session.nbytes, -1)
+        self._on_evict(reason)
+
+    def _make_room(
+        self,
+        owner: str,
+        need: int,
+        keep: set[str],
+        usage: dict[str, int],
+        capacity: int,
+        used: Callable[[dict[str, int]], int],
+        what: str,
+        reason: str,
+    ) -> None:
+        """Evict until `need` more of one resource fit for `owner` by the rules of the class."""
+        while True:
+            owners = set(usage) | {owner}
+            share = capacity / len(owners)
+            mine = usage.get(owner, 0)
+            within = mine + need <= share
+            limit = capacity
+            if not within:  # the room the others still need to reach their share stays free
+                limit -= int(sum(max(0.0, share - usage.get(o, 0)) for o in owners - {owner}))
+            if used(usage) + need <= limit:
+                return
+            if within and self._evict_over_share(owner, share, usage, keep):
                 continue
-            self._total_bytes -= self._sessions.pop(sid).nbytes
-            self._on_evict(reason)
+            if self._evict_own(owner, keep, reason):
+                continue
+            raise Overloaded(
+                f"{what}: this device holds {mine} of {capacity}, its fair share with "
+                f"{len(owners)} devices holding sessions is {int(share)}, and it has no idle "
+                "session to give up; retry later"
+                + (" or raise the cap" if len(owners) == 1 else "")
+            )
+
+    def _evict_over_share(
+        self, owner: str, share: float, usage: dict[str, int], keep: set[str]
+    ) -> bool:
+        """Evict one session of the owner most above its share: its LRU idle one, else a stream."""
+        over = sorted(
+            (o for o, held in usage.items() if o != owner and held > share),
+            key=lambda o: usage[o],
+            reverse=True,
+        )
+        for victim in over:
+            for preempt in (False, True):
+                for key, session in self._sessions.items():
+                    if session.owner != victim or key in keep:
+                        continue
+                    if (not session.busy) if not preempt else (session.busy and session.stream):
+                        self._drop(key, "share" if not preempt else "preempt")
+                        return True
+        return False
+
+    def _evict_own(self, owner: str, keep: set[str], reason: str) -> bool:
+        """Evict the least recently used idle session of `owner` not in `keep`."""
+        for key, session in self._sessions.items():
+            if session.busy or key in keep or session.owner != owner:
+                continue
+            self._drop(key, reason)
             return True
         return False
+
+
+def _single(owners: set[str]) -> str:
+    """The one owner of a reservation."""
+    if len(owners) != 1:
+        raise ValueError(f"a reservation is for one owner, got {sorted(owners)}")
+    return next(iter(owners))

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from fedge.edge import _hf
 from fedge.edge.speculative import greedy_choices_verdict, sampling_verdict
 from fedge.edge.verifier.batching import batched_forward
+from fedge.edge.verifier.errors import Overloaded
 from fedge.edge.verifier.jobs import (
     GenerateJob,
     Job,
@@ -55,6 +56,7 @@ class Worker:
         self.sessions = parts.sessions
         self.observer = parts.observer
         self.streams: list[Stream] = []
+        self.deferred: list[VerifyJob] = []  # claimed verifies of owners above this step's share
         self._batch_ids = itertools.count(1)
         self._bytes_per_position = parts.geometry.bytes_per_position
 
@@ -62,8 +64,11 @@ class Worker:
     def step(self) -> None:
         """One turn: take queued work, start it, then one solo run or one batched step."""
         jobs = self._collect()
+        carried, self.deferred = self.deferred, []
         try:
-            verifies = [job for job in jobs if isinstance(job, VerifyJob) and self._take(job)]
+            verifies = carried + [
+                job for job in jobs if isinstance(job, VerifyJob) and self._take(job)
+            ]
             for job in jobs:
                 if isinstance(job, PrefillJob):
                     self._guarded_prefill(job)
@@ -73,20 +78,27 @@ class Worker:
             if not verifies and len(self.streams) == 1:
                 self._solo(self.streams[0])
             else:
-                for chunk in _chunks([*verifies, *self.streams], self.parts.max_batch):
+                run, later = fair_rows([*verifies, *self.streams])
+                self.deferred = [m for m in later if isinstance(m, VerifyJob)]
+                for chunk in _chunks(run, self.parts.max_batch):
                     self._run_batch(chunk)
+                ran = {id(m) for m in run}  # streams that waited go first next step
+                self.streams.sort(key=lambda stream: id(stream) in ran)
             self.streams = [s for s in self.streams if self._live(s)]
         except Exception as exc:  # a bug must cost the requests in hand, not the worker
             LOG.exception("verifier engine step failed; failing its requests")
-            for job in jobs:
+            for job in [*carried, *jobs]:
                 fail_job(job, exc)
             self.fail_streams(exc)
 
     def fail_streams(self, error: BaseException) -> None:
-        """End every running stream with `error` and free its session."""
+        """End every running stream and deferred verify with `error` and free their sessions."""
         for stream in self.streams:
             self._fail_stream(stream, error)
         self.streams = []
+        for job in self.deferred:
+            fail_job(job, error)
+        self.deferred = []
 
     def _fail_stream(self, stream: Stream, error: BaseException) -> None:
         """End one stream with `error` and free its session."""
@@ -102,7 +114,8 @@ class Worker:
         """
         jobs = self.parts.jobs
         try:
-            first = jobs.get_nowait() if self.streams else jobs.get(timeout=IDLE_POLL_S)
+            busy = self.streams or self.deferred
+            first = jobs.get_nowait() if busy else jobs.get(timeout=IDLE_POLL_S)
         except queue.Empty:
             if not self.streams and self.sessions.expire():
                 self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
@@ -140,6 +153,15 @@ class Worker:
             self.observer.on_abandoned("generate")
             self._release(stream)
             return False
+        if not self.sessions.holds(stream.session):  # preempted: its owner was above its share
+            self._fail_stream(
+                stream,
+                Overloaded(
+                    "this device held more than its fair share of the verifier's KV memory "
+                    "while another device needed its own; stream stopped, retry later"
+                ),
+            )
+            return False
         return True
 
     # ------------------------------------------------------------------ opens
@@ -154,7 +176,8 @@ class Worker:
 
     def _prefill(self, job: PrefillJob) -> SessionInfo:
         """Fill the KV cache with all prompt tokens but the last, which stays pending."""
-        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), {job.owner})
+        self.sessions.make_slot(job.owner)  # refused before any compute is spent on it
+        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), job.owner)
         cache = DynamicCache()
         if len(job.prompt) > 1:
             _hf.forward_on(self.model, torch.tensor([job.prompt[:-1]]), cache)
@@ -188,11 +211,13 @@ class Worker:
             self.observer.on_abandoned("generate")
             return
         try:
-            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), {job.owner})
+            self.sessions.make_slot(job.owner)
+            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), job.owner)
             cache = DynamicCache()
             logits = _hf.forward_on(self.model, torch.tensor([job.prompt]), cache)
             session = self._session(uuid.uuid4().hex, cache, -1, job.sampling, job.owner)
-            session.busy = True  # never evicted or expired while it decodes
+            session.busy = True  # never idle: only preempted, when its owner is above its share
+            session.stream = True
             self._admit(session)
         except Exception as exc:  # the channel carries it to the caller
             job.channel.fail(exc)
@@ -208,7 +233,7 @@ class Worker:
         try:
             while not (stream.finished or channel.cancelled or stop.is_set()):
                 started = time.monotonic()
-                self.sessions.reserve(self._bytes_per_position, keep, {session.owner})
+                self.sessions.reserve(self._bytes_per_position, keep, session.owner)
                 logits = _hf.forward_on(
                     self.model, torch.tensor([[session.pending]]), session.cache
                 )
@@ -264,19 +289,17 @@ class Worker:
 
         A lone member runs on its session's cache object; several are padded into one batch.
         """
-        if not members:
-            return
         started = time.monotonic()
         times_ns = [time.time_ns()]  # batch start, forward start, forward end, verdicts start
+        members, held = self._reserve_growth(members)
+        if not members:
+            return
         inputs = [
             [m.session.pending, *m.draft.ids] if isinstance(m, VerifyJob) else [m.session.pending]
             for m in members
         ]
         starts = [m.session.length for m in members]  # a lone forward grows the cache in place
         try:
-            keep = {m.session.key for m in members}
-            growth = sum(len(tokens) for tokens in inputs) * self._bytes_per_position
-            self.sessions.reserve(growth, keep, {m.session.owner for m in members})
             times_ns.append(time.time_ns())
             logits, new_kv = self._forward(members, inputs)
             times_ns.append(time.time_ns())
@@ -284,6 +307,9 @@ class Worker:
             for member in members:  # a batched forward touched no session's cache
                 self._fail_member(member, exc, touched=len(members) == 1)
             return
+        finally:
+            for owner, nbytes in held.items():
+                self.sessions.release(owner, nbytes)
         choices = logits.argmax(dim=-1).tolist()  # [B, T]: all greedy sessions need
         times_ns.append(time.time_ns())  # before any caller can have its reply
         for row, member in enumerate(members):
@@ -309,6 +335,35 @@ class Worker:
                 [job.queued_ns for job in verifies],
             )
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
+
+    def _reserve_growth(
+        self, members: Sequence[VerifyJob | Stream]
+    ) -> tuple[list[VerifyJob | Stream], dict[str, int]]:
+        """Hold each owner's KV growth for this pass, smallest holder first; the members of an
+        owner refused room fail alone (Overloaded), untouched. Returns the rest and the holds.
+
+        Each owner makes room for its own growth only (`SessionStore.reserve`): another owner's
+        idle session goes only when that owner is above its fair share.
+        """
+        keep = {m.session.key for m in members}
+        growth: dict[str, int] = {}
+        for m in members:
+            fed = len(m.draft.ids) + 1 if isinstance(m, VerifyJob) else 1
+            growth[m.session.owner] = growth.get(m.session.owner, 0) + fed
+        held: dict[str, int] = {}
+        refused: dict[str, BaseException] = {}
+        for owner in sorted(growth, key=self.sessions.bytes_of):
+            nbytes = growth[owner] * self._bytes_per_position
+            try:
+                self.sessions.reserve(nbytes, keep, owner, hold=True)
+            except Overloaded as exc:
+                refused[owner] = exc
+                continue
+            held[owner] = nbytes
+        for m in members:
+            if m.session.owner in refused:
+                self._fail_member(m, refused[m.session.owner], touched=False)
+        return [m for m in members if m.session.owner not in refused], held
 
     def _forward(
         self, members: Sequence[VerifyJob | Stream], inputs: list[list[int]]
@@ -373,6 +428,30 @@ class Worker:
         session.last = Replay(start, tuple(draft.ids), result)
         session.busy = False  # before the reply: the caller may verify again at once
         resolve(job.future, result)
+
+
+def fair_rows(
+    members: Sequence[VerifyJob | Stream],
+) -> tuple[list[VerifyJob | Stream], list[VerifyJob | Stream]]:
+    """This step's rows and those that wait: compute shared max-min among owners.
+
+    With two or more owners in the step, no owner gets more rows than the second-largest
+    demand (so one owner's many streams or verifies never make the step, hence every
+    other owner's latency, more than about twice what the others make it); the rest wait a
+    step, its streams in turn. An owner alone gets every row.
+    """
+    by_owner: dict[str, list[VerifyJob | Stream]] = {}
+    for m in members:
+        by_owner.setdefault(m.session.owner, []).append(m)
+    if len(by_owner) < 2:
+        return list(members), []
+    level = sorted(len(group) for group in by_owner.values())[-2]
+    run: list[VerifyJob | Stream] = []
+    later: list[VerifyJob | Stream] = []
+    for group in by_owner.values():
+        run += group[:level]
+        later += group[level:]
+    return run, later
 
 
 def _chunks(members: list[Any], size: int) -> list[list[Any]]:
