@@ -159,7 +159,7 @@ class SessionStore:
                 self._count,
                 self._max_sessions,
                 lambda _: len(self._sessions),
-                "sessions",
+                "session table",
                 "lru",
             )
 
@@ -234,7 +234,7 @@ class SessionStore:
                 self._bytes,
                 self._cap_bytes,
                 lambda _: self._total_bytes,
-                "KV bytes",
+                "KV memory",
                 "lru",
             )
             if hold:
@@ -297,14 +297,15 @@ class SessionStore:
                 limit -= int(sum(max(0.0, share - usage.get(o, 0)) for o in owners - {owner}))
             if used(usage) + need <= limit:
                 return
+            unit = "bytes" if usage is self._bytes else "sessions"
             if within and self._evict_over_share(owner, share, usage, keep):
                 continue
             if self._evict_own(owner, keep, reason):
                 continue
             raise Overloaded(
-                f"{what}: this device holds {mine} of {capacity}, its fair share with "
-                f"{len(owners)} devices holding sessions is {int(share)}, and it has no idle "
-                "session to give up; retry later"
+                f"{what} cap of {capacity} {unit} reached: this device holds {mine}, its fair share "
+                f"among the {len(owners)} devices holding sessions is {int(share)}, and it has no "
+                "idle session to give up; retry later"
                 + (" or raise the cap" if len(owners) == 1 else "")
             )
 
