@@ -7,17 +7,26 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
 class VerifierProcess:
     """A verifier process of its own, as deployed: started here, stopped or killed by its pid."""
 
-    def __init__(self, model_dir: Path, max_batch: int = 32, torch_threads: int = 1) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        max_batch: int = 32,
+        torch_threads: int = 1,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        """`extra_args`: more `fedge verifier serve` options (e.g. `--credentials FILE`)."""
         command = [
             *(sys.executable, "-m", "fedge.edge.verifier", "--model", str(model_dir)),
             *("--port", "0", "--max-batch", str(max_batch), "--batch-window-ms", "2"),
             *("--torch-threads", str(torch_threads), "--grace-s", "1", "--max-draft", "16"),
+            *extra_args,
         ]
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
