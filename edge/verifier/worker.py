@@ -8,6 +8,11 @@ channel, and leaves the loop as soon as anything else is queued. Otherwise every
 active stream and every queued verify share one batched forward per turn (a newcomer
 joins at the next step; `fedge.edge.verifier.batching` pads them). A lone verify also runs
 on its session's cache object and crops the rejected positions.
+
+Fair shares where the resource is spent: opens are refused before their prefill runs when
+their owner has no room (`SessionStore.make_slot`); a batch reserves each owner's growth
+for that owner alone, and fails only the members of an owner refused room; each step's rows
+are shared by owner (`fair_rows`), the rows above an owner's share waiting a step.
 """
 
 from __future__ import annotations
@@ -80,8 +85,9 @@ class Worker:
             else:
                 run, later = fair_rows([*verifies, *self.streams])
                 self.deferred = [m for m in later if isinstance(m, VerifyJob)]
+                keep = {m.session.key for m in [*run, *later]}  # no eviction inside this step
                 for chunk in _chunks(run, self.parts.max_batch):
-                    self._run_batch(chunk)
+                    self._run_batch(chunk, keep)
                 ran = {id(m) for m in run}  # streams that waited go first next step
                 self.streams.sort(key=lambda stream: id(stream) in ran)
             self.streams = [s for s in self.streams if self._live(s)]
@@ -284,14 +290,16 @@ class Worker:
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
 
     # ------------------------------------------------------------------ batches
-    def _run_batch(self, members: Sequence[VerifyJob | Stream]) -> None:
+    def _run_batch(
+        self, members: Sequence[VerifyJob | Stream], keep: set[str] | None = None
+    ) -> None:
         """One forward for verifies and stream steps; each gets its verdict or its error.
 
         A lone member runs on its session's cache object; several are padded into one batch.
         """
         started = time.monotonic()
         times_ns = [time.time_ns()]  # batch start, forward start, forward end, verdicts start
-        members, held = self._reserve_growth(members)
+        members, held = self._reserve_growth(members, keep or set())
         if not members:
             return
         inputs = [
@@ -337,7 +345,7 @@ class Worker:
         self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
 
     def _reserve_growth(
-        self, members: Sequence[VerifyJob | Stream]
+        self, members: Sequence[VerifyJob | Stream], keep: set[str]
     ) -> tuple[list[VerifyJob | Stream], dict[str, int]]:
         """Hold each owner's KV growth for this pass, smallest holder first; the members of an
         owner refused room fail alone (Overloaded), untouched. Returns the rest and the holds.
@@ -345,7 +353,7 @@ class Worker:
         Each owner makes room for its own growth only (`SessionStore.reserve`): another owner's
         idle session goes only when that owner is above its fair share.
         """
-        keep = {m.session.key for m in members}
+        keep = keep | {m.session.key for m in members}
         growth: dict[str, int] = {}
         for m in members:
             fed = len(m.draft.ids) + 1 if isinstance(m, VerifyJob) else 1
