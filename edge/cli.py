@@ -233,6 +233,13 @@ def serve_command(
     max_sessions_per_device: SessionsPerDeviceOption = None,
     session_ttl_s: SessionTtlOption = 300.0,
     kv_cap_mb: Annotated[int, typer.Option(help="KV cache memory cap, MiB.")] = 1024,
+    kv_cap_per_device_mb: Annotated[
+        int,
+        typer.Option(
+            help="KV memory one device may hold, MiB; 0 = its fair share of --kv-cap-mb "
+            "(the cap over the devices holding sessions)."
+        ),
+    ] = 0,
     grace_s: Annotated[float, typer.Option(help="Drain time on SIGTERM, seconds.")] = 5.0,
     torch_threads: Annotated[
         int, typer.Option(help="torch intra-op threads; 0 = torch's default.")
@@ -271,6 +278,7 @@ def serve_command(
             max_sessions_per_token=max_sessions_per_device,
             session_ttl_s=session_ttl_s,
             kv_cap_bytes=kv_cap_mb << 20,
+            kv_cap_per_token_bytes=kv_cap_per_device_mb << 20,
             batch_window_s=batch_window_ms / 1e3,
             max_batch=max_batch,
             torch_threads=torch_threads,

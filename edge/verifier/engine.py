@@ -86,6 +86,7 @@ class EngineConfig:
     max_sessions_per_token: int | None = None
     session_ttl_s: float = 300.0  # idle sessions expire; the edge reopens with its prompt
     kv_cap_bytes: int = 1 << 30
+    kv_cap_per_token_bytes: int = 0  # KV one device may hold; 0 = its fair share of the cap only
     batch_window_s: float = 0.002  # wait this long for concurrent verifies to join a batch
     max_batch: int = 32
     max_queue: int = 512  # queued requests beyond this are refused (backpressure)
@@ -112,6 +113,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.max_sessions_per_token must lie in [0, max_sessions="
                 f"{self.max_sessions}], got {self.max_sessions_per_token}"
+            )
+        if not 0 <= self.kv_cap_per_token_bytes <= self.kv_cap_bytes:
+            raise ValueError(
+                f"EngineConfig.kv_cap_per_token_bytes must lie in [0, kv_cap_bytes="
+                f"{self.kv_cap_bytes}], got {self.kv_cap_per_token_bytes}"
             )
         if self.max_context < 0:
             raise ValueError(f"EngineConfig.max_context must be >= 0, got {self.max_context}")
@@ -162,6 +168,7 @@ class VerifierEngine:
             on_evict=lambda reason: self.observer.on_evict(reason),
             owner_quota=self.config.max_sessions_per_token or 0,
             default_quota=self.config.sessions_per_owner,
+            owner_kv_quota=self.config.kv_cap_per_token_bytes,
         )
         self._clock = clock
         self._threads = self.config.torch_threads or torch.get_num_threads()

@@ -298,10 +298,14 @@ def log_shares(config: ServerConfig, authenticator_set: bool) -> None:
     quota = engine.sessions_per_owner
     LOG.info(
         "fair shares per device: sessions %s of %d, KV %d MiB shared max-min among devices "
-        "holding sessions, steps shared by owner; generate %s tok/s, prefill %s tok/s, verify %s",
+        "holding sessions%s, steps shared by owner; generate %s tok/s, prefill %s tok/s, "
+        "verify %s",
         f"<= {quota}" if quota else "unlimited (quota off)",
         engine.max_sessions,
         engine.kv_cap_bytes >> 20,
+        f" (<= {engine.kv_cap_per_token_bytes} bytes each)"
+        if engine.kv_cap_per_token_bytes
+        else "",
         "unmetered" if limits.generate_rate is None else f"{limits.generate_rate:g}",
         "unmetered" if limits.prefill_rate is None else f"{limits.prefill_rate:g}",
         "unmetered" if limits.verify_rate is None else f"{limits.verify_rate:g} tok/s",

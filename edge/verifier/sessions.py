@@ -74,7 +74,7 @@ class SessionStore:
     session table (`max_sessions`) and the KV memory (`cap_bytes`), each max-min fairly
     among the owners holding sessions (plus the one asking): the fair share of each is
     the capacity over that count. An owner (the caller's authenticated identity) also
-    holds at most `owner_quota` sessions (0: no quota).
+    holds at most `owner_quota` sessions and `owner_kv_quota` KV bytes (0: no quota).
 
     When a new session or a growing cache of owner X needs room:
 
@@ -96,13 +96,16 @@ class SessionStore:
         on_evict: Callable[[str], None] | None = None,
         owner_quota: int = 0,
         default_quota: int = 0,
+        owner_kv_quota: int = 0,
     ) -> None:
         """`owner_quota` applies to every owner; `default_quota` (the quota nobody configured)
-        only to identified owners: without authentication every caller is owner ""."""
+        only to identified owners: without authentication every caller is owner "".
+        `owner_kv_quota`: KV bytes any one owner may hold (0: its fair share only)."""
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.lock = threading.RLock()
         self._owner_quota = owner_quota
         self._default_quota = default_quota
+        self._owner_kv_quota = owner_kv_quota
         self._max_sessions = max_sessions
         self._ttl_s = ttl_s
         self._cap_bytes = cap_bytes
@@ -227,6 +230,14 @@ class SessionStore:
         while it reserves the next owner's."""
         owner = owners if isinstance(owners, str) else _single(owners)
         with self.lock:
+            quota = self._owner_kv_quota
+            while quota and self._bytes.get(owner, 0) + extra_bytes > quota:
+                if not self._evict_own(owner, keep, "quota"):
+                    raise Overloaded(
+                        f"this device's KV quota of {quota} bytes is held by its sessions in use "
+                        f"({self._bytes.get(owner, 0)} bytes) and {extra_bytes} more were asked; "
+                        "close some or retry later"
+                    )
             self._make_room(
                 owner,
                 extra_bytes,

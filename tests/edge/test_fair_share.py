@@ -173,6 +173,33 @@ def test_an_owner_under_its_share_gets_kv_held_by_another_owners_idle_sessions(
         assert stub.Verify(follow, metadata=alice).session_length == 512
 
 
+def test_a_configured_kv_quota_caps_one_device_whatever_room_is_free(
+    micro_zoo: ZooPaths, micro_target: PreTrainedModel, devices: tuple[Path, dict[str, Auth]]
+) -> None:
+    """With a per-device KV quota of 100 positions (of a 1,024-position cap), bob's 200-token
+    open is refused though the cap is empty, and his second 60-token open makes room among his
+    own sessions (his first goes); alice's open beside him passes.
+
+    Before the fix there was no per-device KV limit to configure (only the shared cap): bob's
+    200-token open took 199 of the 1,024 positions."""
+    path, auth = devices
+    alice, bob = auth["alice"], auth["bob"]
+    engine = EngineConfig(
+        max_draft=8, kv_cap_bytes=1 << 20, kv_cap_per_token_bytes=100 * PER_POSITION
+    )
+    with verifier(micro_zoo, micro_target, path, engine) as (stub, _):
+        big = pb.OpenSessionRequest(prompt_ids=[3 + i for i in range(200)])
+        assert status(lambda: stub.OpenSession(big, metadata=bob)) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        small = pb.OpenSessionRequest(prompt_ids=[3 + i for i in range(60)])
+        first = stub.OpenSession(small, metadata=bob).session_id
+        stub.OpenSession(small, metadata=bob)
+        peek = pb.VerifyRequest(session_id=first)
+        assert status(lambda: stub.Verify(peek, metadata=bob)) == grpc.StatusCode.NOT_FOUND
+        assert stub.OpenSession(small, metadata=alice).session_id
+
+
 def test_a_device_filling_the_session_table_cannot_refuse_another_with_defaults(
     micro_zoo: ZooPaths, micro_target: PreTrainedModel, devices: tuple[Path, dict[str, Auth]]
 ) -> None:
