@@ -20,11 +20,14 @@ from transformers import PreTrainedModel
 
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
-from fedge.edge.verifier.engine import EngineConfig
+from fedge.edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
+from fedge.edge.verifier.jobs import NullObserver
 from fedge.edge.verifier.limits import GENERATE, PREFILL, RateLimitConfig
 from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 from tests.edge.harness import write_credentials
+from tests.edge.test_engine import target_greedy
+from tests.edge.test_liveness import poll
 
 Auth = tuple[tuple[str, str], ...]
 ROUNDS = 80  # alice's rounds beside bob's streams in the first test
@@ -341,3 +344,41 @@ def test_a_noisy_owner_never_refuses_or_evicts_an_ordinary_owner_under_its_share
             time.sleep(rng.uniform(0.0, 0.01))
     assert failures == []
     assert grpc.StatusCode.OK in noisy_codes  # bob did get work done within his share
+
+
+class BatchSizes(NullObserver):
+    """Records the size of every forward the engine runs."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_batch(self, size: int, seconds: float) -> None:
+        self.sizes.append(size)
+
+
+def test_a_step_gives_no_owner_more_rows_than_the_next_largest_demand(
+    micro_target: PreTrainedModel, micro_prompts: list[list[int]]
+) -> None:
+    """Bob runs 6 Generate streams of 200 tokens; alice starts one of 40 beside them. While both
+    run, a step holds alice's row and one of bob's (his others wait their turn), so his streams
+    do not make alice's steps longer; alone, bob's streams share every step; every stream ends
+    with all its tokens, exactly greedy.
+
+    Before the fix every step held every row: alice's 40 steps were 7 rows wide (none of 2)."""
+    observer = BatchSizes()
+    engine = VerifierEngine(micro_target, EngineConfig(max_draft=8), observer=observer).start()
+    try:
+        bobs = [
+            engine.submit_generate(micro_prompts[4], 200, Sampling(), owner="bob") for _ in range(6)
+        ]
+        poll(lambda: 6 in observer.sizes, 60.0, "bob's streams batched")
+        alice = engine.submit_generate(micro_prompts[2], 40, Sampling(), owner="alice")
+        alice_tokens = list(alice)
+        during = list(observer.sizes)
+        bob_tokens = [list(stream) for stream in bobs]
+    finally:
+        engine.stop()
+    assert alice_tokens == target_greedy(micro_target, micro_prompts[2], 40)
+    assert bob_tokens == [target_greedy(micro_target, micro_prompts[4], 200)] * 6
+    assert during.count(2) >= 30  # alice's steps: her row and one of bob's
+    assert 7 not in observer.sizes
