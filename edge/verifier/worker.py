@@ -12,7 +12,8 @@ on its session's cache object and crops the rejected positions.
 Fair shares where the resource is spent: opens are refused before their prefill runs when
 their owner has no room (`SessionStore.make_slot`); a batch reserves each owner's growth
 for that owner alone, and fails only the members of an owner refused room; each step's rows
-are shared by owner (`fair_rows`), the rows above an owner's share waiting a step.
+are shared by owner (`fair_rows`), the rows above an owner's share waiting a step, and so
+are its prefills (`fair_opens`: one per owner per step while others have work).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Worker:
         self.observer = parts.observer
         self.streams: list[Stream] = []
         self.deferred: list[VerifyJob] = []  # claimed verifies of owners above this step's share
+        self.opens: list[PrefillJob | GenerateJob] = []  # prefills held back a step (fair_opens)
         self._batch_ids = itertools.count(1)
         self._bytes_per_position = parts.geometry.bytes_per_position
 
@@ -70,14 +72,19 @@ class Worker:
         """One turn: take queued work, start it, then one solo run or one batched step."""
         jobs = self._collect()
         carried, self.deferred = self.deferred, []
+        held_back, self.opens = self.opens, []
         try:
             verifies = carried + [
                 job for job in jobs if isinstance(job, VerifyJob) and self._take(job)
             ]
-            for job in jobs:
+            asked: list[PrefillJob | GenerateJob] = [*held_back]
+            asked += [j for j in jobs if isinstance(j, (PrefillJob, GenerateJob))]
+            busy = {v.session.owner for v in verifies} | {s.session.owner for s in self.streams}
+            opens, self.opens = fair_opens(asked, busy)
+            for job in opens:
                 if isinstance(job, PrefillJob):
                     self._guarded_prefill(job)
-                elif isinstance(job, GenerateJob):
+                else:
                     self._start_stream(job)
             self.streams = [s for s in self.streams if self._live(s)]
             if not verifies and len(self.streams) == 1:
@@ -93,8 +100,9 @@ class Worker:
             self.streams = [s for s in self.streams if self._live(s)]
         except Exception as exc:  # a bug must cost the requests in hand, not the worker
             LOG.exception("verifier engine step failed; failing its requests")
-            for job in [*carried, *jobs]:
-                fail_job(job, exc)
+            failed: list[Job] = [*carried, *held_back, *jobs]
+            for held in failed:
+                fail_job(held, exc)
             self.fail_streams(exc)
 
     def fail_streams(self, error: BaseException) -> None:
@@ -102,9 +110,9 @@ class Worker:
         for stream in self.streams:
             self._fail_stream(stream, error)
         self.streams = []
-        for job in self.deferred:
+        for job in [*self.deferred, *self.opens]:
             fail_job(job, error)
-        self.deferred = []
+        self.deferred, self.opens = [], []
 
     def _fail_stream(self, stream: Stream, error: BaseException) -> None:
         """End one stream with `error` and free its session."""
@@ -120,7 +128,7 @@ class Worker:
         """
         jobs = self.parts.jobs
         try:
-            busy = self.streams or self.deferred
+            busy = self.streams or self.deferred or self.opens
             first = jobs.get_nowait() if busy else jobs.get(timeout=IDLE_POLL_S)
         except queue.Empty:
             if not self.streams and self.sessions.expire():
@@ -460,6 +468,24 @@ def fair_rows(
         run += group[:level]
         later += group[level:]
     return run, later
+
+
+def fair_opens(
+    opens: list[PrefillJob | GenerateJob], busy: set[str]
+) -> tuple[list[PrefillJob | GenerateJob], list[PrefillJob | GenerateJob]]:
+    """This step's prefills and those held back: one per owner while other owners have work
+    (`busy`: owners of this step's verifies and streams), so one device's burst of opens does
+    not stall everyone's step; an owner alone prefills all it asked."""
+    owners = {job.owner for job in opens} | busy
+    if len(owners) < 2:
+        return opens, []
+    now: list[PrefillJob | GenerateJob] = []
+    later: list[PrefillJob | GenerateJob] = []
+    seen: set[str] = set()
+    for job in opens:
+        (later if job.owner in seen else now).append(job)
+        seen.add(job.owner)
+    return now, later
 
 
 def _chunks(members: list[Any], size: int) -> list[list[Any]]:
