@@ -15,6 +15,8 @@ from fedge.edge import _hf
 from fedge.edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
 from fedge.edge.verifier.requests import VerifyResult, position_seed
 
+SHARE_RETRY_S = 0.5  # retry-after of a refusal for a quota or fair share: sessions end slowly
+
 
 def session_key(owner: str, session_id: str) -> str:
     """Store key of a session: ids are scoped by owner (bearer token), so tokens never collide."""
@@ -153,7 +155,8 @@ class SessionStore:
                 if not self._evict_own(owner, set(), "quota"):
                     raise Overloaded(
                         f"this device's {quota} sessions are all busy (per-device quota); close "
-                        "some or retry later"
+                        "some or retry later",
+                        SHARE_RETRY_S,
                     )
             self._make_room(
                 owner,
@@ -236,7 +239,8 @@ class SessionStore:
                     raise Overloaded(
                         f"this device's KV quota of {quota} bytes is held by its sessions in use "
                         f"({self._bytes.get(owner, 0)} bytes) and {extra_bytes} more were asked; "
-                        "close some or retry later"
+                        "close some or retry later",
+                        SHARE_RETRY_S,
                     )
             self._make_room(
                 owner,
@@ -317,7 +321,8 @@ class SessionStore:
                 f"{what} cap of {capacity} {unit} reached: this device holds {mine}, its fair share "
                 f"among the {len(owners)} devices holding sessions is {int(share)}, and it has no "
                 "idle session to give up; retry later"
-                + (" or raise the cap" if len(owners) == 1 else "")
+                + (" or raise the cap" if len(owners) == 1 else ""),
+                SHARE_RETRY_S,
             )
 
     def _evict_over_share(
