@@ -16,6 +16,7 @@ death) and the next long prompt starts a fresh ring. No call ever answers from a
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -55,7 +56,14 @@ class RingConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RingConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.size < 2:
-            raise ValueError(f"RingConfig.size must be >= 2 (a ring of one is no ring), got {self.size}")
+            raise ValueError(
+                f"RingConfig.size must be >= 2 (a ring of one is no ring), got {self.size}"
+            )
+        if self.threshold < 2 * self.size:
+            raise ValueError(
+                f"RingConfig.threshold must be >= 2 * size = {2 * self.size} (every rank holds "
+                f"two chunks of a sharded prompt), got {self.threshold}"
+            )
         if self.timeout_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError("RingConfig.timeout_s and start_timeout_s must be > 0")
 
@@ -151,8 +159,8 @@ class RingPool:
                 child.close()
                 self._ranks.append(_Rank(process, parent))
             replies = self._collect("start", self.config.start_timeout_s)
-            for rank, reply in zip(self._ranks, replies, strict=True):
-                rank.pid = int(reply)
+            for member, reply in zip(self._ranks, replies, strict=True):
+                member.pid = int(reply)
             self.usage = [0] * self.config.size
             LOG.info("ring of %d workers up (pids %s)", self.config.size, self.pids)
 
@@ -160,10 +168,8 @@ class RingPool:
         """End the ring workers (asking first, then by pid)."""
         with self._lock:
             for rank in self._ranks:
-                try:
+                with contextlib.suppress(OSError, ValueError):
                     rank.conn.send(("stop",))
-                except (OSError, ValueError):
-                    pass
             self._teardown(grace_s=5.0)
 
     def _teardown(self, grace_s: float = 0.0) -> None:
@@ -302,7 +308,7 @@ class RingPool:
                     )
                 rank = by_conn[id(ready)]
                 try:
-                    status, payload = ready.recv()  # type: ignore[union-attr]
+                    status, payload = self._ranks[rank].conn.recv()
                 except (EOFError, OSError):
                     self._fail(f"ring worker {rank} closed its pipe during {what}")
                 if status != "ok":

@@ -7,9 +7,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from fedge.edge import _hf
 from fedge.edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
@@ -39,7 +39,7 @@ class Session:
     """
 
     session_id: str
-    cache: DynamicCache  # length - 1 positions
+    cache: Any  # length - 1 positions: a DynamicCache, or a ShardedKV the ring workers hold
     pending: int  # last committed token; its KV is computed by the next verify
     temperature: float
     seed: int  # its random draws at each position derive from this (see `draws`)
@@ -84,6 +84,7 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[str], None] | None = None,
         owner_quota: int = 0,
+        on_remove: Callable[[Session], None] | None = None,
     ) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.lock = threading.RLock()
@@ -93,6 +94,7 @@ class SessionStore:
         self._cap_bytes = cap_bytes
         self._clock = clock
         self._on_evict = on_evict or (lambda reason: None)
+        self._on_remove = on_remove or (lambda session: None)  # frees KV held elsewhere
         self._total_bytes = 0
 
     def __len__(self) -> int:
@@ -167,7 +169,18 @@ class SessionStore:
                     f"session {session_id!r} is unknown, closed, expired or evicted"
                 )
             self._total_bytes -= session.nbytes
+            self._on_remove(session)
             return session
+
+    def drop_where(self, doomed: Callable[[Session], bool]) -> int:
+        """Drop every session `doomed` picks (busy or not: its KV is gone); returns how many."""
+        with self.lock:
+            keys = [key for key, s in self._sessions.items() if doomed(s)]
+            for key in keys:
+                session = self._sessions.pop(key)
+                self._total_bytes -= session.nbytes
+                self._on_remove(session)
+            return len(keys)
 
     def resized(self, session: Session) -> None:
         """Recount a session's KV bytes after its cache grew or shrank."""
@@ -195,7 +208,9 @@ class SessionStore:
                 sid for sid, s in self._sessions.items() if s.last_used < deadline and not s.busy
             ]
             for sid in stale:
-                self._total_bytes -= self._sessions.pop(sid).nbytes
+                session = self._sessions.pop(sid)
+                self._total_bytes -= session.nbytes
+                self._on_remove(session)
                 self._on_evict("ttl")
             return len(stale)
 
@@ -205,6 +220,7 @@ class SessionStore:
             if session.busy or sid in keep or session.owner not in owners:
                 continue
             self._total_bytes -= self._sessions.pop(sid).nbytes
+            self._on_remove(session)
             self._on_evict(reason)
             return True
         return False

@@ -114,7 +114,7 @@ def attend_block(
     keys and values are never repeated in memory.
     """
     b, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     qg = q.reshape(b, hkv, hq // hkv, tq, d)  # query heads of one KV head side by side
     scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scaling  # [B, Hkv, G, Tq, Tk]
     if q_range is not None and k_range is not None and k_range[1] - 1 > q_range[0]:
@@ -197,7 +197,9 @@ class RingShard:
             return self._ring(q, k, v, scaling)
         return self._decode(layer, q, k, v, scaling)
 
-    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _ring(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """Prefill: pass KV blocks around the ring, overlapping each transfer with compute."""
         world, rank, layout = self.world, self.rank, self.layout
         acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
