@@ -123,6 +123,7 @@ class RingPool:
         self._drops: collections.deque[tuple[int, str]] = collections.deque()
         self._on_failure: list[Callable[[], None]] = []
         self._keys = 0
+        self.in_flight: str | None = None  # the ring command under way (tests watch it)
 
     # ------------------------------------------------------------------ lifecycle
     def on_failure(self, callback: Callable[[], None]) -> None:
@@ -278,9 +279,13 @@ class RingPool:
         while self._drops:
             rank, key = self._drops.popleft()
             self._send(rank, ("drop", key))
-        for rank in range(len(self._ranks)):
-            self._send(rank, message)
-        return self._collect(what, self.config.timeout_s)
+        self.in_flight = what
+        try:
+            for rank in range(len(self._ranks)):
+                self._send(rank, message)
+            return self._collect(what, self.config.timeout_s)
+        finally:
+            self.in_flight = None
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
         """One reply per rank; any death, error or silence past `timeout_s` fails the ring."""
