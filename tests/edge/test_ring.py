@@ -33,7 +33,9 @@ def ring_server(micro_zoo: ZooPaths, micro_target: PreTrainedModel) -> Iterator[
     engine = EngineConfig(
         max_draft=8, ring_size=2, ring_threshold=THRESHOLD, ring_block=32, batch_window_s=0.0
     )
-    server = BackgroundServer(ServerConfig(micro_zoo.target_dir, drain_notice_s=0.0, engine=engine), micro_target)
+    server = BackgroundServer(
+        ServerConfig(micro_zoo.target_dir, drain_notice_s=0.0, engine=engine), micro_target
+    )
     server.start()
     yield server
     server.stop(grace_s=0.2)
@@ -71,7 +73,7 @@ def _speculate(
         if rounds % 3 == 2:
             proposal[-1] = (proposal[-1] + 1) % 1000  # forces a rejection: a crop on the ring
         reply = stub.Verify(pb.VerifyRequest(session_id=sid, draft_ids=proposal))
-        committed += proposal[: reply.accepted] + [reply.next_token]
+        committed += [*proposal[: reply.accepted], reply.next_token]
         assert reply.session_length == len(committed)
         rounds += 1
     return committed[len(prompt) : len(prompt) + new]
