@@ -231,6 +231,14 @@ class RingPool:
             logits: torch.Tensor = replies[0]["logits"]
             return logits
 
+    def probe(self, length: int, layers: int, kv_heads: int, head_dim: int) -> list[float]:
+        """Seconds each rank spends passing a `length`-token prefill's KV blocks round the ring
+        with no attention to hide them (`layers` x (N-1) exchanges): the bench's overlap baseline."""
+        with self._lock:
+            self.start()
+            replies = self._call(("probe", length, layers, kv_heads, head_dim), "probe")
+            return [float(reply["comm_s"]) for reply in replies]
+
     def crop(self, kv: ShardedKV, positions: int) -> None:
         """Drop the last `positions` positions of a session (from its last step's owner)."""
         with self._lock:
@@ -435,6 +443,9 @@ def _run_op(
         }
         logits = out.logits[0].float().cpu() if want_logits else None
         return {"stats": stats, "logits": logits}
+    if op == "probe":
+        _, length, layers, kv_heads, head_dim = message
+        return {"comm_s": _probe(layout_cls(length, config.size), rank, layers, kv_heads, head_dim)}
     if op == "step":
         _, key, tokens, start, owner = message
         shard = shards[key]
@@ -448,6 +459,29 @@ def _run_op(
             )
         return {"logits": out.logits.float().cpu() if rank == 0 else None}
     raise ValueError(f"unknown ring command {op!r}")
+
+
+def _probe(layout: Any, rank: int, layers: int, kv_heads: int, head_dim: int) -> float:
+    """Time the ring exchanges of one prefill's KV blocks, one after another, no compute."""
+    import torch.distributed as dist
+
+    world = layout.world
+    block = torch.randn(2, 1, kv_heads, layout.size(rank), head_dim)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(layers):
+        current = block
+        for step in range(world - 1):
+            source = (rank - step - 1) % world
+            incoming = torch.empty(2, 1, kv_heads, layout.size(source), head_dim)
+            requests = [
+                dist.isend(current, (rank + 1) % world),
+                dist.irecv(incoming, (rank - 1) % world),
+            ]
+            for request in requests:
+                request.wait()
+            current = incoming
+    return time.perf_counter() - started
 
 
 def _rss_reset() -> int:
