@@ -119,7 +119,8 @@ class RingPool:
         self.last_stats: list[dict[str, Any]] = []
         self._ranks: list[_Rank] = []
         self._store_dir: str | None = None
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # one ring call at a time (the pipes carry no ids)
+        self._usage_lock = threading.Lock()  # usage, generation, releases
         self._drops: collections.deque[tuple[int, str]] = collections.deque()
         self._on_failure: list[Callable[[], None]] = []
         self._keys = 0
@@ -206,8 +207,9 @@ class RingPool:
             self._keys += 1
             key = f"s{self._keys}"
             replies = self._call(("prefill", key, list(tokens), want_logits), "prefill")
-            for rank, size in enumerate(sizes):
-                self.usage[rank] += size
+            with self._usage_lock:
+                for rank, size in enumerate(sizes):
+                    self.usage[rank] += size
             self.last_stats = [reply["stats"] for reply in replies]
             kv = ShardedKV(self, key, sizes, self.generation)
             if not want_logits:
@@ -227,7 +229,8 @@ class RingPool:
             replies = self._call(("step", kv.key, list(tokens), start, owner), "verify")
             kv.lengths[owner] += len(tokens)
             kv.last_owner = owner
-            self.usage[owner] += len(tokens)
+            with self._usage_lock:
+                self.usage[owner] += len(tokens)
             logits: torch.Tensor = replies[0]["logits"]
             return logits
 
@@ -248,18 +251,20 @@ class RingPool:
                 raise ValueError(f"cannot crop {positions} positions of sharded session {kv.key}")
             self._send(owner, ("crop", kv.key, positions))
             kv.lengths[owner] -= positions
-            self.usage[owner] -= positions
+            with self._usage_lock:
+                self.usage[owner] -= positions
 
     def release(self, kv: ShardedKV) -> None:
         """Free a session's KV on every rank (sent with the next call: safe from any thread)."""
-        if kv.released:
-            return
-        kv.released = True
-        if kv.generation != self.generation:
-            return  # its ring is gone, and its memory with it
-        for rank, length in enumerate(kv.lengths):
-            self.usage[rank] -= length
-            self._drops.append((rank, kv.key))
+        with self._usage_lock:  # not the ring's lock: a long prefill must not hold up a close
+            if kv.released:
+                return
+            kv.released = True
+            if kv.generation != self.generation:
+                return  # its ring is gone, and its memory with it
+            for rank, length in enumerate(kv.lengths):
+                self.usage[rank] -= length
+                self._drops.append((rank, kv.key))
 
     # ------------------------------------------------------------------ plumbing
     def _check_cap(self, rank: int, positions: int) -> None:
@@ -333,8 +338,9 @@ class RingPool:
         """Tear the ring down, drop its sessions (callbacks), raise RingFailed."""
         LOG.error("ring failed: %s; ending the other ring workers", reason)
         self._teardown()
-        self.generation += 1
-        self.usage = [0] * self.config.size
+        with self._usage_lock:
+            self.generation += 1
+            self.usage = [0] * self.config.size
         for callback in self._on_failure:
             try:
                 callback()
@@ -479,7 +485,8 @@ def _probe(layout: Any, rank: int, layers: int, kv_heads: int, head_dim: int) ->
                 dist.irecv(incoming, (rank - 1) % world),
             ]
             for request in requests:
-                request.wait()
+                if request is not None:
+                    request.wait()
             current = incoming
     return time.perf_counter() - started
 
