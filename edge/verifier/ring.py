@@ -191,10 +191,13 @@ class RingPool:
             self._store_dir = None
 
     # ------------------------------------------------------------------ calls
-    def prefill(self, tokens: Sequence[int], want_logits: bool = False) -> tuple[ShardedKV, Any]:
+    def prefill(
+        self, tokens: Sequence[int], want_logits: bool = False, overlap: bool = True
+    ) -> tuple[ShardedKV, Any]:
         """Prefill `tokens` over the ring; returns the handle and (when asked) logits [1, L, V].
 
-        The per-rank KV cap is checked first (Overloaded, nothing spent).
+        The per-rank KV cap is checked first (Overloaded, nothing spent). `overlap=False`
+        waits for each transfer before computing (the bench's comparison).
         """
         from fedge.lm.ring import ZigzagLayout
 
@@ -206,7 +209,7 @@ class RingPool:
                 self._check_cap(rank, size)
             self._keys += 1
             key = f"s{self._keys}"
-            replies = self._call(("prefill", key, list(tokens), want_logits), "prefill")
+            replies = self._call(("prefill", key, list(tokens), want_logits, overlap), "prefill")
             with self._usage_lock:
                 for rank, size in enumerate(sizes):
                     self.usage[rank] += size
@@ -419,9 +422,9 @@ def _run_op(
         shards[message[1]].crop(message[2])
         return None
     if op == "prefill":
-        _, key, tokens, want_logits = message
+        _, key, tokens, want_logits, overlap = message
         layout = layout_cls(len(tokens), config.size)
-        shard = shard_cls(layout, rank, config.block)
+        shard = shard_cls(layout, rank, config.block, overlap=overlap)
         positions = layout.positions(rank)
         ids = torch.tensor(tokens)[positions]
         before = _rss_reset()

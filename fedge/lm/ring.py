@@ -164,6 +164,7 @@ class RingShard:
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     mode: str = "prefill"
     owner: int = 0  # decode: the rank that keeps this step's new keys and values
+    overlap: bool = True  # False: wait for each transfer before computing (the bench's baseline)
     stats: RingStats = field(default_factory=RingStats)
 
     @property
@@ -218,6 +219,12 @@ class RingShard:
                     dist.irecv(incoming, (rank - 1) % world, group=self.group),
                 ]
                 self.stats.bytes_sent += block.numel() * block.element_size()
+            if not self.overlap:  # transfer first, then compute: nothing hidden
+                waiting = time.perf_counter()
+                for request in pending:
+                    request.wait()
+                self.stats.wait_s += time.perf_counter() - waiting
+                pending = []
             started = time.perf_counter()
             self._attend_ranges(q, block, layout.ranges(owner), scaling, acc_out, acc_lse)
             waited = time.perf_counter()
