@@ -159,7 +159,7 @@ class RingShard:
 
     layout: ZigzagLayout
     rank: int
-    block: int = 256  # key positions per score block: bounds the score matrix at Tq x block
+    block: int = 256  # query and key positions per score block: scores are Hq x block x block
     group: Any = None  # torch.distributed process group; None = the default one
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     mode: str = "prefill"
@@ -246,30 +246,29 @@ class RingShard:
         acc_out: torch.Tensor,
         acc_lse: torch.Tensor,
     ) -> None:
-        """Fold the block's keys into every query chunk they may reach, `self.block` keys at a time."""
+        """Fold the block's keys into every query they may reach, `self.block` x `self.block` at a time.
+
+        Queries and keys both go in pieces of `self.block` positions, so the score workspace
+        is Hq x block x block whatever the length; a piece of keys wholly after a piece of
+        queries is skipped (causal), one wholly before it needs no mask.
+        """
         q_offset = 0
         for q_start, q_end in self.layout.ranges(self.rank):
-            q_len = q_end - q_start
-            if q_len:
-                q_part = q[:, :, q_offset : q_offset + q_len]
+            for qs, qe in _split(q_start, q_end, self.block):
+                rows = slice(q_offset + qs - q_start, q_offset + qe - q_start)
                 k_offset = 0
                 for k_start, k_end in k_ranges:
-                    for s, e in _split(k_start, k_end, self.block):
-                        if s > q_end - 1:
-                            break  # causal: these keys come after every query of the chunk
-                        lo, hi = k_offset + s - k_start, k_offset + e - k_start
+                    for ks, ke in _split(k_start, k_end, self.block):
+                        if ks > qe - 1:
+                            break  # causal: these keys come after every query of the piece
+                        cols = slice(k_offset + ks - k_start, k_offset + ke - k_start)
                         out, lse = attend_block(
-                            q_part, block[0, :, :, lo:hi], block[1, :, :, lo:hi], scaling,
-                            (q_start, q_end), (s, e),
+                            q[:, :, rows], block[0, :, :, cols], block[1, :, :, cols], scaling,
+                            (qs, qe), (ks, ke),
                         )  # fmt: skip
-                        merge_into(
-                            acc_out[:, :, q_offset : q_offset + q_len],
-                            acc_lse[:, :, q_offset : q_offset + q_len],
-                            out,
-                            lse,
-                        )
+                        merge_into(acc_out[:, :, rows], acc_lse[:, :, rows], out, lse)
                     k_offset += k_end - k_start
-            q_offset += q_len
+            q_offset += q_end - q_start
 
     def _decode(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
