@@ -321,21 +321,29 @@ class RingPool:
                     rank = by_sentinel[ready]
                     if rank in replies:
                         continue
-                    proc = self._ranks[rank]
-                    proc.process.join(1.0)
-                    self._fail(
-                        f"ring worker {rank} (pid {proc.pid or proc.process.pid}) died during "
-                        f"{what} (exit code {proc.process.exitcode})"
-                    )
+                    self._fail_dead(rank, what)
                 rank = by_conn[id(ready)]
                 try:
                     status, payload = self._ranks[rank].conn.recv()
                 except (EOFError, OSError):
-                    self._fail(f"ring worker {rank} closed its pipe during {what}")
+                    status, payload = "error", "closed its pipe"
                 if status != "ok":
+                    # a peer's death makes the survivors' ring exchange fail: name the death
+                    sentinels = [r.process.sentinel for i, r in enumerate(self._ranks) if i != rank]
+                    for dead in wait(sentinels, 2.0):
+                        self._fail_dead(by_sentinel[dead], what)  # type: ignore[index]
                     self._fail(f"ring worker {rank} failed during {what}: {payload}")
                 replies[rank] = payload
         return [replies[i] for i in range(len(self._ranks))]
+
+    def _fail_dead(self, rank: int, what: str) -> None:
+        """Fail the ring for the death of `rank`, naming its pid and exit code."""
+        member = self._ranks[rank]
+        member.process.join(1.0)
+        self._fail(
+            f"ring worker {rank} (pid {member.pid or member.process.pid}) died during {what} "
+            f"(exit code {member.process.exitcode})"
+        )
 
     def _fail(self, reason: str) -> None:
         """Tear the ring down, drop its sessions (callbacks), raise RingFailed."""
