@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install demo test test-cluster test-archs test-pretrained test-install lint typecheck unit proto clean
+.PHONY: install demo test test-cluster test-archs test-pretrained test-install test-ring lint typecheck unit proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,12 @@ test-pretrained: $(STAMP)
 # extras' packages must be absent. Minutes (a venv and flwr's dependencies), so not in `make test`.
 test-install: $(STAMP)
 	$(BIN)/pytest -m install tests/test_install.py -n 0 -s --durations=3
+
+# Ring attention on 4,096-token prompts: rings of 2 and 4 worker processes against one process
+# (default zoo target, trained if built, else its shape with random weights; HF Llama and Qwen2
+# with GQA, random weights), logits within 1e-4. Minutes: spawned rings and 4k-token references.
+test-ring: $(STAMP)
+	FEDGE_HOME=$(CURDIR)/.fedge-cache OMP_NUM_THREADS=1 $(BIN)/pytest -m ring tests/edge/test_ring_long.py -n 0 -s --durations=6
 
 proto: $(STAMP)
 	$(BIN)/python -m fedge.edge.proto.codegen

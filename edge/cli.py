@@ -252,6 +252,17 @@ def serve_command(
     prefill_burst: PrefillBurstOption = PREFILL_BURST,
     tracing: TracingOption = "none",
     otlp_endpoint: OtlpEndpointOption = None,
+    ring_size: Annotated[
+        int,
+        typer.Option(help="Ring attention worker processes for long prompts; 0 = off."),
+    ] = 0,
+    ring_threshold: Annotated[
+        int, typer.Option(help="Prompts of more tokens than this are prefilled by the ring.")
+    ] = 2048,
+    ring_block: Annotated[
+        int, typer.Option(help="Key positions per attention score block in a ring worker.")
+    ] = 256,
+    ring_kv_cap_mb: Annotated[int, typer.Option(help="KV cap of each ring worker, MiB.")] = 1024,
 ) -> None:
     """Serve MODEL (plus ADAPTER) over gRPC until SIGINT/SIGTERM; health is NOT_SERVING while loading and draining."""
     from fedge.edge.tracing import TracingConfig, shutdown, tracer_provider
@@ -282,6 +293,10 @@ def serve_command(
             batch_window_s=batch_window_ms / 1e3,
             max_batch=max_batch,
             torch_threads=torch_threads,
+            ring_size=ring_size,
+            ring_threshold=ring_threshold,
+            ring_block=ring_block,
+            ring_kv_cap_bytes=ring_kv_cap_mb << 20,
         ),
         rate_limits=rate_limits(
             verify_rate, verify_burst, generate_rate, generate_burst, prefill_rate, prefill_burst

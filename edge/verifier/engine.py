@@ -56,6 +56,8 @@ from fedge.edge.verifier.requests import (
     check_session_id,
     sampling_draft,
 )
+from fedge.edge.verifier.ring import RingConfig
+from fedge.edge.verifier.runtime import Runtime, ShardedRuntime, TorchRuntime
 from fedge.edge.verifier.sessions import Session, SessionStore
 from fedge.edge.verifier.worker import Worker
 
@@ -93,6 +95,25 @@ class EngineConfig:
     torch_threads: int = (
         0  # intra-op threads of the worker; 0 = those of the thread building the engine
     )
+    # Ring attention (fedge.edge.verifier.ring): prompts longer than ring_threshold tokens are
+    # prefilled by ring_size worker processes that keep the KV sharded. 0 = off.
+    ring_size: int = 0
+    ring_threshold: int = 2048
+    ring_block: int = 256  # key positions per attention score block in a ring worker
+    ring_kv_cap_bytes: int = 1 << 30  # KV each ring worker may hold
+    ring_threads: int = 1  # intra-op threads per ring worker
+
+    def ring(self) -> RingConfig | None:
+        """The ring's configuration, or None when sharding is off."""
+        if not self.ring_size:
+            return None
+        return RingConfig(
+            size=self.ring_size,
+            threshold=self.ring_threshold,
+            block=self.ring_block,
+            kv_cap_bytes=self.ring_kv_cap_bytes,
+            threads=self.ring_threads,
+        )
 
     def __post_init__(self) -> None:
         positive = {
@@ -123,6 +144,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_context must be >= 0, got {self.max_context}")
         if self.batch_window_s < 0:
             raise ValueError(f"EngineConfig.batch_window_s must be >= 0, got {self.batch_window_s}")
+        if self.ring_size < 0:
+            raise ValueError(f"EngineConfig.ring_size must be >= 0, got {self.ring_size}")
+        self.ring()  # RingConfig names a bad ring field
 
     @property
     def sessions_per_owner(self) -> int:
@@ -160,6 +184,9 @@ class VerifierEngine:
             )
         self.geometry = KVGeometry.of(model)
         self.bytes_per_position = self.geometry.bytes_per_position
+        local = TorchRuntime(self.model, self.geometry)
+        ring = self.config.ring()
+        self.runtime: Runtime = local if ring is None else ShardedRuntime(local, ring)
         self.sessions = SessionStore(
             self.config.max_sessions,
             self.config.session_ttl_s,
@@ -169,7 +196,9 @@ class VerifierEngine:
             owner_quota=self.config.max_sessions_per_token or 0,
             default_quota=self.config.sessions_per_owner,
             owner_kv_quota=self.config.kv_cap_per_token_bytes,
+            on_remove=lambda session: self.runtime.release(session.cache),
         )
+        self.runtime.on_lost(self._sharded_lost)
         self._clock = clock
         self._threads = self.config.torch_threads or torch.get_num_threads()
         self._queue: queue.Queue[Job] = queue.Queue(self.config.max_queue)
@@ -190,6 +219,7 @@ class VerifierEngine:
                 session_info=self._info,
                 batch_window_s=self.config.batch_window_s,
                 max_batch=self.config.max_batch,
+                runtime=self.runtime,
             )
         )
 
@@ -197,6 +227,7 @@ class VerifierEngine:
     def start(self) -> VerifierEngine:
         """Start the worker thread; returns self."""
         if self._thread is None:
+            self.runtime.start()
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="verifier-engine", daemon=True)
             self._thread.start()
@@ -211,6 +242,13 @@ class VerifierEngine:
         stopping = NotReady("verifier is shutting down; retry elsewhere")
         self._fail_queued(stopping)
         self._worker.fail_streams(stopping)
+        self.runtime.stop()
+
+    def _sharded_lost(self) -> None:
+        """The ring failed: its sessions' KV is gone, so they go (a verify reopens them)."""
+        dropped = self.sessions.drop_where(lambda s: not self.runtime.batchable(s.cache))
+        LOG.warning("ring failure dropped %d sharded session(s)", dropped)
+        self.observer.on_sessions(len(self.sessions), self.sessions.total_bytes)
 
     def on_death(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(error)` from the worker thread if the worker ever dies."""

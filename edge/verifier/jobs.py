@@ -16,6 +16,7 @@ from fedge.edge.tracing import Tracing
 from fedge.edge.verifier.batching import KVGeometry
 from fedge.edge.verifier.channel import TokenChannel
 from fedge.edge.verifier.requests import Draft, Sampling, SessionInfo, VerifyResult
+from fedge.edge.verifier.runtime import Runtime
 from fedge.edge.verifier.sessions import Session, SessionStore
 
 
@@ -94,6 +95,7 @@ class WorkerParts:
     session_info: Callable[[str], SessionInfo]
     batch_window_s: float
     max_batch: int
+    runtime: Runtime  # what runs the model: in this process, or on a ring for long prompts
 
 
 def resolve(future: Future[Any], result: object) -> None:

@@ -241,7 +241,8 @@ class VerifierServer:
         )
         engine.on_death(lambda error: _call_soon(loop, self._engine_dead))
         self.metrics.watch(engine)
-        self.engine = engine.start()
+        # start() spawns the ring workers when sharding is on: off the loop, health stays answerable
+        self.engine = await asyncio.to_thread(engine.start)
         log_shares(self.config, authenticator_set=self._authenticated)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         LOG.info("verifier serving %s on %s:%d", self.config.model_dir, self.config.host, self.port)

@@ -7,9 +7,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from fedge.edge import _hf
 from fedge.edge.verifier.errors import Overloaded, SessionBusy, SessionNotFound
@@ -41,7 +41,7 @@ class Session:
     """
 
     session_id: str
-    cache: DynamicCache  # length - 1 positions
+    cache: Any  # length - 1 positions: a DynamicCache, or a ShardedKV the ring workers hold
     pending: int  # last committed token; its KV is computed by the next verify
     temperature: float
     seed: int  # its random draws at each position derive from this (see `draws`)
@@ -99,6 +99,7 @@ class SessionStore:
         owner_quota: int = 0,
         default_quota: int = 0,
         owner_kv_quota: int = 0,
+        on_remove: Callable[[Session], None] | None = None,
     ) -> None:
         """`owner_quota` applies to every owner; `default_quota` (the quota nobody configured)
         only to identified owners: without authentication every caller is owner "".
@@ -113,6 +114,7 @@ class SessionStore:
         self._cap_bytes = cap_bytes
         self._clock = clock
         self._on_evict = on_evict or (lambda reason: None)
+        self._on_remove = on_remove or (lambda session: None)  # frees KV held elsewhere
         self._total_bytes = 0
         self._bytes: dict[str, int] = {}  # owner -> KV bytes of its sessions
         self._count: dict[str, int] = {}  # owner -> its sessions (owners holding none absent)
@@ -213,7 +215,18 @@ class SessionStore:
                     f"session {session_id!r} is unknown, closed, expired or evicted"
                 )
             self._charge(session.owner, -session.nbytes, -1)
+            self._on_remove(session)
             return session
+
+    def drop_where(self, doomed: Callable[[Session], bool]) -> int:
+        """Drop every session `doomed` picks (busy or not: its KV is gone); returns how many."""
+        with self.lock:
+            keys = [key for key, s in self._sessions.items() if doomed(s)]
+            for key in keys:
+                session = self._sessions.pop(key)
+                self._charge(session.owner, -session.nbytes, -1)
+                self._on_remove(session)
+            return len(keys)
 
     def resized(self, session: Session) -> None:
         """Recount a session's KV bytes after its cache grew or shrank."""
@@ -288,6 +301,7 @@ class SessionStore:
         """Evict the session stored under `key`."""
         session = self._sessions.pop(key)
         self._charge(session.owner, -session.nbytes, -1)
+        self._on_remove(session)
         self._on_evict(reason)
 
     def _make_room(

@@ -28,11 +28,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from fedge.edge import _hf
 from fedge.edge.speculative import greedy_choices_verdict, sampling_verdict
-from fedge.edge.verifier.batching import batched_forward
 from fedge.edge.verifier.errors import Overloaded
 from fedge.edge.verifier.jobs import (
     GenerateJob,
@@ -59,6 +57,7 @@ class Worker:
     def __init__(self, parts: WorkerParts) -> None:
         self.parts = parts
         self.model = parts.model
+        self.runtime = parts.runtime
         self.sessions = parts.sessions
         self.observer = parts.observer
         self.streams: list[Stream] = []
@@ -93,8 +92,12 @@ class Worker:
                 run, later = fair_rows([*verifies, *self.streams])
                 self.deferred = [m for m in later if isinstance(m, VerifyJob)]
                 keep = {m.session.key for m in [*run, *later]}  # no eviction inside this step
-                for chunk in _chunks(run, self.parts.max_batch):
+                batchable = [m for m in run if self.runtime.batchable(m.session.cache)]
+                for chunk in _chunks(batchable, self.parts.max_batch):
                     self._run_batch(chunk, keep)
+                for member in run:  # sharded sessions run on their ring, one at a time
+                    if not self.runtime.batchable(member.session.cache):
+                        self._run_batch([member], keep)
                 ran = {id(m) for m in run}  # streams that waited go first next step
                 self.streams.sort(key=lambda stream: id(stream) in ran)
             self.streams = [s for s in self.streams if self._live(s)]
@@ -191,15 +194,20 @@ class Worker:
     def _prefill(self, job: PrefillJob) -> SessionInfo:
         """Fill the KV cache with all prompt tokens but the last, which stays pending."""
         self.sessions.make_slot(job.owner)  # refused before any compute is spent on it
-        self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), job.owner)
-        cache = DynamicCache()
-        if len(job.prompt) > 1:
-            _hf.forward_on(self.model, torch.tensor([job.prompt[:-1]]), cache)
-        self._admit(self._session(job.session_id, cache, job.prompt[-1], job.sampling, job.owner))
+        past = job.prompt[:-1]
+        self.sessions.reserve(self.runtime.local_bytes(len(past)), set(), job.owner)
+        cache, _ = self.runtime.prefill(past)
+        try:
+            self._admit(
+                self._session(job.session_id, cache, job.prompt[-1], job.sampling, job.owner)
+            )
+        except Exception:
+            self.runtime.release(cache)
+            raise
         return self.parts.session_info(job.session_id)
 
     def _session(
-        self, session_id: str, cache: DynamicCache, pending: int, sampling: Sampling, owner: str
+        self, session_id: str, cache: Any, pending: int, sampling: Sampling, owner: str
     ) -> Session:
         """A new session holding `cache`; its random draws derive from its seed per position."""
         seed = sampling.seed or derive_seed(session_id)
@@ -226,13 +234,16 @@ class Worker:
             return
         try:
             self.sessions.make_slot(job.owner)
-            self.sessions.reserve(len(job.prompt) * self._bytes_per_position, set(), job.owner)
-            cache = DynamicCache()
-            logits = _hf.forward_on(self.model, torch.tensor([job.prompt]), cache)
+            self.sessions.reserve(self.runtime.local_bytes(len(job.prompt)), set(), job.owner)
+            cache, logits = self.runtime.prefill(job.prompt, want_logits=True)
             session = self._session(uuid.uuid4().hex, cache, -1, job.sampling, job.owner)
             session.busy = True  # never idle: only preempted, when its owner is above its share
             session.stream = True
-            self._admit(session)
+            try:
+                self._admit(session)
+            except Exception:
+                self.runtime.release(cache)
+                raise
         except Exception as exc:  # the channel carries it to the caller
             job.channel.fail(exc)
             return
@@ -247,10 +258,9 @@ class Worker:
         try:
             while not (stream.finished or channel.cancelled or stop.is_set()):
                 started = time.monotonic()
-                self.sessions.reserve(self._bytes_per_position, keep, session.owner)
-                logits = _hf.forward_on(
-                    self.model, torch.tensor([[session.pending]]), session.cache
-                )
+                if self.runtime.batchable(session.cache):
+                    self.sessions.reserve(self._bytes_per_position, keep, session.owner)
+                logits = self.runtime.forward_on(torch.tensor([[session.pending]]), session.cache)
                 self.sessions.resized(session)
                 self._emit(stream, self._choose(session, logits[0, -1:]))
                 self.observer.on_batch(1, time.monotonic() - started)
@@ -364,6 +374,8 @@ class Worker:
         keep = keep | {m.session.key for m in members}
         growth: dict[str, int] = {}
         for m in members:
+            if not self.runtime.batchable(m.session.cache):
+                continue  # a sharded session's KV lives in its ring workers, under their cap
             fed = len(m.draft.ids) + 1 if isinstance(m, VerifyJob) else 1
             growth[m.session.owner] = growth.get(m.session.owner, 0) + fed
         held: dict[str, int] = {}
@@ -387,8 +399,8 @@ class Worker:
         """Logits [B, T, V], and the new positions' KV per layer when batched (None when in place)."""
         caches = [m.session.cache for m in members]
         if len(members) == 1:
-            return _hf.forward_on(self.model, torch.tensor(inputs), caches[0]), None
-        return batched_forward(self.model, self.parts.geometry, caches, inputs)
+            return self.runtime.forward_on(torch.tensor(inputs), caches[0]), None
+        return self.runtime.batched_forward(caches, inputs)
 
     def _keep(self, session: Session, new: _hf.KV | None, kept: int, fed: int) -> None:
         """Keep the KV of the first `kept` of the `fed` positions a forward computed."""
@@ -407,7 +419,7 @@ class Worker:
             self._discard(member.session)
         else:
             member.session.busy = False
-            reject(member.future, error)
+        reject(member.future, error)
 
     def _step_stream(self, stream: Stream, logits: torch.Tensor, new: _hf.KV | None) -> None:
         """A stream's share of a batched step: keep its one new position, emit its next token."""

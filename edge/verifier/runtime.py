@@ -1,0 +1,158 @@
+"""The runtimes the engine's worker runs its model through: one interface, several targets.
+
+The worker never calls the model itself: it asks its `Runtime` to prefill a prompt into a
+cache, to run new tokens on one cache in place, or (for caches the runtime can batch) to run
+several caches in one padded pass. `TorchRuntime` is the in-process transformers model;
+`ShardedRuntime` sends prompts above a threshold to a ring of worker processes
+(`fedge.edge.verifier.ring`) and keeps everything else on the runtime it wraps. A further
+target (an ONNX Runtime session, say) is one more class with these methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from fedge.edge import _hf
+from fedge.edge.verifier.batching import KVGeometry, batched_forward
+from fedge.edge.verifier.ring import RingConfig, RingPool, ShardedKV
+
+__all__ = ["Runtime", "ShardedRuntime", "TorchRuntime"]
+
+
+class Runtime(Protocol):
+    """What the engine's worker needs from a model target."""
+
+    def start(self) -> None:
+        """Get ready to serve (spawn processes, load sessions); called by the engine's start."""
+
+    def stop(self) -> None:
+        """Release what `start` took."""
+
+    def prefill(self, tokens: Sequence[int], want_logits: bool = False) -> tuple[Any, Any]:
+        """A new cache holding `tokens`' KV, and (when asked) the last position's logits [1, 1, V]."""
+
+    def forward_on(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Run input_ids [1, T] after `cache`, growing it in place; logits [1, T, V]."""
+
+    def batchable(self, cache: Any) -> bool:
+        """True if `cache` may join a padded batch (`batched_forward`)."""
+
+    def batched_forward(
+        self, caches: Sequence[Any], inputs: list[list[int]]
+    ) -> tuple[torch.Tensor, _hf.KV]:
+        """Several batchable caches in one pass: logits [B, T, V] and the new positions' KV."""
+
+    def local_bytes(self, tokens: int) -> int:
+        """Engine-held KV bytes a prefill of `tokens` tokens adds (0 when held elsewhere)."""
+
+    def release(self, cache: Any) -> None:
+        """Free a cache held outside this process (its session left the store)."""
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` when caches held elsewhere are lost (their sessions must go)."""
+
+
+class TorchRuntime:
+    """The model in this process: DynamicCache sessions, padded batches."""
+
+    def __init__(self, model: PreTrainedModel, geometry: KVGeometry) -> None:
+        self.model = model
+        self.geometry = geometry
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def prefill(
+        self, tokens: Sequence[int], want_logits: bool = False
+    ) -> tuple[DynamicCache, torch.Tensor | None]:
+        cache = DynamicCache()
+        logits = None
+        if tokens:
+            logits = _hf.forward_on(self.model, torch.tensor([list(tokens)]), cache)
+        return cache, (logits[:, -1:] if want_logits and logits is not None else None)
+
+    def forward_on(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        return _hf.forward_on(self.model, input_ids, cache)
+
+    def batchable(self, cache: Any) -> bool:
+        return True
+
+    def batched_forward(
+        self, caches: Sequence[Any], inputs: list[list[int]]
+    ) -> tuple[torch.Tensor, _hf.KV]:
+        return batched_forward(self.model, self.geometry, caches, inputs)
+
+    def local_bytes(self, tokens: int) -> int:
+        return tokens * self.geometry.bytes_per_position
+
+    def release(self, cache: Any) -> None:
+        return None
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        return None
+
+
+class ShardedRuntime:
+    """Prompts of more than `config.threshold` tokens go to a ring; all else to `local`.
+
+    A sharded session's verify and decode steps run on the ring too (each rank attends the
+    new tokens to its own KV block; see `fedge.lm.ring`); it never joins a padded batch.
+    """
+
+    def __init__(self, local: TorchRuntime, config: RingConfig) -> None:
+        self.local = local
+        self.config = config
+        self.pool = RingPool(local.model, config, local.geometry.bytes_per_position)
+
+    def start(self) -> None:
+        self.pool.start()
+
+    def stop(self) -> None:
+        self.pool.stop()
+
+    def sharded(self, tokens: int) -> bool:
+        """True when a prefill of `tokens` tokens goes to the ring."""
+        return tokens > self.config.threshold
+
+    def prefill(self, tokens: Sequence[int], want_logits: bool = False) -> tuple[Any, Any]:
+        if not self.sharded(len(tokens)):
+            return self.local.prefill(tokens, want_logits)
+        if not want_logits:
+            kv, _ = self.pool.prefill(tokens)
+            return kv, None
+        kv, _ = self.pool.prefill(tokens[:-1])  # the last token's pass gives the logits
+        try:
+            return kv, self.pool.step(kv, tokens[-1:])[:, -1:]
+        except Exception:
+            self.pool.release(kv)
+            raise
+
+    def forward_on(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        if isinstance(cache, ShardedKV):
+            return self.pool.step(cache, input_ids[0].tolist())
+        return self.local.forward_on(input_ids, cache)
+
+    def batchable(self, cache: Any) -> bool:
+        return not isinstance(cache, ShardedKV)
+
+    def batched_forward(
+        self, caches: Sequence[Any], inputs: list[list[int]]
+    ) -> tuple[torch.Tensor, _hf.KV]:
+        return self.local.batched_forward(caches, inputs)
+
+    def local_bytes(self, tokens: int) -> int:
+        return 0 if self.sharded(tokens) else self.local.local_bytes(tokens)
+
+    def release(self, cache: Any) -> None:
+        if isinstance(cache, ShardedKV):
+            self.pool.release(cache)
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        self.pool.on_failure(callback)
