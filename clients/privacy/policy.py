@@ -28,7 +28,6 @@ a policy (``fedge.clients.secagg.engine``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
 from collections.abc import Mapping
@@ -51,6 +50,7 @@ from fedge.privacy.wire import (
     KEY_DPSGD_NOISE,
     REFUSAL_BUDGET,
 )
+from fedge.secagg.binding import model_digest
 from fedge.secagg.wire import (
     KEY_NEIGHBOURS,
     KEY_STAGE,
@@ -294,6 +294,7 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
         if dp.clip > policy.max_clip:
             raise PolicyRefusal(f"the {dp.mechanism} clip norm is above this node's max-clip")
     if policy.once_per_model:
+        check_model_records(content)
         node_ledger(context).claim_model(model_digest(content))
     if policy.max_epsilon > 0 and dp is not None and dp.mechanism == "distributed DP":
         ledger = node_ledger(context)
@@ -305,15 +306,19 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
             )
 
 
-def model_digest(content: RecordDict) -> str:
-    """SHA-256 of the message's array records (the global model it asks this node to train)."""
-    h = hashlib.sha256(b"fedge global model v1")
-    for name, record in sorted(content.array_records.items()):
-        for key in sorted(record):
-            arr = record[key]
-            h.update(f"{name}/{key}|{arr.dtype}|{tuple(arr.shape)}|".encode())
-            h.update(arr.data)
-    return h.hexdigest()
+# The ArrayRecords a train message may carry under once-per-model: fedge's global model and
+# strategy state, and Flower's global arrays. Any other one the client would ignore, so it
+# would make a new model digest for the same model (a second training on it): refused.
+MODEL_RECORDS = frozenset({keys.REC_GLOBAL, keys.REC_STRATEGY, "arrays"})
+
+
+def check_model_records(content: RecordDict) -> None:
+    """Refuse an ArrayRecord outside :data:`MODEL_RECORDS` (it would dodge once-per-model)."""
+    if set(content.array_records) - MODEL_RECORDS:
+        raise PolicyRefusal(
+            "the train message carries an array record this node does not train on (rule: "
+            "once-per-model keys on the global model, so nothing beside it may change its digest)"
+        )
 
 
 def check_evaluate(policy: PrivacyPolicy) -> None:

@@ -8,8 +8,9 @@ identity is pinned for good (a new session never replaces it). The X25519 secret
 each neighbour is computed once per session and kept in the state beside the private
 keys. Each round is then two exchanges. *Collect*: the client trains, masks its
 quantized input with a fresh self mask and one pairwise mask per neighbour (seeded by
-HKDF from the pair's X25519 secret, both node ids, the round id and a digest of the
-train content, :mod:`fedge.secagg.binding`), and sends it with its self-mask seed
+HKDF from the pair's X25519 secret, both node ids, the round id and the contribution
+digest of everything its input depends on: model, config, every SecAgg+ number, the
+round's graph and run, :mod:`fedge.secagg.binding`), and sends it with its self-mask seed
 Shamir-shared among its neighbours only (it keeps no share itself), each share signed
 by this node and encrypted to its holder (AES-GCM under a per-round HKDF key).
 *Unmask*: it reveals the self-mask shares of live neighbours and, for dropped ones,
@@ -40,6 +41,7 @@ from fedge.clients.secagg.rules import (
     PIN_FIELDS,
     ClientRules,
     SecAggProtocolError,
+    check_graph,
     check_identities,
     check_neighbourhood,
     check_numbers,
@@ -47,7 +49,7 @@ from fedge.clients.secagg.rules import (
 )
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
-from fedge.secagg.binding import content_digest
+from fedge.secagg.binding import contribution_digest
 from fedge.secagg.crypto import (
     SHARE_PURPOSE,
     derive,
@@ -89,6 +91,7 @@ _SETTINGS = (
     wire.KEY_PEER_SIGNATURE,
     wire.KEY_THRESHOLD,
     wire.KEY_NEIGHBOURS,
+    wire.KEY_GRAPH,
     wire.KEY_CLIPPING_RANGE,
     wire.KEY_QUANTIZATION_RANGE,
     wire.KEY_MODULUS_RANGE,
@@ -117,8 +120,13 @@ class SecAggClientEngine:
         self.identity = identity if identity is not None else self._state_identity()
         self.rules = rules if rules is not None else ClientRules()
 
-    def handle(self, content: RecordDict, contribute: Contribute) -> RecordDict:
-        """Run the stage named in ``content`` and return the reply content."""
+    def handle(
+        self, content: RecordDict, contribute: Contribute, run_id: int | None = None
+    ) -> RecordDict:
+        """Run the stage named in ``content`` and return the reply content.
+
+        ``run_id`` (the Flower run the message belongs to) enters the contribution digest
+        with everything else the collect stage depends on (:mod:`fedge.secagg.binding`)."""
         rec = content.config_records.get(wire.SECAGG_RECORD)
         if rec is None:
             raise SecAggProtocolError(
@@ -134,7 +142,7 @@ class SecAggClientEngine:
                 f"session {self.state.get(_S_SESSION)!r}; the server must ask it to advertise keys"
             )
         elif stage == wire.STAGE_COLLECT:
-            out = self._collect(rec, contribute, content_digest(content))
+            out = self._collect(rec, contribute, contribution_digest(content, run_id).whole)
         elif stage == wire.STAGE_UNMASK:
             out = self._unmask(rec)
         else:
@@ -190,6 +198,7 @@ class SecAggClientEngine:
         neighbours = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_NEIGHBOURS))
         threshold, clip, levels, modulus = check_numbers(rec)
         check_neighbourhood(self.node_id, neighbours, threshold, self.rules)
+        check_graph(self.node_id, neighbours, threshold, wire.get_bytes(rec, wire.KEY_GRAPH))
         self._check_keys(
             neighbours,
             wire.get_bytes_list(rec, wire.KEY_PEER_PK1),

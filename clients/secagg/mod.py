@@ -101,7 +101,7 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
         return {**_clip_to_range(arrays, rec), **_metric_arrays(reply.content, rec, dp)}
 
     try:
-        out = engine.handle(msg.content, contribute)
+        out = engine.handle(msg.content, contribute, msg.metadata.run_id)
     except (SecAggProtocolError, ValueError) as exc:
         return Message(Error(code=ERROR_SECAGG, reason=f"SecAgg+: {exc}"), reply_to=msg)
     return Message(out, reply_to=msg)

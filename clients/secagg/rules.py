@@ -76,6 +76,27 @@ def check_neighbourhood(
         )
 
 
+def check_graph(node_id: int, neighbours: list[int], threshold: int, blob: bytes) -> None:
+    """Refuse a round graph that is malformed, asymmetric or disagrees with this node's own
+    neighbourhood and threshold. The graph is in the contribution digest: a client that was
+    sent another graph than its neighbours masks under other pair seeds than they do."""
+    try:
+        graph = wire.unpack_graph(blob)
+    except ValueError as exc:
+        raise SecAggProtocolError(f"collect message: {exc}; refusing") from exc
+    if graph.get(node_id) != (threshold, sorted(neighbours)):
+        raise SecAggProtocolError(
+            "collect message: the round graph does not give this node the neighbours and "
+            "threshold it was sent (rule: one graph for the whole round); refusing"
+        )
+    for u, (_, hood) in graph.items():
+        if any(v not in graph or u not in graph[v][1] for v in hood):
+            raise SecAggProtocolError(
+                "collect message: the round graph is not symmetric (rule: a pair masks both "
+                "ways); refusing"
+            )
+
+
 def check_unmask(
     node_id: int,
     neighbours: list[int],

@@ -25,6 +25,10 @@ KEY_SESSION = "session"  # str: the server's key session; keys are agreed once p
 KEY_ROUND = "round-id"  # str: fresh per round; a client never accepts one twice
 KEY_THRESHOLD = "threshold"
 KEY_NEIGHBOURS = "neighbours"  # packed uint64 node ids, parallel to KEY_PEER_PK1/KEY_PEER_PK2
+# The round's whole graph, the same in every client's collect message (pack_graph): each
+# node's threshold and neighbours. It is in the contribution digest (fedge.secagg.binding),
+# so a client told a different neighbourhood than its neighbours were told masks in vain.
+KEY_GRAPH = "graph"
 KEY_PEER_PK1 = "peer-pk1"
 KEY_PEER_PK2 = "peer-pk2"
 KEY_CLIPPING_RANGE = "clipping-range"
@@ -65,6 +69,34 @@ def unpack_ids(blob: bytes) -> list[int]:
     if len(blob) % 8:
         raise ValueError(f"packed node id field has {len(blob)} bytes, not a multiple of 8")
     return [int(x) for x in np.frombuffer(blob, dtype="<u8")]
+
+
+def pack_graph(graph: Mapping[int, tuple[int, Sequence[int]]]) -> bytes:
+    """Pack ``{node: (threshold, neighbours)}`` canonically: sorted nodes, sorted neighbours."""
+    flat: list[int] = []
+    for node in sorted(graph):
+        threshold, hood = graph[node]
+        flat += [node, threshold, len(hood), *sorted(hood)]
+    return pack_ids(flat)
+
+
+def unpack_graph(blob: bytes) -> dict[int, tuple[int, list[int]]]:
+    """Unpack what :func:`pack_graph` wrote; a malformed or non-canonical graph is an error."""
+    flat = unpack_ids(blob)
+    out: dict[int, tuple[int, list[int]]] = {}
+    i = 0
+    while i < len(flat):
+        if i + 3 > len(flat) or i + 3 + flat[i + 2] > len(flat):
+            raise WireError("SecAgg+ field 'graph' is truncated")
+        node, threshold, k = flat[i : i + 3]
+        hood = flat[i + 3 : i + 3 + k]
+        if node in out or hood != sorted(set(hood)):
+            raise WireError("SecAgg+ field 'graph' repeats a node or is not in canonical order")
+        out[node] = (threshold, hood)
+        i += 3 + k
+    if pack_graph(out) != blob:
+        raise WireError("SecAgg+ field 'graph' is not in canonical order")
+    return out
 
 
 class WireError(ValueError):

@@ -196,14 +196,17 @@ class SecAggServerEngine:
         self._r.order = ring_order(keyed, self._seed)
         scale_names = [k for k, _ in self._scales()]
         scale_values = [float(v) for _, v in self._scales()]
+        for u in keyed:
+            try:
+                self._r.thresholds[u] = self.cfg.threshold_for(len(self._r.neighbours[u]))
+            except ValueError as exc:
+                raise SecAggRoundFailed(f"SecAgg+: {exc}; no aggregate is applied") from exc
+        graph = wire.pack_graph({u: (self._r.thresholds[u], self._r.neighbours[u]) for u in keyed})
         out = {}
         for u in keyed:
             hood = self._r.neighbours[u]
-            try:
-                self._r.thresholds[u] = self.cfg.threshold_for(len(hood))
-            except ValueError as exc:
-                raise SecAggRoundFailed(f"SecAgg+: {exc}; no aggregate is applied") from exc
             rec = self._record(wire.STAGE_COLLECT)
+            rec[wire.KEY_GRAPH] = graph
             rec[wire.KEY_THRESHOLD] = self._r.thresholds[u]
             rec[wire.KEY_NEIGHBOURS] = wire.pack_ids(hood)
             rec[wire.KEY_PEER_PK1] = [self.keys.keys[v][0] for v in hood]

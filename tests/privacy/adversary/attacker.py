@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from fedge.clients.secagg.engine import ClientRules, SecAggClientEngine
 from fedge.secagg import identity, wire
-from fedge.secagg.binding import content_digest
+from fedge.secagg.binding import contribution_digest
 from fedge.secagg.config import SecAggConfig
 from fedge.secagg.crypto import combine_secret, derive, mask_info
 from fedge.secagg.vectors import Layout, dequantize_sum, prg_mask
@@ -40,8 +40,15 @@ def collect_record(
     session: str,
     round_id: str,
     extra: Mapping[str, object] | None = None,
+    node: int | None = None,
 ) -> RecordDict:
-    """A collect-masked-input request as the server engine writes it, with the fields given."""
+    """A collect-masked-input request as the server engine writes it, with the fields given.
+
+    Its round graph is the star around ``node`` (each neighbour's threshold 1), or empty
+    when ``node`` is None."""
+    graph = {} if node is None else {node: (threshold, neighbours)}
+    for u in neighbours if node is not None else []:
+        graph[u] = (1, [node])
     rec = ConfigRecord(
         {
             wire.KEY_STAGE: wire.STAGE_COLLECT,
@@ -49,6 +56,7 @@ def collect_record(
             wire.KEY_ROUND: round_id,
             wire.KEY_THRESHOLD: threshold,
             wire.KEY_NEIGHBOURS: wire.pack_ids(neighbours),
+            wire.KEY_GRAPH: wire.pack_graph(graph),
             wire.KEY_PEER_PK1: pk1s,
             wire.KEY_PEER_PK2: pk2s,
             wire.KEY_PEER_IDENTITY: [],
@@ -160,7 +168,7 @@ def forged_identity(node: int, session: str, pk1: bytes, pk2: bytes) -> dict[str
 
 def pair_seed(secret: bytes, a: int, b: int, round_id: str, content: RecordDict) -> bytes:
     """The pair-mask seed of (a, b) this round: the server knows the content it sent."""
-    return derive(secret, mask_info(a, b, round_id, content_digest(content)))
+    return derive(secret, mask_info(a, b, round_id, contribution_digest(content).whole))
 
 
 def engine(

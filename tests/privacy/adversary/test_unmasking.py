@@ -124,8 +124,11 @@ def optimal_attack(n: int, t: int) -> tuple[bool, list[str], int]:
 
     server.receive_public_keys({u: ask(u, r) for u, r in server.advertise_requests().items()})
     requests = server.collect_requests()
+    graph = wire.unpack_graph(wire.get_bytes(requests[victim][wire.SECAGG_RECORD], wire.KEY_GRAPH))
+    graph = wire.pack_graph({u: (t, hood_u) for u, (_, hood_u) in graph.items()})
     for req in requests.values():  # the attacker's threshold, past its own engine's check
         req[wire.SECAGG_RECORD][wire.KEY_THRESHOLD] = t
+        req[wire.SECAGG_RECORD][wire.KEY_GRAPH] = graph  # one graph for all: masks cancel
     collected = {u: ask(u, r) for u, r in requests.items()}
     server.receive_masked_inputs(collected)
     fwd = {u: dict(server._r.forward.get(u, [])) for u in fed}
@@ -245,7 +248,7 @@ def test_attack2_an_invented_neighbour_is_refused() -> None:
         trusted=frozenset({Ed25519PrivateKey.generate().public_key().public_bytes_raw()})
     )
     collect = atk.collect_record(
-        [fake], [pk1], [pk2], 1, "s", "r1", atk.forged_identity(fake, "s", pk1, pk2)
+        [fake], [pk1], [pk2], 1, "s", "r1", atk.forged_identity(fake, "s", pk1, pk2), node=v
     )
     # Execute
     try:
@@ -306,7 +309,7 @@ def test_attack2_a_new_session_cannot_replace_a_pinned_identity() -> None:
             *forged_b[wire.KEY_PEER_SIGNATURE],
         ],  # type: ignore[misc]
     }
-    collect = atk.collect_record([a, b], [pk1, qk1], [pk2, qk2], 2, "s2", "r2", extra)
+    collect = atk.collect_record([a, b], [pk1, qk1], [pk2, qk2], 2, "s2", "r2", extra, node=v)
     # Assert
     with pytest.raises(SecAggProtocolError, match="never replaced"):
         ask(v, collect)
