@@ -2,14 +2,27 @@
 
 The DP-SGD accountant history and the distributed-DP releases a node contributed to
 live in one JSON file per partition (the node's data), written atomically after each
-release. The key is the node's own (its state root and ``partition-id``, both node
+release. The key is the node's own (its state dir and ``partition-id``, both node
 config), never the run id, which the server chooses: a new run continues the node's
-epsilon instead of starting again at 0. Directory: node config ``privacy-state-dir``,
-else ``FEDGE_PRIVACY_STATE_DIR``, else ``$FEDGE_HOME/privacy-ledger``.
+epsilon instead of starting again at 0. The node's SecAgg+ identity key and identity
+pins live beside it (:mod:`fedge.clients.secagg.mod`).
+
+The state dir (:func:`ledger_root`), first that is set:
+
+1. node config ``privacy-state-dir`` (a SuperNode's ``--node-config``): the deployer's choice;
+2. ``FEDGE_PRIVACY_STATE_DIR`` (``fedge simulate`` sets it to ``<run>/privacy-state`` unless
+   the user did);
+3. ``privacy-state/`` beside the node's policy file (``privacy-policy`` node config or
+   ``FEDGE_PRIVACY_POLICY``; ``fedge privacy init`` writes both);
+4. ``$FEDGE_HOME/privacy-state/app-<12 hex>``, one per app: the hex is a digest of the names
+   of the app's run-config keys (its ``[tool.flwr.app.config]``), so two apps never share a
+   ledger or pins by accident, and runs of one app do. A server that ships another app gets
+   another directory, so a node that must carry its epsilon across everything sets 1 or 3.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -24,15 +37,40 @@ from fedge.paths import fedge_home
 
 NODE_STATE_DIR_KEY = "privacy-state-dir"
 STATE_DIR_ENV = "FEDGE_PRIVACY_STATE_DIR"
+_POLICY_KEY, _POLICY_ENV = "privacy-policy", "FEDGE_PRIVACY_POLICY"  # as in .policy (no cycle)
 DPSGD = "dp-sgd"  # Opacus accountant history: noise-multipliers, sample-rates, steps
 RELEASES = "user-level"  # noise multiplier of every distributed-DP round this node noised
 MODELS = "trained-models"  # digests of the global models this node trained on (once-per-model)
 
 
-def ledger_root(node_config: Mapping[str, object]) -> Path:
-    """Where this node keeps its ledgers."""
+def ledger_root(
+    node_config: Mapping[str, object], run_config: Mapping[str, object] | None = None
+) -> Path:
+    """This node's state dir (see the module doc for the order)."""
     configured = str(node_config.get(NODE_STATE_DIR_KEY, "") or os.environ.get(STATE_DIR_ENV, ""))
-    return Path(configured).expanduser() if configured else fedge_home() / "privacy-ledger"
+    if configured:
+        return Path(configured).expanduser()
+    policy = str(node_config.get(_POLICY_KEY, "") or os.environ.get(_POLICY_ENV, ""))
+    if policy:
+        return Path(policy).expanduser().absolute().parent / "privacy-state"
+    return fedge_home() / "privacy-state" / app_tag(run_config or {})
+
+
+def app_tag(run_config: Mapping[str, object]) -> str:
+    """``app-`` and 12 hex of the app's run-config key names (not values: one app, many runs)."""
+    names = "\n".join(sorted(str(k) for k in run_config))
+    return "app-" + hashlib.sha256(names.encode()).hexdigest()[:12]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` durably: a temp file, fsynced, renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
 
 
 class ModelAlreadyUsed(ValueError):
@@ -46,9 +84,14 @@ class Ledger:
         self.path = path
 
     @classmethod
-    def for_node(cls, node_config: Mapping[str, object], partition: int) -> Ledger:
-        """The ledger of ``partition`` under this node's ledger directory, for every run."""
-        return cls(ledger_root(node_config) / f"partition-{partition:05d}.json")
+    def for_node(
+        cls,
+        node_config: Mapping[str, object],
+        partition: int,
+        run_config: Mapping[str, object] | None = None,
+    ) -> Ledger:
+        """The ledger of ``partition`` under this node's state dir, for every run."""
+        return cls(ledger_root(node_config, run_config) / f"partition-{partition:05d}.json")
 
     def load(self) -> dict[str, Any]:
         """The ledger's content ({} before the first release); a corrupt file is an error."""
@@ -66,11 +109,8 @@ class Ledger:
         return data
 
     def save(self, data: Mapping[str, Any]) -> None:
-        """Write atomically (temp file + rename), so a crash leaves the old or the new ledger."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        os.replace(tmp, self.path)
+        """Write atomically (temp file + fsync + rename): a crash leaves the old or the new one."""
+        write_atomic(self.path, json.dumps(data, sort_keys=True))
 
     def releases(self) -> list[float]:
         """Noise multipliers of the user-level releases recorded so far (each finite, > 0)."""
@@ -109,4 +149,4 @@ class Ledger:
 def node_ledger(context: Context) -> Ledger:
     """The ledger of this node's data (keyed by partition, else by node id), spanning runs."""
     pid = int(str(context.node_config.get(keys.NODE_PARTITION_ID, context.node_id)))
-    return Ledger.for_node(context.node_config, pid)
+    return Ledger.for_node(context.node_config, pid, context.run_config)

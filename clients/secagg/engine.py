@@ -37,6 +37,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from fedge.clients.secagg.pins import PinStore
 from fedge.clients.secagg.rules import (
     PIN_FIELDS,
     ClientRules,
@@ -105,7 +106,9 @@ class SecAggClientEngine:
     """Answer SecAgg+ stage messages for node ``node_id``, keeping secrets in ``state``.
 
     The server side is ``fedge.server.secagg.engine.SecAggServerEngine``. ``state`` must be the
-    same record across a session's messages (Flower's ``context.state`` provides that).
+    same record across a session's messages (Flower's ``context.state`` provides that);
+    ``pins`` keeps neighbours' identity pins on the node's disk across runs (without it they
+    live in ``state``, for one run).
     """
 
     def __init__(
@@ -114,8 +117,10 @@ class SecAggClientEngine:
         state: ConfigRecord,
         identity: Ed25519PrivateKey | None = None,
         rules: ClientRules | None = None,
+        pins: PinStore | None = None,
     ) -> None:
         self.node_id = node_id
+        self.pins = pins
         self.state = state
         self.identity = identity if identity is not None else self._state_identity()
         self.rules = rules if rules is not None else ClientRules()
@@ -335,7 +340,8 @@ class SecAggClientEngine:
         if not fresh:  # steady state: every neighbour verified and pinned, nothing to do
             return
         adverts = [(ids[i], pk1s[i], pk2s[i], idents[i], sigs[i]) for i in fresh]
-        check_identities(self.state, str(self.state.get(_S_SESSION, "")), adverts, self.rules)
+        session = str(self.state.get(_S_SESSION, ""))
+        check_identities(self.state, session, adverts, self.rules, self.pins)
         self._pin([ids[i] for i in fresh], [pk1s[i] for i in fresh], [pk2s[i] for i in fresh])
 
     def _state_identity(self) -> Ed25519PrivateKey:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +24,19 @@ from fedge.clients.privacy.replies import (
     warn_once,
 )
 from fedge.clients.secagg.engine import ClientRules, SecAggClientEngine, SecAggProtocolError
+from fedge.clients.secagg.pins import PinStore
 from fedge.privacy.wire import KEY_DP_NOISE_STD, MET_DPSGD_EPSILON
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
 from fedge.secagg.vectors import scale_for
 from fedge.strategies.registry import robust_config
 from fedge.strategies.robust import clip_contribution
+
+# A trust list for nodes whose policy names none: node config key, else this variable
+# (``fedge simulate`` writes one for the nodes it simulates and sets it).
+NODE_TRUST_KEY = "secagg-trusted-keys"
+TRUST_ENV = "FEDGE_SECAGG_TRUSTED_KEYS"
+_NOTICED: set[tuple[int, int]] = set()  # (run, node) pairs whose no-trust-list notice was logged
 
 # Error code of a refused SecAgg+ message (Flower reserves the small codes).
 ERROR_SECAGG = 640
@@ -73,7 +82,7 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     except ValueError as exc:
         return Message(Error(code=ERROR_SECAGG, reason=f"SecAgg+: {exc}"), reply_to=msg)
     engine = SecAggClientEngine(
-        msg.metadata.dst_node_id, states[wire.SECAGG_STATE_RECORD], key, rules
+        msg.metadata.dst_node_id, states[wire.SECAGG_STATE_RECORD], key, rules, node_pins(context)
     )
 
     def contribute() -> dict[str, np.ndarray]:
@@ -104,13 +113,28 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
         out = engine.handle(msg.content, contribute, msg.metadata.run_id)
     except (SecAggProtocolError, ValueError) as exc:
         return Message(Error(code=ERROR_SECAGG, reason=f"SecAgg+: {exc}"), reply_to=msg)
+    if rules.trusted is None:  # no promise against an active server: say so, every reply
+        out.config_records[wire.SECAGG_RECORD][wire.KEY_NOTICE] = wire.NOTICE_NO_TRUST_LIST
+        if (msg.metadata.run_id, context.node_id) not in _NOTICED:  # and once per run in the log
+            _NOTICED.add((msg.metadata.run_id, context.node_id))
+            log.warning("SecAgg+ node %d: %s", context.node_id, wire.NOTICE_NO_TRUST_LIST)
     return Message(out, reply_to=msg)
 
 
 def identity_path(context: Context) -> Path:
-    """Where this node's SecAgg+ signing key lives: under its own state root, per partition."""
+    """Where this node's SecAgg+ signing key lives: under its state dir, per partition."""
+    return _state_file(context, "secagg-identity", "key")
+
+
+def node_pins(context: Context) -> PinStore:
+    """This node's identity pins: beside its ledger, per partition, across runs."""
+    return PinStore(_state_file(context, "secagg-pins", "json"))
+
+
+def _state_file(context: Context, kind: str, suffix: str) -> Path:
     pid = int(str(context.node_config.get(keys.NODE_PARTITION_ID, context.node_id)))
-    return ledger_root(context.node_config) / "secagg-identity" / f"partition-{pid:05d}.key"
+    root = ledger_root(context.node_config, context.run_config)
+    return root / kind / f"partition-{pid:05d}.{suffix}"
 
 
 def node_identity(context: Context) -> Ed25519PrivateKey:
@@ -126,7 +150,7 @@ def _load_identity(path: Path) -> Ed25519PrivateKey:
 def node_rules(context: Context) -> ClientRules:
     """The SecAgg+ rules of this node's privacy policy (minimum neighbourhood, trust list)."""
     policy = node_policy(context.node_config)
-    keys_file = policy.trusted_keys
+    keys_file = policy.trusted_keys or trust_list_path(context.node_config)
     trusted = (
         _parsed_trust_list(keys_file, ident.read_trust_list(Path(keys_file))) if keys_file else None
     )
@@ -135,6 +159,11 @@ def node_rules(context: Context) -> ClientRules:
         min_threshold=policy.secagg_min_threshold,
         trusted=trusted,
     )
+
+
+def trust_list_path(node_config: Mapping[str, object]) -> str:
+    """The trust list a node without one in its policy uses: node config, else environment."""
+    return str(node_config.get(NODE_TRUST_KEY, "") or os.environ.get(TRUST_ENV, ""))
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from flwr.app import ConfigRecord
 
+from fedge.clients.secagg.pins import PinStore
 from fedge.errors import FedgeError
 from fedge.secagg import identity as ident
 from fedge.secagg import wire
@@ -166,11 +167,14 @@ def check_identities(
     session: str,
     adverts: list[tuple[int, bytes, bytes, bytes, bytes]],
     rules: ClientRules,
+    store: PinStore | None = None,
 ) -> None:
     """Verify each (node, pk1, pk2, identity, signature) advertisement: the identity against
     the trust list and the one pinned for that node id, then the signature; pin new
-    identities in ``state`` (a pin is never replaced)."""
-    pins = identity_pins(state)
+    identities (a pin is never replaced) in ``store`` on the node's disk, which outlives
+    the run, or in ``state`` when there is no store (an engine without a node: tests)."""
+    pins = store.load() if store is not None else identity_pins(state)
+    before = dict(pins)
     for u, pk1, pk2, key, sig in adverts:
         if rules.trusted is not None and key not in rules.trusted:
             raise SecAggProtocolError(
@@ -187,6 +191,10 @@ def check_identities(
                 f"node {u}'s public keys do not carry a valid signature of its identity "
                 "(rule: key advertisements are signed); refusing"
             )
+    if store is not None:
+        if pins != before:
+            store.save(pins)
+        return
     order = sorted(pins)
     state[PIN_FIELDS[0]] = wire.pack_ids(order)
     state[PIN_FIELDS[1]] = [pins[u] for u in order]

@@ -53,6 +53,12 @@ KEY_SHARE_OWNERS = "share-owners"  # packed uint64 node ids, parallel to KEY_SHA
 KEY_SHARES = "shares"  # each a Shamir share followed by its owner's Ed25519 signature
 KEY_SEED_PEERS = "seed-peers"  # packed uint64 node ids, parallel to KEY_SEEDS
 KEY_SEEDS = "pair-seeds"  # this round's pairwise mask seeds with dropped neighbours
+KEY_NOTICE = "notice"  # str in a client's reply: a promise it cannot make (NOTICE_*)
+NOTICE_NO_TRUST_LIST = (
+    "no-trust-list: this node trusts neighbours' identities on first use, so it makes no "
+    "promise against an active server that invents neighbours; give it a trust list "
+    "(trusted-keys in its privacy policy, or secagg-trusted-keys)"
+)
 
 # Per-client metrics travel summed inside the masked vector, never in clear.
 PREFIX_METRIC = "metric/"

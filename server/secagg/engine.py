@@ -185,6 +185,14 @@ class SecAggServerEngine:
             if (r := self._reply_record(u, c, wire.STAGE_ADVERTISE)) is not None
         }
         self.keys.receive(recs)
+        unprotected = sorted(u for u, r in recs.items() if r.get(wire.KEY_NOTICE))
+        if unprotected:  # once per key session: advertise runs once per node and session
+            log.warning(
+                "SecAgg+: %d node(s) hold no trust list (e.g. node %d): %s",
+                len(unprotected),
+                unprotected[0],
+                wire.NOTICE_NO_TRUST_LIST,
+            )
 
     # ------------------------------------------------------------------ stage 1: collect
     def collect_requests(self) -> dict[int, RecordDict]:
