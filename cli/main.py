@@ -21,6 +21,7 @@ def _register_subcommands() -> None:
     for package, extra in (("transformers", "lora"), ("onnxruntime", "edge"), ("ray", "fleet")):
         check_installed(package, "all", f"the fedge command line (its {extra} commands)")
     from fedge.cli.demo import demo
+    from fedge.cli.privacy_init import privacy_init
     from fedge.edge.cli import edge_app, verifier_app
     from fedge.edge.fleet.cli import register as register_fleet
     from fedge.server.privacy.cli import app as privacy_app
@@ -32,6 +33,7 @@ def _register_subcommands() -> None:
     register_fleet(verifier_app)
     app.add_typer(verifier_app, name="verifier")
     app.add_typer(simulate_app, name="simulate")
+    privacy_app.command("init")(privacy_init)
     app.add_typer(privacy_app, name="privacy")
     app.command("demo")(demo)
 

@@ -210,6 +210,32 @@ def client_state_dir(scenario: Scenario, run_dir: Path) -> str:
 
 
 @contextmanager
+def node_privacy(run_dir: Path, num_nodes: int) -> Iterator[None]:
+    """Every simulated node keeps its privacy state (ledger, identity, pins) under
+    ``<run>/privacy-state`` unless ``FEDGE_PRIVACY_STATE_DIR`` says where, and trusts exactly
+    the simulated nodes: their identity keys are made here and listed in
+    ``<run>/secagg-trust.txt`` (``FEDGE_SECAGG_TRUSTED_KEYS``, unless set), so the simulated
+    default is the protected one. Restored afterwards."""
+    from fedge.clients.privacy.ledger import STATE_DIR_ENV
+    from fedge.clients.secagg.mod import TRUST_ENV, write_trust_list
+
+    saved = {env: os.environ.get(env) for env in (STATE_DIR_ENV, TRUST_ENV)}
+    root = Path(saved[STATE_DIR_ENV] or run_dir / "privacy-state").absolute()
+    os.environ[STATE_DIR_ENV] = str(root)
+    if not saved[TRUST_ENV]:
+        trust = write_trust_list(root, range(num_nodes), run_dir / "secagg-trust.txt")
+        os.environ[TRUST_ENV] = str(trust.absolute())
+    try:
+        yield
+    finally:
+        for env, value in saved.items():
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
+
+
+@contextmanager
 def client_roots(cfg: RunConfig) -> Iterator[None]:
     """Every simulated node is this operator's: its data, model and state roots are the
     directories of the run's paths (:func:`fedge.names.roots_for`), through the environment the
@@ -258,7 +284,7 @@ def run_simulation(
         box=box,
         wrap_grid=devices.wrap if devices is not None else None,
     )
-    with client_roots(cfg):
+    with client_roots(cfg), node_privacy(run_dir, scenario.num_supernodes):
         if scenario.engine == "inprocess":
             _run_inprocess(scenario, run_dir, resume, server_app, client_app, cfg.seed)
         else:

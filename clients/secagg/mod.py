@@ -126,6 +126,19 @@ def identity_path(context: Context) -> Path:
     return _state_file(context, "secagg-identity", "key")
 
 
+def write_trust_list(root: Path, partitions: range, path: Path) -> Path:
+    """Create (or keep) the identity keys of ``partitions`` under state dir ``root`` and write
+    their public halves to the trust list ``path``: what an operator of every node does, and
+    what ``fedge simulate`` does for the nodes it simulates."""
+    public = [
+        ident.public_bytes(_load_identity(root / "secagg-identity" / f"partition-{p:05d}.key"))
+        for p in partitions
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(ident.format_trust_list(public))
+    return path
+
+
 def node_pins(context: Context) -> PinStore:
     """This node's identity pins: beside its ledger, per partition, across runs."""
     return PinStore(_state_file(context, "secagg-pins", "json"))
