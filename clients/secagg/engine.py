@@ -200,6 +200,9 @@ class SecAggClientEngine:
         for key in _SETTINGS:
             if key not in rec:
                 raise SecAggProtocolError(f"collect message lacks field {key!r}")
+        masked_name = rec[wire.KEY_MASKED_RECORD]
+        if not isinstance(masked_name, str) or masked_name in ("", wire.SECAGG_RECORD):
+            raise SecAggProtocolError("collect message names an unusable masked-record; refusing")
         neighbours = wire.unpack_ids(wire.get_bytes(rec, wire.KEY_NEIGHBOURS))
         threshold, clip, levels, modulus = check_numbers(rec)
         check_neighbourhood(self.node_id, neighbours, threshold, self.rules)
