@@ -18,8 +18,8 @@ digest and two it treats differently give two:
 * record and key order do not matter (sorted, length-prefixed, typed);
 * numbers are mathematical values: an int and the float of the same value are one
   number, ``-0.0`` is ``0.0`` and every NaN is one NaN (a client computes the same with
-  either); floating arrays are hashed as their exact float64 values, so a float32 array and
-  its float64 copy are one model, and ``-0.0`` / NaN payloads in an array fold the same way;
+  either); floating arrays are hashed as their exact values (float32 when every value fits,
+  else float64), so a float32 array and its float64 copy are one model, and ``-0.0`` / NaN payloads in an array fold the same way;
 * nothing is skipped: a record or field the client does not know is covered (it changes
   the digest), except the per-client SecAgg+ fields (:data:`PER_CLIENT_FIELDS`), which
   differ between honest clients and are bound otherwise: the neighbour list and threshold
@@ -37,6 +37,7 @@ config is the same global model; what must not train twice is the model,
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -108,24 +109,60 @@ def array_bytes(arr: Array) -> bytes:
     """An array as shape and canonical values (see the module doc), never its wire bytes."""
     if arr.stype != "numpy.ndarray":  # not a format this library decodes: its exact bytes
         return _blob(f"raw|{arr.stype}|{arr.dtype}|{tuple(arr.shape)}".encode()) + _blob(arr.data)
-    a = np.asarray(arr.numpy())
+    a = _view(arr)
     kind = a.dtype.kind
     if kind == "f":
-        v = a.astype("<f8") + 0.0  # exact for f2/f4/f8; + 0.0 folds -0.0 into 0.0
-        v[np.isnan(v)] = np.nan
-        body, canon = v.tobytes(), "f"
+        v = _float_values(a)
+        canon = "f"
     elif kind == "c":
         v = a.astype("<c16") + 0.0
         v.real[np.isnan(v.real)] = np.nan
         v.imag[np.isnan(v.imag)] = np.nan
-        body, canon = v.tobytes(), "c"
+        canon = "c"
     elif kind in "iu":
-        body, canon = a.astype("<i8" if kind == "i" else "<u8").tobytes(), kind
+        v, canon = a.astype("<i8" if kind == "i" else "<u8", copy=False), kind
     elif kind == "b":
-        body, canon = a.astype("u1").tobytes(), "b"
+        v, canon = a.astype("u1", copy=False), "b"
     else:  # strings, objects: their dtype and bytes as numpy holds them
-        body, canon = np.ascontiguousarray(a).tobytes(), a.dtype.str
-    return _blob(f"{canon}|{a.shape}".encode()) + _blob(body)
+        v, canon = a, a.dtype.str
+    body = np.ascontiguousarray(v)
+    return _blob(f"{canon}{body.dtype.itemsize}|{a.shape}".encode()) + hashlib.sha256(body).digest()
+
+
+def _view(arr: Array) -> np.ndarray:
+    """The array inside a numpy-serialized Array, read in place (no copy) when it is a C-order
+    .npy payload; else decoded as Flower decodes it."""
+    data = arr.data
+    try:
+        header = io.BytesIO(data[:4096])
+        version = np.lib.format.read_magic(header)
+        shape, fortran, dtype = np.lib.format._read_array_header(header, version)  # type: ignore[attr-defined]
+        if not fortran and not dtype.hasobject:
+            count = int(np.prod(shape, dtype=np.int64))
+            return np.frombuffer(data, dtype, count, header.tell()).reshape(shape)
+    except (ValueError, AttributeError, TypeError):
+        pass
+    return np.asarray(arr.numpy())
+
+
+def _float_values(a: np.ndarray) -> np.ndarray:
+    """Exact values in the narrowest of float32 / float64 that holds them all (so a float32
+    array and its float64 copy agree), -0.0 folded into 0.0, every NaN one NaN."""
+    if a.dtype == np.dtype("<f4"):  # the common case: hashed in place unless it must change
+        if not np.isnan(a).any() and not (np.signbit(a) & (a == 0)).any():
+            return a
+        v = a + np.float32(0.0)
+    elif a.dtype.itemsize <= 4:
+        v = a.astype("<f4") + np.float32(0.0)  # exact for f2/f4; + 0.0 folds -0.0
+    else:
+        wide = a.astype("<f8") + 0.0
+        narrow = wide.astype("<f4")
+        fits = np.array_equal(narrow.astype("<f8"), wide, equal_nan=True)
+        v = narrow if fits else wide
+    nan = np.isnan(v)
+    if nan.any():
+        v[nan] = np.nan
+    return v
 
 
 def _blob(data: bytes) -> bytes:
