@@ -126,7 +126,10 @@ def array_bytes(arr: Array) -> bytes:
     else:  # strings, objects: their dtype and bytes as numpy holds them
         v, canon = a, a.dtype.str
     body = np.ascontiguousarray(v)
-    return _blob(f"{canon}{body.dtype.itemsize}|{a.shape}".encode()) + hashlib.sha256(body).digest()
+    return (
+        _blob(f"{canon}{body.dtype.itemsize}|{a.shape}".encode())
+        + hashlib.sha256(memoryview(body)).digest()
+    )
 
 
 def _view(arr: Array) -> np.ndarray:
@@ -151,7 +154,7 @@ def _float_values(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.dtype("<f4"):  # the common case: hashed in place unless it must change
         if not np.isnan(a).any() and not (np.signbit(a) & (a == 0)).any():
             return a
-        v = a + np.float32(0.0)
+        v: np.ndarray = a + np.float32(0.0)
     elif a.dtype.itemsize <= 4:
         v = a.astype("<f4") + np.float32(0.0)  # exact for f2/f4; + 0.0 folds -0.0
     else:
