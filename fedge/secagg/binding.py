@@ -128,7 +128,7 @@ def array_bytes(arr: Array) -> bytes:
     body = np.ascontiguousarray(v)
     return (
         _blob(f"{canon}{body.dtype.itemsize}|{a.shape}".encode())
-        + hashlib.sha256(memoryview(body)).digest()
+        + hashlib.sha256(body.data).digest()
     )
 
 
