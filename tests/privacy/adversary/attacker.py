@@ -20,6 +20,7 @@ from fedge.secagg import identity, wire
 from fedge.secagg.binding import contribution_digest
 from fedge.secagg.config import SecAggConfig
 from fedge.secagg.crypto import combine_secret, derive, mask_info
+from fedge.secagg.identity import SIGNATURE_BYTES
 from fedge.secagg.vectors import Layout, dequantize_sum, prg_mask
 
 CFG = SecAggConfig()  # the defaults every attack uses for clipping, quantization and modulus
@@ -129,8 +130,9 @@ def recover(
     """The victim's input, if the shares rebuild its self-mask seed and every pair seed is known."""
     if any(frozenset((victim, u)) not in pair_seeds for u in neighbours):
         return None
+    raw = [s[:-SIGNATURE_BYTES] if len(s) > 68 else s for s in self_shares]  # signed by owner
     try:
-        seed = combine_secret(self_shares)
+        seed = combine_secret(raw)
     except ValueError:
         return None
     layout = Layout.of(dict(masked), {})
