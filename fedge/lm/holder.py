@@ -130,10 +130,16 @@ def drop_models() -> None:
 
 
 def set_adapter(lm: LoraModel, arrays: Mapping[str, np.ndarray]) -> None:
-    """Copy adapter values into the model in place (the base stays untouched)."""
+    """Copy adapter values into the model in place (the base stays untouched).
+
+    A tensor the model does not have is refused, not ignored: an ignored extra would make
+    one model two (the once-per-model digest covers every array a message carries)."""
     missing = sorted(set(lm.params) - set(arrays))
     if missing:
         raise ValueError(f"adapter is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    extra = sorted(set(arrays) - set(lm.params))
+    if extra:
+        raise ValueError(f"adapter has {len(extra)} tensor(s) the model lacks, e.g. {extra[0]!r}")
     with torch.no_grad():
         for name, p in lm.params.items():
             p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.device, p.dtype))

@@ -315,3 +315,23 @@ def test_the_clipping_attack_over_flower_messages_under_the_strictest_policy(
     assert result.summed is not None and len(result.accepted) == 5, result.rejected
     assert float(np.std(result.summed["delta/w"])) > 1.0  # uniform noise, not one update
     assert result.out_of_bounds is not None
+
+
+def test_an_extra_tensor_in_the_global_model_is_refused_not_ignored() -> None:
+    """The last once-per-model bypass of issue 30 item 2: on main (read from its code) the
+    client's ``set_adapter`` ignored a tensor the model lacks, so the same global model with
+    one extra key in its record had a new digest and trained a second time. Now loading it
+    fails before any training, so the re-encoded model releases nothing."""
+    import torch
+
+    from fedge.lm import holder
+
+    lm = holder.LoraModel(
+        model=torch.nn.Linear(1, 1),
+        params={"w": torch.nn.Parameter(torch.zeros(3))},
+        device=torch.device("cpu"),
+        initial={},
+    )
+    holder.set_adapter(lm, {"w": np.ones(3, np.float32)})
+    with pytest.raises(ValueError, match="the model lacks"):
+        holder.set_adapter(lm, {"w": np.ones(3, np.float32), "ignored": np.zeros(1, np.float32)})
