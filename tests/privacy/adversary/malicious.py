@@ -462,8 +462,11 @@ def judge(
 
 def oracle(report: Report, fed: Federation, seen: Seen, how: str) -> None:
     """Record a breach when a reply carries a client's private value in clear."""
-    secrets = {f"{loss:.6g}" for loss in fed.losses.values()}
-    secrets |= {f"{float(x['delta/w'][0]):.5f}" for x in fed.inputs.values()}
+    # each as a reply would print it: repr, or 4 decimals (never a bare integer like "2",
+    # which .6g makes of 2.000004 and which any id or hex string contains)
+    losses = fed.losses.values()
+    firsts = [float(x["delta/w"][0]) for x in fed.inputs.values()]
+    secrets = {f"{v:.4f}" for v in [*losses, *firsts]} | {repr(v) for v in losses}
     for msg in seen.replies:
         texts = [str(msg.error.reason)] if msg.has_error() else []
         if msg.has_content():
