@@ -9,12 +9,23 @@ below the policy's floor, or train twice on one re-encoded model.
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 
 import pytest
+from flwr.app import Error, Message, MessageType, RecordDict
 
 import fedge.clients.secagg.engine as client_engine
 from fedge.secagg.binding import ContributionDigest
-from tests.privacy.adversary.malicious import CLASSES, run
+from tests.privacy.adversary.malicious import (
+    CLASSES,
+    Federation,
+    Report,
+    Seen,
+    oracle,
+    run,
+    server_identity,
+)
 
 DEVIATIONS = 500
 SEED = 2026
@@ -43,3 +54,20 @@ def test_the_harness_finds_the_attack_the_digest_closes(monkeypatch: pytest.Monk
     )
     report = run(40, 3, ("config",))
     assert any("recovered the input sum" in b for b in report.breaches)
+
+
+def test_the_oracle_check_finds_a_private_value_in_a_refusal(tmp_path: Path) -> None:
+    """The oracle check can fail too: a refusal that prints a client's loss is reported, one
+    that prints only ids and hex is not."""
+    fed = Federation(tmp_path, 3, random.Random(0))
+    fed.fresh_inputs()
+    loss = next(iter(fed.losses.values()))
+    with server_identity():
+        asked = Message(RecordDict(), dst_node_id=fed.nodes[0], message_type=MessageType.TRAIN)
+        leaky = Message(Error(code=640, reason=f"train loss {loss} too high"), reply_to=asked)
+        clean = Message(Error(code=640, reason="node 1003 round aec6ec720ecf6f2e"), reply_to=asked)
+    report = Report()
+    oracle(report, fed, Seen(replies=[clean]), "clean")
+    assert report.breaches == []
+    oracle(report, fed, Seen(replies=[leaky]), "leaky")
+    assert len(report.breaches) == 1
