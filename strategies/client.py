@@ -38,7 +38,7 @@ from fedge import keys
 from fedge.strategies.base import Strategy
 from fedge.strategies.contract import ClientHook, ClientResult, ClientStateStore, build_contribution
 from fedge.strategies.registry import build_strategy
-from fedge.strategies.state import ContextStore
+from fedge.strategies.state import CommittedStore, ContextStore
 from fedge.types import Arrays, ConfigValue
 
 FLOWER_ARRAYS = "arrays"  # the record name Flower's strategies send the global arrays under
@@ -73,6 +73,21 @@ def strategy_config(config: Mapping[str, ConfigValue]) -> dict[str, ConfigValue]
     return dict(config)
 
 
+def committed_round(config: Mapping[str, ConfigValue], node_id: int) -> int | None:
+    """The last round whose contribution from ``node_id`` the server's aggregate holds (0: none
+    yet); None when the server sends no acceptances (Flower's own strategies).
+
+    The client saves its new state (SCAFFOLD's c_i) with every reply, as pending; it loads only
+    the state of this round, so a reply the server refused, lost or left out of its sum (a
+    SecAgg+ drop-out, a client Krum did not select) never advances it.
+    """
+    nodes = config.get(keys.CFG_COMMITTED_NODES)
+    rounds = config.get(keys.CFG_COMMITTED_NODE_ROUNDS)
+    if not isinstance(nodes, list) or not isinstance(rounds, list) or len(nodes) != len(rounds):
+        return None
+    return int(dict(zip(nodes, rounds, strict=True)).get(node_id, 0))
+
+
 class TrainRound:
     """One client round of a fedge strategy around the caller's own training loop.
 
@@ -85,8 +100,11 @@ class TrainRound:
     def __init__(self, msg: Message, model: torch.nn.Module, store: ClientStateStore) -> None:
         self.msg = msg
         self.model = model
-        self.store = store
         self.config = message_config(msg)
+        committed = committed_round(self.config, msg.metadata.dst_node_id)
+        self.store: ClientStateStore = (
+            store if committed is None else CommittedStore(store, committed)
+        )
         self.strategy: Strategy = build_strategy(strategy_config(self.config))
         self.server_round = int(self.config.get(keys.CFG_SERVER_ROUND, 1))  # type: ignore[call-overload]
         self.global_arrays = global_arrays(msg)
@@ -108,7 +126,7 @@ class TrainRound:
         payload = {
             k: v.numpy() for k, v in msg.content.array_records.get(keys.REC_STRATEGY, {}).items()
         }
-        self.hook: ClientHook = self.strategy.client_hook(self.config, anchor, payload, store)
+        self.hook: ClientHook = self.strategy.client_hook(self.config, anchor, payload, self.store)
 
     @classmethod
     def start(
