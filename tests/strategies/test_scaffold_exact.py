@@ -11,7 +11,7 @@ invariant c = mean over the N nodes of c_i can be read off the clients' own view
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 from fedge.clients.mods import dispatch_mods
 from fedge.clients.privacy.ledger import STATE_DIR_ENV
 from fedge.secagg.config import SecAggConfig, weight_scales
+from fedge.server.grid import ReplyHookGrid
 from fedge.server.secagg.strategy import SecAggPlus
 from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
 from fedge.strategies.base import NoReplyAccepted
@@ -38,6 +39,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-app"
 NUM_NODES, NUM_ROUNDS, STEPS, LR = 6, 4, 5, 0.05
 POISONED = {(1, 0), (2, 1), (2, 4), (3, 0), (3, 5)}  # (round, partition): a 5x-scaled model
 LOST = {(1, 2), (2, 3), (3, 2)}  # (round, partition): c_i saved, then the reply is lost
+LOSING: set[int] = set()  # node ids whose next reply the network loses
 MAX_UPDATE_NORM = 4.0  # honest updates here measure 0.4-1.5; poisoned ones above 20
 
 SEEN: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (round, partition) -> (c, c_i)
@@ -73,12 +75,24 @@ def client_app(task: Any, poison: bool) -> ClientApp:
             with torch.no_grad():
                 for p in net.parameters():
                     p.mul_(5.0)
-        reply = fl.reply(num_examples=len(x), local_steps=STEPS, lr=LR)
         if (fl.server_round, pid) in LOST:
-            raise ConnectionError("the reply was lost on its way to the server")
-        return reply
+            LOSING.add(context.node_id)
+        return fl.reply(num_examples=len(x), local_steps=STEPS, lr=LR)
 
     return app
+
+
+class LossyGrid(ReplyHookGrid):
+    """The in-process grid behind a network that loses the next reply of the nodes in LOSING
+    (the ClientApp returned, so its Context, c_i included, is saved; the server never hears)."""
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        kept = [m for m in replies if m.metadata.src_node_id not in LOSING]
+        LOSING.clear()
+        return kept
 
 
 def server_app(make: Any) -> ServerApp:
@@ -110,9 +124,10 @@ def run(
     make_net = task.Net
     SEEN.clear()
     monkeypatch.setenv(STATE_DIR_ENV, str(root / "keys"))
-    grid = InProcessGrid(client_app(task, poison), DeviceTable(NUM_NODES), root / "state")
+    engine = InProcessGrid(client_app(task, poison), DeviceTable(NUM_NODES), root / "state")
+    grid = LossyGrid(engine)
     with process_state_restored():
-        run_inprocess(server_app(make), grid)
+        run_inprocess(server_app(make), grid)  # type: ignore[arg-type]
     gap = 0.0
     for server_round in range(2, NUM_ROUNDS + 2):
         seen = [SEEN[(server_round, p)] for p in range(NUM_NODES)]
