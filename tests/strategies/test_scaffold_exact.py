@@ -69,7 +69,10 @@ def client_app(task: Any, poison: bool) -> ClientApp:
         x, y = task.load_data(pid, NUM_NODES)
         task.train(net, fl, x, y, STEPS, LR)
         assert isinstance(fl.hook, ScaffoldHook)
-        flat = [np.concatenate([v.ravel() for _, v in sorted(h.items())]) for h in (fl.hook.c, fl.hook.c_i)]
+        flat = [
+            np.concatenate([v.ravel() for _, v in sorted(h.items())])
+            for h in (fl.hook.c, fl.hook.c_i)
+        ]
         SEEN[(fl.server_round, pid)] = (flat[0], flat[1])
         if poison and (fl.server_round, pid) in POISONED:
             with torch.no_grad():
@@ -147,8 +150,9 @@ def test_rejected_and_lost_replies_leave_c_the_mean_of_the_committed_c_i(
     task: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """5 replies refused by max_update_norm and 3 lost after the client saved its c_i: before
-    the fix every client kept the c_i of every reply it sent, and the gap was 0.24 (c's largest
-    coordinate 0.14); now the clients commit c_i only when the server says it accepted it."""
+    the fix every client kept the c_i of every reply it sent, the gap max |mean(c_i) - c| was
+    1.67 (RUN against the old code; the wrong corrections then drove honest updates past the
+    bound too); now a client commits c_i only once the server says it accepted that reply."""
     robust = RobustConfig(max_update_norm=MAX_UPDATE_NORM)
     gap = run(task, lambda: Scaffold(robust=robust, **options()), tmp_path, monkeypatch)
     assert gap < 1e-6, gap
@@ -158,7 +162,7 @@ def test_secagg_drop_outs_leave_c_the_mean_of_the_committed_c_i(
     task: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under SecAgg+ the 3 lost replies are drop-outs of the collect stage: not in the sum, so
-    their c_i must not be committed (the gap before the fix: 0.0X). c comes from the quantized
+    their c_i must not be committed (the gap before the fix: 0.148, RUN). c comes from the quantized
     sum: at the default 2^22 levels over [-8, 8] (a step of 3.8e-6) the gap measured 2.7e-6 with
     the fix; 2^26 levels (room for 64 summands in 2^32, 6 here) bring the step to 2.4e-7."""
     cfg = SecAggConfig(key_scales=weight_scales("examples"), quantization_range=2**26)
@@ -172,7 +176,7 @@ def test_krum_updates_c_from_the_client_it_selects(
 ) -> None:
     """SCAFFOLD + Krum is SCAFFOLD over the one client Krum selects: x moves by its update, c by
     its control delta / N, and only it commits its c_i. Before, c moved by n times the selected
-    control delta / N while every client kept its own c_i (gap 0.X)."""
+    control delta / N while every client kept its own c_i: gap 6.84 (RUN against the old code)."""
     robust = RobustConfig(rule="krum", krum_malicious=1)
     gap = run(task, lambda: Scaffold(robust=robust, **options()), tmp_path, monkeypatch)
     assert gap < 1e-6, gap
