@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
@@ -210,3 +210,50 @@ def test_a_run_that_accepts_no_reply_raises_instead_of_returning_the_initial_mod
     server = server_app(lambda: Scaffold(min_available_nodes=3, fraction_evaluate=0.0))
     with process_state_restored(), pytest.raises(NoReplyAccepted, match="control delta"):
         run_inprocess(server, grid)
+
+
+def test_fedge_own_loop_commits_only_the_client_krum_selects(tmp_path: Path) -> None:
+    """fedge's own round loop (PlainAggregator with the strategy's combine, as build_parts sets
+    it) under SCAFFOLD + Krum: the sum holds the selected client's control delta once and only
+    that node commits. Before, the sum held n times it and every accepted node committed."""
+    from fedge import keys
+    from fedge.server.aggregation import PlainAggregator
+
+    ctrl = {0: 0.1, 1: 0.12, 2: 0.11, 3: 5.0, 4: 0.09}  # node 3 is far from the others
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        value = np.float32(ctrl[pid])
+        arrays = {
+            "delta/w": np.full(3, value * 10, np.float32),
+            "ctrl/w": np.full(3, value, np.float32),
+            keys.KEY_WEIGHT: np.array([10.0], np.float32),
+            keys.KEY_COUNT: np.array([1.0], np.float32),
+        }
+        record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
+
+    scaffold = Scaffold(robust=RobustConfig(rule="krum", krum_malicious=1))
+    aggregator = PlainAggregator(scaffold.robust, scaffold.combine)
+    grid = InProcessGrid(app, DeviceTable(5), tmp_path / "state")
+    spec = {"delta/w": (3,), "ctrl/w": (3,), keys.KEY_WEIGHT: (1,), keys.KEY_COUNT: (1,)}
+    box = []
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        box.append(aggregator.aggregate(grid, 1, list(grid.get_node_ids()), RecordDict(), spec, 60))
+
+    with process_state_restored():
+        run_inprocess(server, grid)
+    result = box[0]
+    assert result.summed is not None and result.committed is not None
+    assert len(result.accepted) == 5 and len(result.committed) == 1
+    chosen = ctrl[
+        grid.devices.node_config(grid.devices.row_of(result.committed[0]))["partition-id"]
+    ]  # type: ignore[arg-type, index]
+    assert chosen != 5.0
+    np.testing.assert_allclose(result.summed["ctrl/w"], chosen, rtol=1e-6)
+    np.testing.assert_allclose(result.summed["delta/w"], 5 * chosen, rtol=1e-6)  # n x update
