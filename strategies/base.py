@@ -75,6 +75,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
 
 from fedge import keys
+from fedge.strategies.arrays import array_numpy
 from fedge.strategies.contract import (
     ClientHook,
     ClientResult,
@@ -257,7 +258,7 @@ class Strategy(FlowerFedAvg, ABC):
     ) -> Iterable[Message]:
         """Flower's sampling and messages, plus this strategy's config keys and payload record."""
         refuse_flower_dp_wrapper(self)  # Flower's DP wrappers misread fedge's replies
-        adapter = {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in arrays.items()}
+        adapter = {k: np.asarray(array_numpy(v), dtype=np.float32) for k, v in arrays.items()}
         held = self._round_state
         extras = (
             held.extras

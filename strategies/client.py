@@ -35,6 +35,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from fedge import keys
+from fedge.strategies.arrays import array_numpy
 from fedge.strategies.base import Strategy
 from fedge.strategies.contract import ClientHook, ClientResult, ClientStateStore, build_contribution
 from fedge.strategies.registry import build_strategy
@@ -59,7 +60,7 @@ def global_arrays(msg: Message) -> Arrays:
     for name in (keys.REC_GLOBAL, FLOWER_ARRAYS):
         if name in msg.content.array_records:
             rec = msg.content.array_records[name]
-            return {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in rec.items()}
+            return {k: np.asarray(array_numpy(v), dtype=np.float32) for k, v in rec.items()}
     raise ValueError(
         f"train message has neither a '{keys.REC_GLOBAL}' nor an '{FLOWER_ARRAYS}' ArrayRecord"
     )
@@ -124,7 +125,8 @@ class TrainRound:
             k: p for k, p in model.named_parameters() if p.requires_grad and k in anchor
         }
         payload = {
-            k: v.numpy() for k, v in msg.content.array_records.get(keys.REC_STRATEGY, {}).items()
+            k: array_numpy(v)
+            for k, v in msg.content.array_records.get(keys.REC_STRATEGY, {}).items()
         }
         self.hook: ClientHook = self.strategy.client_hook(self.config, anchor, payload, self.store)
 

@@ -20,6 +20,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedge import keys
+from fedge.strategies.arrays import array_numpy
 from fedge.types import Arrays
 
 ContributionSpec = Mapping[str, tuple[int, ...]]
@@ -51,7 +52,7 @@ def contribution_arrays(
             return None, f"'{name}' has dtype {arr.dtype}, expected float32"
         if tuple(arr.shape) != tuple(shape):
             return None, f"'{name}' has shape {tuple(arr.shape)}, expected {tuple(shape)}"
-        arrays[name] = arr.numpy()
+        arrays[name] = array_numpy(arr)
         if not np.isfinite(arrays[name]).all():
             return None, f"'{name}' contains NaN or Inf"
     return arrays, None
@@ -77,7 +78,8 @@ def contribution_record(
     w = np.float32(weight)
     arrays: Arrays = {
         keys.PREFIX_DELTA + k: (
-            (np.asarray(local[k].numpy(), np.float32) - global_arrays[k].astype(np.float32)) * w
+            (np.asarray(array_numpy(local[k]), np.float32) - global_arrays[k].astype(np.float32))
+            * w
         )
         for k in global_arrays
     }

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fedge.strategies.arrays import array_numpy
 from fedge.strategies.contract import ClientStateStore
 from fedge.types import Arrays
 
@@ -60,7 +61,7 @@ class ContextStore:
         if not earlier:
             return None
         rec = self._state.array_records[f"{_PREFIX}{max(earlier)}"]
-        return {k: v.numpy() for k, v in rec.items()}
+        return {k: array_numpy(v) for k, v in rec.items()}
 
     def save(self, server_round: int, arrays: Arrays) -> None:
         """Record the state of ``server_round``."""
