@@ -23,7 +23,10 @@ config) it is Flower's usual reply, the trained arrays plus ``num-examples``, an
 hooks do nothing. So the same ClientApp serves Flower's FedAvg, FedAdam, Krum, ... and
 fedge's FedAvg, FedProx and SCAFFOLD: switching is a server-side change. Strategy state that outlives the round (SCAFFOLD's ``c_i``) is kept in the
 node's ``Context.state`` by default, or in any :class:`~fedge.strategies.contract.ClientStateStore`
-(``fedge.strategies.state.DiskStore`` on a shared directory for a Ray cluster).
+(``fedge.strategies.state.DiskStore`` on a shared directory for a Ray cluster), saved with
+every reply as pending and used only once the server's next message says that reply is in
+its aggregate (:func:`committed_round`), so SCAFFOLD's c = mean(c_i) survives refused, lost
+and SecAgg+-dropped replies and Krum's unselected ones.
 """
 
 from __future__ import annotations
