@@ -275,9 +275,10 @@ class Strategy(FlowerFedAvg, ABC):
         config[keys.CFG_COMMITTED_NODE_ROUNDS] = [self.committed.get(n, 0) for n in nodes]
         self._rounds_sent += bool(messages)
         payload = self.client_payload(self._round_state)
-        if payload:
+        if payload:  # one record for all: serializing it per message cost 2 ms per node
+            record = to_array_record(payload)
             for message in messages:
-                message.content[keys.REC_STRATEGY] = to_array_record(payload)
+                message.content[keys.REC_STRATEGY] = record
         return messages
 
     def aggregate_train(
