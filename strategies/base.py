@@ -363,13 +363,16 @@ class Strategy(FlowerFedAvg, ABC):
         self._rounds_sent = self._rounds_applied = 0
         self._last_refusals = {}
 
-    def check_applied(self, refusals: Mapping[int, str] | None = None) -> None:
+    def check_applied(
+        self, refusals: Mapping[int, str] | None = None, failure: str | None = None
+    ) -> None:
         """Raise :class:`NoReplyAccepted` when train messages went out but no round applied
         one accepted update (the run's model is its initial one), naming the latest round's
-        refusals (``refusals``, else those this strategy saw)."""
+        ``failure`` (a wrapper's reason) and refusals (``refusals``, else those this saw)."""
         if self._rounds_sent and not self._rounds_applied:
             last = self._last_refusals if refusals is None else refusals
-            why = "; ".join(f"node {n}: {r}" for n, r in sorted(last.items()))
+            reasons = [f"node {n}: {r}" for n, r in sorted(last.items())]
+            why = "; ".join([failure, *reasons] if failure else reasons)
             raise NoReplyAccepted(
                 f"{type(self).__name__}: none of the {self._rounds_sent} training rounds "
                 f"accepted a reply, so the model is the initial one. Last round: {why or 'no replies'}"

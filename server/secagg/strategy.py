@@ -206,7 +206,7 @@ class SecAggPlus(FlowerStrategy):
         result = super().start(
             grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
         )
-        self.inner.check_applied(self._last_rejected)
+        self.inner.check_applied(self._last_rejected, self.last_failure)
         return result
 
     def configure_evaluate(
