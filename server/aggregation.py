@@ -188,8 +188,8 @@ class PlainAggregator:
         ]
         result.accepted = [nid for _, nid, _ in valid]
         if valid and self.combine is not None:
-            result.summed, kept = self.combine([c for _, _, c in valid])
-            result.committed = [valid[i][1] for i in kept]
+            result.summed, chosen = self.combine([c for _, _, c in valid])
+            result.committed = [valid[i][1] for i in chosen]
         elif valid:
             result.summed = robust_sum([c for _, _, c in valid], self.robust)
         return result

@@ -235,7 +235,8 @@ def test_fedge_own_loop_commits_only_the_client_krum_selects(tmp_path: Path) -> 
         record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         return Message(RecordDict({keys.REC_CONTRIB: record}), reply_to=msg)
 
-    scaffold = Scaffold(robust=RobustConfig(rule="krum", krum_malicious=1))
+    off = {"norm_multiple": 0.0, "weight_multiple": 0.0}  # the default defence would drop node 3
+    scaffold = Scaffold(robust=RobustConfig(rule="krum", krum_malicious=1, **off))
     aggregator = PlainAggregator(scaffold.robust, scaffold.combine)
     grid = InProcessGrid(app, DeviceTable(5), tmp_path / "state")
     spec = {"delta/w": (3,), "ctrl/w": (3,), keys.KEY_WEIGHT: (1,), keys.KEY_COUNT: (1,)}

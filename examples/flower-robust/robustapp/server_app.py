@@ -17,8 +17,8 @@ def sized_rule(rule: str, nodes: int, attackers: int) -> RobustConfig:
         return RobustConfig(rule="krum", krum_malicious=attackers)
     if rule == "trimmed-mean" and nodes > 2 * attackers + 1:  # beta < 1/2 keeps a middle
         return RobustConfig(rule="trimmed-mean", trim_beta=(attackers + 0.5) / nodes)
-    if rule == "mean":
-        return RobustConfig()  # no defence: for comparison
+    if rule == "mean":  # no defence, for comparison (fedge's default norm bound switched off)
+        return RobustConfig(norm_multiple=0.0, weight_multiple=0.0)
     raise ValueError(f"{rule!r} cannot survive {attackers} attackers among {nodes} clients")
 
 
