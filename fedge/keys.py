@@ -82,6 +82,10 @@ CFG_RUN_ID: Final = "run-id"  # random id of a fresh run; namespaces client stat
 # Keyed by partition id, which survives node restarts (node ids do not).
 CFG_COMMITTED_PARTITIONS: Final = "committed-partitions"  # list[int]: partition ids
 CFG_COMMITTED_ROUNDS: Final = "committed-rounds"  # list[int]: the accepted round of each
+# The same inside a plain Flower ServerApp (fedge strategies' configure_train), keyed by the
+# Flower node id (a Flower app has no partition ids the strategy could know).
+CFG_COMMITTED_NODES: Final = "committed-nodes"  # list[int]: node ids
+CFG_COMMITTED_NODE_ROUNDS: Final = "committed-node-rounds"  # list[int]: the accepted round of each
 
 CFG_MODEL: Final = "model"  # a model dir or hub id, or "zoo:<preset>"
 CFG_DISTILL_TEACHER: Final = "distill-teacher"  # model dir: clients distil from it (realignment)

@@ -61,6 +61,7 @@ class AggregateResult:
     summed_metrics: dict[str, float] = field(default_factory=dict)  # SecAgg+: only their sums
     out_of_bounds: str | None = None  # SecAgg+: why the sum breaks the per-client bounds
     failure: str | None = None  # why no sum came back (SecAgg+: the protocol's reason)
+    committed: list[int] | None = None  # nodes whose client state commits (None: ``accepted``)
     bytes_up: int = 0
     bytes_down: int = 0
 
@@ -117,11 +118,19 @@ def record_dict_bytes(content: RecordDict) -> int:
 class PlainAggregator:
     """Sum contributions in the clear: the server sees each client's contribution.
 
-    ``robust`` sets the per-client bounds and the combination rule (default: the exact sum).
+    ``robust`` sets the per-client bounds and the combination rule (default: the exact sum);
+    ``combine``, when set (the round loop sets the strategy's ``combine``), applies the rule
+    instead and names the contributions whose client state commits (SCAFFOLD + Krum: the one
+    Krum selects).
     """
 
-    def __init__(self, robust: RobustConfig | None = None) -> None:
+    def __init__(
+        self,
+        robust: RobustConfig | None = None,
+        combine: Callable[[list[Arrays]], tuple[Arrays, list[int]]] | None = None,
+    ) -> None:
         self.robust = robust or RobustConfig()
+        self.combine = combine
 
     def aggregate(
         self,
@@ -178,7 +187,10 @@ class PlainAggregator:
             )
         ]
         result.accepted = [nid for _, nid, _ in valid]
-        if valid:
+        if valid and self.combine is not None:
+            result.summed, chosen = self.combine([c for _, _, c in valid])
+            result.committed = [valid[i][1] for i in chosen]
+        elif valid:
             result.summed = robust_sum([c for _, _, c in valid], self.robust)
         return result
 

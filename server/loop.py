@@ -45,7 +45,12 @@ from fedge.data.shards import device_pools
 from fedge.lm import holder
 from fedge.plugins import load_dotted
 from fedge.privacy.wire import REFUSAL_BUDGET
-from fedge.server.aggregation import AggregateResult, Aggregator, build_aggregator
+from fedge.server.aggregation import (
+    AggregateResult,
+    Aggregator,
+    PlainAggregator,
+    build_aggregator,
+)
 from fedge.server.budget import PrivacyBudget
 from fedge.server.checkpoint import (
     Checkpoint,
@@ -252,6 +257,9 @@ def build_parts(cfg: RunConfig) -> Parts:
     """The strategy, the aggregator and the privacy budget the config names (bad names fail here)."""
     strategy = build_strategy(cfg.to_mapping())
     aggregator = build_aggregator(cfg.aggregator, cfg)
+    if isinstance(aggregator, PlainAggregator) and aggregator.robust == strategy.robust:
+        aggregator.combine = strategy.combine  # the strategy's rule: SCAFFOLD + Krum commits
+        # only the selected client's c_i
     return Parts(strategy, aggregator, build_budget(cfg, aggregator))
 
 
@@ -489,7 +497,8 @@ def aggregate_and_account(
     if row_status == "out-of-bounds":  # no client's work is in the global model
         return row_status
     partitions = fed.roster.partitions
-    fed.committed.update({partitions[n]: server_round for n in result.accepted if n in partitions})
+    kept = result.accepted if result.committed is None else result.committed
+    fed.committed.update({partitions[n]: server_round for n in kept if n in partitions})
     return row_status
 
 

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -72,8 +72,10 @@ from flwr.common.logger import log as flower_log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.serverapp.strategy import Result
 
 from fedge import keys
+from fedge.strategies.arrays import array_numpy
 from fedge.strategies.contract import (
     ClientHook,
     ClientResult,
@@ -106,6 +108,7 @@ __all__ = [
     "ClientStateStore",
     "ConfigValue",
     "GlobalState",
+    "NoReplyAccepted",
     "Strategy",
     "UniformWeighting",
     "Weighting",
@@ -128,6 +131,10 @@ def log_received(replies: Sequence[Message]) -> None:
         len(replies) - failures,
         failures,
     )
+
+
+class NoReplyAccepted(AggregationError):
+    """A run whose every round ended without one accepted reply: its model is the initial one."""
 
 
 def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -180,6 +187,14 @@ class Strategy(FlowerFedAvg, ABC):
         self.flower_options = dict(flower_options)
         self._round_state: GlobalState | None = None  # Flower ServerApp use: state between rounds
         self._round_population = 0
+        # Flower ServerApp use: node id -> the last round whose aggregate holds that node's
+        # contribution, sent back to the sampled nodes so their client state (SCAFFOLD's c_i)
+        # advances only with what the server accepted (fedge's own ServerApp does the same
+        # by partition, fedge.server.loop)
+        self.committed: dict[int, int] = {}
+        self._rounds_sent = 0  # rounds whose train messages went out
+        self._rounds_applied = 0  # rounds whose aggregate held at least one accepted update
+        self._last_refusals: dict[int, str] = {}  # node -> why, in the latest round
 
     # ------------------------------------------------------------ server side
     def init_extras(self, adapter: Arrays) -> Arrays:
@@ -243,7 +258,7 @@ class Strategy(FlowerFedAvg, ABC):
     ) -> Iterable[Message]:
         """Flower's sampling and messages, plus this strategy's config keys and payload record."""
         refuse_flower_dp_wrapper(self)  # Flower's DP wrappers misread fedge's replies
-        adapter = {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in arrays.items()}
+        adapter = {k: np.asarray(array_numpy(v), dtype=np.float32) for k, v in arrays.items()}
         held = self._round_state
         extras = (
             held.extras
@@ -255,10 +270,15 @@ class Strategy(FlowerFedAvg, ABC):
         for key, value in self.client_config(server_round).items():
             config[key] = value
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        nodes = sorted({m.metadata.dst_node_id for m in messages})
+        config[keys.CFG_COMMITTED_NODES] = nodes  # the messages share this one ConfigRecord
+        config[keys.CFG_COMMITTED_NODE_ROUNDS] = [self.committed.get(n, 0) for n in nodes]
+        self._rounds_sent += bool(messages)
         payload = self.client_payload(self._round_state)
-        if payload:
+        if payload:  # one record for all: serializing it per message cost 2 ms per node
+            record = to_array_record(payload)
             for message in messages:
-                message.content[keys.REC_STRATEGY] = to_array_record(payload)
+                message.content[keys.REC_STRATEGY] = record
         return messages
 
     def aggregate_train(
@@ -274,6 +294,7 @@ class Strategy(FlowerFedAvg, ABC):
         contributions: list[Arrays] = []
         contents: list[RecordDict] = []
         nodes: list[int] = []
+        self._last_refusals = {}
         for msg in replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -283,39 +304,98 @@ class Strategy(FlowerFedAvg, ABC):
                     node,
                     msg.error.reason,
                 )
+                self._last_refusals[node] = f"error reply: {msg.error.reason}"
                 continue
             arrays, why = reply_contribution(msg.content, state.adapter, spec, self.weighted_by_key)
             if arrays is not None and why is None:
                 arrays, why = apply_bounds(arrays, self.robust)
             if arrays is None or why is not None:
                 log.warning("round %d: rejected the reply of node %d: %s", server_round, node, why)
+                self._last_refusals[node] = str(why)
                 continue
             contributions.append(arrays)
             contents.append(msg.content)
             nodes.append(node)
-        kept, refused = adaptive_bounds(contributions, self.robust)  # the default defence
+        kept_arrays, refused = adaptive_bounds(contributions, self.robust)  # the default defence
         for index, why in sorted(refused.items()):
             log.warning(
                 "round %d: rejected the reply of node %d: %s", server_round, nodes[index], why
             )
+            self._last_refusals[nodes[index]] = why
         contents = [c for i, c in enumerate(contents) if i not in refused]
-        if not kept:
+        nodes = [n for i, n in enumerate(nodes) if i not in refused]
+        if not kept_arrays:
+            log.error("round %d: no reply was accepted; the global model is kept", server_round)
             return None, None
-        record = self.aggregate_sum(server_round, robust_sum(kept, self.robust))
+        summed, kept = self.combine(kept_arrays)
+        record = self.aggregate_sum(server_round, summed, [nodes[i] for i in kept])
         return record, self._train_metrics(contents)
 
-    def aggregate_sum(self, server_round: int, summed: Arrays) -> ArrayRecord:
+    def combine(self, contributions: list[Arrays]) -> tuple[Arrays, list[int]]:
+        """The round's combination rule over the accepted contributions (in the shape of a
+        sum) and the indices of those whose whole update it holds (their client state commits)."""
+        kept = [i for i, c in enumerate(contributions) if float(c[keys.KEY_COUNT][0]) > 0]
+        return robust_sum(contributions, self.robust), kept
+
+    def aggregate_sum(
+        self, server_round: int, summed: Arrays, contributors: Iterable[int] = ()
+    ) -> ArrayRecord:
         """The round's summed contributions -> ``finalize`` -> next arrays; a secure aggregator
-        that hands over only the sum (``fedge.server.secagg.strategy``) enters here."""
+        that hands over only the sum (``fedge.server.secagg.strategy``) enters here.
+
+        ``contributors`` are the nodes whose contributions the sum holds: once the sum is
+        applied, their client state of this round is committed (sent back next round).
+        """
         state = self._round_state
         if state is None:
             raise AggregationError("aggregate_sum before configure_train: no round is open")
         if float(summed[keys.KEY_WEIGHT][0]) > 0:
             state = self.finalize(state, summed, self._round_population)
+            self.committed.update({int(n): server_round for n in contributors})
+            self._rounds_applied += 1
         else:  # every client's work was dropped (stragglers under FedAvg): keep the arrays
             state = replace_state(state, server_round=server_round)
         self._round_state = state
         return to_array_record(state.adapter)
+
+    def reset_run(self) -> None:
+        """Count a new run's rounds (``start``); acceptances stay, as the global state does."""
+        self._rounds_sent = self._rounds_applied = 0
+        self._last_refusals = {}
+
+    def check_applied(
+        self, refusals: Mapping[int, str] | None = None, failure: str | None = None
+    ) -> None:
+        """Raise :class:`NoReplyAccepted` when train messages went out but no round applied
+        one accepted update (the run's model is its initial one), naming the latest round's
+        ``failure`` (a wrapper's reason) and refusals (``refusals``, else those this saw)."""
+        if self._rounds_sent and not self._rounds_applied:
+            last = self._last_refusals if refusals is None else refusals
+            reasons = [f"node {n}: {r}" for n, r in sorted(last.items())]
+            why = "; ".join([failure, *reasons] if failure else reasons)
+            raise NoReplyAccepted(
+                f"{type(self).__name__}: none of the {self._rounds_sent} training rounds "
+                f"accepted a reply, so the model is the initial one. Last round: {why or 'no replies'}"
+            )
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``; a run in which no reply was ever accepted raises
+        :class:`NoReplyAccepted` instead of returning the untrained model."""
+        self.reset_run()
+        result = super().start(
+            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+        )
+        self.check_applied()
+        return result
 
     def _train_metrics(self, contents: list[RecordDict]) -> MetricRecord | None:
         """Flower's metric aggregation over the replies that report ``weighted_by_key``."""
@@ -378,6 +458,10 @@ class UniformWeighting(Strategy):
     def finalize(self, state: GlobalState, summed: Arrays, population: int) -> GlobalState:
         """Delegate to the inner strategy."""
         return self.inner.finalize(state, summed, population)
+
+    def combine(self, contributions: list[Arrays]) -> tuple[Arrays, list[int]]:
+        """Delegate to the inner strategy."""
+        return self.inner.combine(contributions)
 
     def client_hook(
         self,

@@ -23,7 +23,10 @@ config) it is Flower's usual reply, the trained arrays plus ``num-examples``, an
 hooks do nothing. So the same ClientApp serves Flower's FedAvg, FedAdam, Krum, ... and
 fedge's FedAvg, FedProx and SCAFFOLD: switching is a server-side change. Strategy state that outlives the round (SCAFFOLD's ``c_i``) is kept in the
 node's ``Context.state`` by default, or in any :class:`~fedge.strategies.contract.ClientStateStore`
-(``fedge.strategies.state.DiskStore`` on a shared directory for a Ray cluster).
+(``fedge.strategies.state.DiskStore`` on a shared directory for a Ray cluster), saved with
+every reply as pending and used only once the server's next message says that reply is in
+its aggregate (:func:`committed_round`), so SCAFFOLD's c = mean(c_i) survives refused, lost
+and SecAgg+-dropped replies and Krum's unselected ones.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from fedge import keys
+from fedge.strategies.arrays import array_numpy
 from fedge.strategies.base import Strategy
 from fedge.strategies.contract import ClientHook, ClientResult, ClientStateStore, build_contribution
 from fedge.strategies.registry import build_strategy
-from fedge.strategies.state import ContextStore
+from fedge.strategies.state import CommittedStore, ContextStore
 from fedge.types import Arrays, ConfigValue
 
 FLOWER_ARRAYS = "arrays"  # the record name Flower's strategies send the global arrays under
@@ -59,7 +63,7 @@ def global_arrays(msg: Message) -> Arrays:
     for name in (keys.REC_GLOBAL, FLOWER_ARRAYS):
         if name in msg.content.array_records:
             rec = msg.content.array_records[name]
-            return {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in rec.items()}
+            return {k: np.asarray(array_numpy(v), dtype=np.float32) for k, v in rec.items()}
     raise ValueError(
         f"train message has neither a '{keys.REC_GLOBAL}' nor an '{FLOWER_ARRAYS}' ArrayRecord"
     )
@@ -71,6 +75,21 @@ def strategy_config(config: Mapping[str, ConfigValue]) -> dict[str, ConfigValue]
     if keys.CFG_STRATEGY not in config and keys.CFG_PROXIMAL_MU in config:
         return {**config, keys.CFG_STRATEGY: "fedprox"}
     return dict(config)
+
+
+def committed_round(config: Mapping[str, ConfigValue], node_id: int) -> int | None:
+    """The last round whose contribution from ``node_id`` the server's aggregate holds (0: none
+    yet); None when the server sends no acceptances (Flower's own strategies).
+
+    The client saves its new state (SCAFFOLD's c_i) with every reply, as pending; it loads only
+    the state of this round, so a reply the server refused, lost or left out of its sum (a
+    SecAgg+ drop-out, a client Krum did not select) never advances it.
+    """
+    nodes = config.get(keys.CFG_COMMITTED_NODES)
+    rounds = config.get(keys.CFG_COMMITTED_NODE_ROUNDS)
+    if not isinstance(nodes, list) or not isinstance(rounds, list) or len(nodes) != len(rounds):
+        return None
+    return int(dict(zip(nodes, rounds, strict=True)).get(node_id, 0))
 
 
 class TrainRound:
@@ -85,8 +104,11 @@ class TrainRound:
     def __init__(self, msg: Message, model: torch.nn.Module, store: ClientStateStore) -> None:
         self.msg = msg
         self.model = model
-        self.store = store
         self.config = message_config(msg)
+        committed = committed_round(self.config, msg.metadata.dst_node_id)
+        self.store: ClientStateStore = (
+            store if committed is None else CommittedStore(store, committed)
+        )
         self.strategy: Strategy = build_strategy(strategy_config(self.config))
         self.server_round = int(self.config.get(keys.CFG_SERVER_ROUND, 1))  # type: ignore[call-overload]
         self.global_arrays = global_arrays(msg)
@@ -106,9 +128,10 @@ class TrainRound:
             k: p for k, p in model.named_parameters() if p.requires_grad and k in anchor
         }
         payload = {
-            k: v.numpy() for k, v in msg.content.array_records.get(keys.REC_STRATEGY, {}).items()
+            k: array_numpy(v)
+            for k, v in msg.content.array_records.get(keys.REC_STRATEGY, {}).items()
         }
-        self.hook: ClientHook = self.strategy.client_hook(self.config, anchor, payload, store)
+        self.hook: ClientHook = self.strategy.client_hook(self.config, anchor, payload, self.store)
 
     @classmethod
     def start(

@@ -20,6 +20,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedge import keys
+from fedge.strategies.arrays import array_numpy
 from fedge.types import Arrays
 
 ContributionSpec = Mapping[str, tuple[int, ...]]
@@ -30,21 +31,31 @@ def contribution_problem(record: ArrayRecord | None, spec: ContributionSpec) -> 
 
     Checks, in order: presence, the exact key set, float32 dtype, shape, finiteness.
     """
+    return contribution_arrays(record, spec)[1]
+
+
+def contribution_arrays(
+    record: ArrayRecord | None, spec: ContributionSpec
+) -> tuple[Arrays | None, str | None]:
+    """(The record's arrays, None) or (None, why it is unacceptable), each array parsed once
+    (a Flower ``Array`` re-reads its bytes on every ``numpy()``)."""
     if record is None:
-        return f"reply has no '{keys.REC_CONTRIB}' ArrayRecord"
+        return None, f"reply has no '{keys.REC_CONTRIB}' ArrayRecord"
     got = set(record.keys())
     missing, extra = sorted(set(spec) - got), sorted(got - set(spec))
     if missing or extra:
-        return f"contribution keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+        return None, f"contribution keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+    arrays: Arrays = {}
     for name, shape in spec.items():
         arr = record[name]
         if arr.dtype != "float32":
-            return f"'{name}' has dtype {arr.dtype}, expected float32"
+            return None, f"'{name}' has dtype {arr.dtype}, expected float32"
         if tuple(arr.shape) != tuple(shape):
-            return f"'{name}' has shape {tuple(arr.shape)}, expected {tuple(shape)}"
-        if not np.isfinite(arr.numpy()).all():
-            return f"'{name}' contains NaN or Inf"
-    return None
+            return None, f"'{name}' has shape {tuple(arr.shape)}, expected {tuple(shape)}"
+        arrays[name] = array_numpy(arr)
+        if not np.isfinite(arrays[name]).all():
+            return None, f"'{name}' contains NaN or Inf"
+    return arrays, None
 
 
 def contribution_record(
@@ -67,7 +78,8 @@ def contribution_record(
     w = np.float32(weight)
     arrays: Arrays = {
         keys.PREFIX_DELTA + k: (
-            (np.asarray(local[k].numpy(), np.float32) - global_arrays[k].astype(np.float32)) * w
+            (np.asarray(array_numpy(local[k]), np.float32) - global_arrays[k].astype(np.float32))
+            * w
         )
         for k in global_arrays
     }
@@ -87,7 +99,7 @@ def reply_contribution(
             f"model's arrays with a '{weighted_by_key}' metric; build replies with "
             "fedge.strategies.client.TrainRound"
         )
-    problem = contribution_problem(record, spec)
+    arrays, problem = contribution_arrays(record, spec)
     if problem is not None:
         plain = keys.REC_CONTRIB not in content.array_records
         if plain and any(k.startswith(keys.PREFIX_CONTROL) for k in spec):
@@ -96,4 +108,4 @@ def reply_contribution(
                 "with fedge.strategies.client.TrainRound)"
             )
         return None, problem
-    return {k: record[k].numpy() for k in spec}, None
+    return arrays, None

@@ -331,3 +331,12 @@ def _krum(updates: list[Arrays], names: list[str], malicious: int) -> Arrays:
     ]
     chosen = select_multikrum(records, num_malicious_nodes=malicious, num_nodes_to_select=1)[0]
     return updates[next(i for i, r in enumerate(records) if r is chosen)]
+
+
+def krum_select(contributions: list[Arrays], malicious: int) -> int:
+    """The index of the contribution Krum selects (the rule ``robust_sum`` applies for ``krum``),
+    over contributions that each hold an update (``meta/count`` and ``meta/weight`` > 0)."""
+    updates = [_unscaled(c) for c in contributions]
+    names = [k for k in updates[0] if not k.startswith(keys.PREFIX_META)]
+    chosen = _krum(updates, names, malicious)
+    return next(i for i, u in enumerate(updates) if u is chosen)

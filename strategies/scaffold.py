@@ -21,7 +21,7 @@ control variate is an estimate only (use ``optimizer = "sgd"`` for the paper's s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,10 +33,14 @@ from fedge.strategies.base import (
     ConfigValue,
     GlobalState,
     Strategy,
+    sum_contributions,
 )
+from fedge.strategies.robust import krum_select
 
 if TYPE_CHECKING:
     import torch
+
+COORDINATEWISE_RULES = ("median", "trimmed-mean")  # no client's update survives whole
 
 
 def control_update(c_i: Arrays, c: Arrays, delta: Arrays, local_steps: int, lr: float) -> Arrays:
@@ -78,6 +82,45 @@ class Scaffold(Strategy):
     name = "scaffold"
     accepts_partial_work = False
     local_optimizer = "sgd"  # the paper's local update; its control variates assume plain SGD steps
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As :class:`Strategy`; a coordinate-wise robust rule is refused (see :meth:`combine`)."""
+        super().__init__(*args, **kwargs)
+        if self.robust.rule in COORDINATEWISE_RULES:
+            raise ValueError(
+                f"SCAFFOLD with the {self.robust.rule!r} rule is refused: a coordinate-wise rule "
+                "keeps no client's control delta whole, so no client could know which c_i the "
+                "server's c holds and c = mean(c_i), what SCAFFOLD's correction needs, would "
+                "break; use 'krum' (SCAFFOLD over the client Krum selects) or 'mean' with "
+                "max_update_norm"
+            )
+
+    def combine(self, contributions: list[Arrays]) -> tuple[Arrays, list[int]]:
+        """Under Krum, SCAFFOLD over the one client Krum selects: x moves by its update (as
+        FedAvg + Krum), c by its control delta / N, and only its c_i commits, so c = mean(c_i)
+        holds; other rules as :class:`Strategy` (every accepted update, every c_i commits)."""
+        if self.robust.rule != "krum":
+            return super().combine(contributions)
+        live = [
+            i
+            for i, c in enumerate(contributions)
+            if float(c[keys.KEY_COUNT][0]) > 0 and float(c[keys.KEY_WEIGHT][0]) > 0
+        ]
+        if not live:  # every client's work was dropped: the plain sum says so (weight 0)
+            return sum_contributions(contributions), []
+        chosen = live[krum_select([contributions[i] for i in live], self.robust.krum_malicious)]
+        update, n = contributions[chosen], float(len(live))
+        scale = n / float(update[keys.KEY_WEIGHT][0])  # n times its unscaled update, weight n
+        summed: Arrays = {
+            k: (v.astype(np.float64) * scale).astype(np.float32)
+            if k.startswith(keys.PREFIX_DELTA)
+            else v.astype(np.float32)  # ctrl/: the selected client's control delta, once
+            for k, v in update.items()
+            if not k.startswith(keys.PREFIX_META)
+        }
+        summed[keys.KEY_WEIGHT] = np.array([n], np.float32)
+        summed[keys.KEY_COUNT] = np.array([n], np.float32)
+        return summed, [chosen]
 
     def init_extras(self, adapter: Arrays) -> Arrays:
         """c starts at zero for every adapter tensor (beside the server optimizer's state)."""

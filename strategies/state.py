@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fedge.strategies.arrays import array_numpy
+from fedge.strategies.contract import ClientStateStore
 from fedge.types import Arrays
 
 _ROUND_FILE = re.compile(r"^round_(\d+)\.npz$")
@@ -59,7 +61,7 @@ class ContextStore:
         if not earlier:
             return None
         rec = self._state.array_records[f"{_PREFIX}{max(earlier)}"]
-        return {k: v.numpy() for k, v in rec.items()}
+        return {k: array_numpy(v) for k, v in rec.items()}
 
     def save(self, server_round: int, arrays: Arrays) -> None:
         """Record the state of ``server_round``."""
@@ -114,7 +116,7 @@ class CommittedStore:
     the server reports their round accepted, and superseded states are forgotten.
     """
 
-    def __init__(self, inner: MemoryStore | ContextStore | DiskStore, committed: int) -> None:
+    def __init__(self, inner: ClientStateStore, committed: int) -> None:
         self.inner = inner
         self.committed = committed
 
@@ -125,7 +127,9 @@ class CommittedStore:
     def save(self, server_round: int, arrays: Arrays) -> None:
         """Keep ``server_round``'s state as pending and drop what the commit superseded."""
         self.inner.save(server_round, arrays)
-        self.inner.forget_before(self.committed)
+        forget = getattr(self.inner, "forget_before", None)  # a user's store may keep all
+        if forget is not None:
+            forget(self.committed)
 
 
 def _superseded(rounds: list[int], committed: int) -> list[int]:

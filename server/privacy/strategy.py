@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
@@ -171,6 +172,7 @@ class CentralDP(FlowerStrategy):
         self.inner = strategy
         self._sampled = 0
         self._refused = False
+        self._last_refusals: dict[int, str] = {}  # node -> why, in the latest round
 
     @property
     def epsilon(self) -> float:
@@ -219,6 +221,8 @@ class CentralDP(FlowerStrategy):
         log_received(replies)  # Flower FedAvg's line, in Flower's log
         clipped: list[Arrays] = []
         contents: list[RecordDict] = []
+        nodes: list[int] = []
+        self._last_refusals = {}
         unclipped = 0
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -229,6 +233,7 @@ class CentralDP(FlowerStrategy):
                     node,
                     msg.error.reason,
                 )
+                self._last_refusals[node] = f"error reply: {msg.error.reason}"
                 continue
             arrays, why = reply_contribution(
                 msg.content, state.adapter, spec, self.inner.weighted_by_key
@@ -241,6 +246,7 @@ class CentralDP(FlowerStrategy):
                     node,
                     why or "meta/count must be 0 or 1",
                 )
+                self._last_refusals[node] = why or "meta/count must be 0 or 1"
                 continue
             bounded, norm = clip_contribution(unit, self.clip_norm)
             if not math.isfinite(norm):
@@ -249,6 +255,7 @@ class CentralDP(FlowerStrategy):
             unclipped += int(norm <= self.clip_norm)
             clipped.append(bounded)
             contents.append(msg.content)
+            nodes.append(node)
         if not clipped:
             log.error("round %d: no reply was accepted; nothing is released", server_round)
             return None, None
@@ -262,8 +269,30 @@ class CentralDP(FlowerStrategy):
             metrics[MET_UNCLIPPED] = noisy
         noised = add_gaussian_noise(sum_contributions(clipped), z * clip_used)
         metrics.update(self.account.record(server_round, clip_used))
-        arrays_out = self.inner.aggregate_sum(server_round, noised)
+        # the clients in the sum commit their state (SCAFFOLD's c_i: exact up to the noise and
+        # the clipping of its control delta, which the client does not see)
+        arrays_out = self.inner.aggregate_sum(server_round, noised, nodes)
         return arrays_out, MetricRecord({**self._client_metrics(contents), **metrics})
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``; a run in which no round's sum was applied raises
+        :class:`~fedge.strategies.base.NoReplyAccepted` instead of returning the initial model."""
+        self.inner.reset_run()
+        self._last_refusals = {}
+        result = super().start(
+            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+        )
+        self.inner.check_applied(self._last_refusals)
+        return result
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -31,13 +31,14 @@ is logged and returned in its train metrics (so in Flower's ``Result``)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log as flower_log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
@@ -111,6 +112,7 @@ class SecAggPlus(FlowerStrategy):
         self.last_failure: str | None = None
         self._pending: _Pending | None = None
         self._refused = False
+        self._last_rejected: dict[int, str] = {}  # node -> why, in the latest round
 
     @property
     def epsilon(self) -> float:
@@ -169,6 +171,7 @@ class SecAggPlus(FlowerStrategy):
             len(result.accepted),
             len(pending.node_ids) - len(result.accepted),
         )
+        self._last_rejected = dict(result.rejected)
         if result.summed is None:
             self.last_failure = round_failure(server_round, result)
             log.error("round %d: no aggregate applied: %s", server_round, self.last_failure)
@@ -179,12 +182,32 @@ class SecAggPlus(FlowerStrategy):
             self.last_failure = f"round {server_round}: sum rejected: {result.out_of_bounds}"
             log.error("round %d: no aggregate applied: %s", server_round, self.last_failure)
             return None, MetricRecord(released) if released else None
-        arrays = self.inner.aggregate_sum(server_round, result.summed)
+        # the contributors' client state (SCAFFOLD's c_i) commits; drop-outs' does not
+        arrays = self.inner.aggregate_sum(server_round, result.summed, result.accepted)
         metrics = summed_metrics(result.summed_metrics, len(result.accepted))
         if released:
             merged: Metrics = {**dict(metrics or {}), **released}
             metrics = MetricRecord(merged)
         return arrays, metrics
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``; a run in which no round's sum was applied raises
+        :class:`~fedge.strategies.base.NoReplyAccepted` instead of returning the initial model."""
+        self.inner.reset_run()
+        result = super().start(
+            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+        )
+        self.inner.check_applied(self._last_rejected, self.last_failure)
+        return result
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -37,7 +37,7 @@ from fedge.server.privacy.release import MET_CLIP, MET_EPSILON, MET_EXHAUSTED
 from fedge.server.privacy.strategy import AdaptiveClip, CentralDP, update_noise_multiplier
 from fedge.server.secagg.strategy import DistributedDP, SecAggPlus
 from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-from fedge.strategies.base import UniformWeighting
+from fedge.strategies.base import NoReplyAccepted, UniformWeighting
 from fedge.strategies.client import TrainRound
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_dp import FlowerDPWrapperRefused
@@ -300,13 +300,12 @@ def test_a_failing_distributed_dp_round_names_its_cause(
     else:
         strategy = SecAggPlus(fedavg(), dp=dp)
     # Execute
-    with caplog.at_level(logging.ERROR):
-        result, _ = run(strategy, tmp_path, app=fixed_update_app(fail_partition=3))
+    with caplog.at_level(logging.ERROR), pytest.raises(NoReplyAccepted, match="need at least 4"):
+        run(strategy, tmp_path, app=fixed_update_app(fail_partition=3))  # nothing applied
     # Assert
     assert strategy.last_failure is not None and "need at least 4" in strategy.last_failure
     assert any("need at least 4" in r.getMessage() for r in caplog.records)
-    assert len(result.arrays) == 0  # nothing applied
-    assert MET_EPSILON not in result.train_metrics_clientapp.get(1, {})  # nothing released
+    assert strategy.epsilon == 0.0  # nothing released
 
 
 def unclipped_quantize(vec: np.ndarray, clip: float, levels: int, rng: np.random.Generator):  # type: ignore[no-untyped-def]
@@ -332,9 +331,11 @@ def test_a_sum_out_of_the_secagg_bounds_is_not_applied_and_says_why(
     monkeypatch.setattr(client_engine, "quantize", unclipped_quantize)
     strategy = SecAggPlus(fedavg())
     # Execute
-    with caplog.at_level(logging.ERROR):
-        result, _ = run(strategy, tmp_path, app=fixed_update_app(heavy_partition=0))
+    with (
+        caplog.at_level(logging.ERROR),
+        pytest.raises(NoReplyAccepted, match="max-client-weight=8000"),  # nothing applied
+    ):
+        run(strategy, tmp_path, app=fixed_update_app(heavy_partition=0))
     # Assert
-    assert len(result.arrays) == 0
     assert strategy.last_failure is not None and "max-client-weight=8000" in strategy.last_failure
     assert any("max-client-weight=8000" in r.getMessage() for r in caplog.records)

@@ -11,6 +11,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedge.secagg.config import DEFAULT_MAX_WEIGHT
 from fedge.server.secagg.strategy import SecAggPlus, summed_metrics
+from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.robust import RobustConfig
 from fedge.strategies.scaffold import Scaffold
 
@@ -26,9 +27,10 @@ def test_a_flower_strategy_is_refused() -> None:
     [RobustConfig(rule="median"), RobustConfig(max_weight=10.0), RobustConfig(max_update_norm=1.0)],
 )
 def test_rules_that_need_each_update_are_refused(robust: RobustConfig) -> None:
-    """A median or a per-client bound needs each client's update; SecAgg+ shows only the sum."""
+    """A median or a per-client bound needs each client's update; SecAgg+ shows only the sum
+    (fedge's FedAvg: SCAFFOLD itself refuses a median, tests/strategies/test_scaffold_exact.py)."""
     with pytest.raises(ValueError, match="pass robust=None"):
-        SecAggPlus(Scaffold(robust=robust))
+        SecAggPlus(FedAvg(robust=robust))
 
 
 def test_example_weighting_gets_the_weight_divisors() -> None:

@@ -20,6 +20,7 @@ import torch
 from fedge import keys
 from fedge.clients.privacy.ledger import STATE_DIR_ENV
 from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.strategies.base import NoReplyAccepted
 from tests.simulations.federations import RecordingGrid
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-app"
@@ -130,9 +131,10 @@ def test_a_server_that_drops_secagg_gets_nothing_from_a_node_that_requires_it(
     grid = RecordingGrid(InProcessGrid(client_app.app, DeviceTable(NUM_NODES), tmp_path / "st"))
     # Execute
     config = {"strategy": "scaffold", "num-server-rounds": 1, "final-model": str(out)}
-    run_inprocess(server_app.app, grid, run_config=config)  # type: ignore[arg-type]
+    with pytest.raises(NoReplyAccepted, match="require-secagg"):  # no round aggregated
+        run_inprocess(server_app.app, grid, run_config=config)  # type: ignore[arg-type]
     # Assert
     assert len(grid.replies) == 2 * NUM_NODES
     for msg in grid.replies:
         assert msg.has_error() and "require-secagg" in msg.error.reason
-    assert torch.load(out) == {}  # Flower's Result holds no arrays: no round aggregated
+    assert not out.exists()  # the ServerApp stopped with the error: no untrained model saved

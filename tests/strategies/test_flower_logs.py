@@ -18,6 +18,7 @@ from flwr.common.logger import ConsoleHandler
 
 from fedge.logs import PREFIX
 from fedge.server.privacy.strategy import CentralDP
+from fedge.strategies.base import NoReplyAccepted
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.scaffold import Scaffold
 from tests.strategies.test_flower_native import NODES, SAMPLING, _fedge_client, _flower_client, _run
@@ -53,7 +54,8 @@ def test_rejections_and_settings_print_once_through_flowers_logger(
     line with fedge's prefix, and the root logger (pytest's caplog) gets it once, unprefixed."""
     collect, text = flower_log
     caplog.set_level(logging.INFO)
-    _run(Scaffold(**SAMPLING), _flower_client(), tmp_path, rounds=1)
+    with pytest.raises(NoReplyAccepted):  # no reply accepted: the run ends with the error
+        _run(Scaffold(**SAMPLING), _flower_client(), tmp_path, rounds=1)
     lines = text.getvalue().splitlines()
     rejected = [line for line in lines if "rejected the reply of node" in line]
     assert len(rejected) == NODES, lines

@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.strategies.base import NoReplyAccepted
 from fedge.strategies.client import TrainRound
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.fedprox import FedProx
@@ -169,12 +170,12 @@ def test_scaffold_runs_in_a_plain_flower_server_app_with_client_state(tmp_path: 
 def test_scaffold_refuses_a_plain_flower_reply_and_names_the_helper(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A Flower reply carries no control delta: every reply is refused, the arrays stay put."""
+    """A Flower reply carries no control delta: every reply is refused, naming the helper, and
+    a run in which no reply was accepted ends with that error, not with the initial model."""
     caplog.set_level(logging.WARNING, logger="fedge.strategies.base")
-    result = _run(Scaffold(**SAMPLING), _flower_client(), tmp_path / "b", rounds=1)
+    with pytest.raises(NoReplyAccepted, match="TrainRound"):
+        _run(Scaffold(**SAMPLING), _flower_client(), tmp_path / "b", rounds=1)
     assert "TrainRound" in caplog.text
-    assert not result.train_metrics_clientapp
-    assert len(result.arrays) == 0  # Flower's Result holds arrays only once a round aggregated
 
 
 def test_robust_rule_inside_flower_drops_a_poisoned_reply(tmp_path: Path) -> None:

@@ -1,0 +1,1 @@
+"""SCAFFOLD under fedge's SecAgg+ in a Flower quickstart app (PyTorch MLP, synthetic data)."""
