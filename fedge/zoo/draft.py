@@ -147,7 +147,7 @@ def restricted_vocabulary(
 
 
 # ---------------------------------------------------------------- the model
-def init_draft(target: nn.Module, layers: int) -> nn.Module:
+def init_draft(target: Any, layers: int) -> Any:
     """A model of the target's class with its first `layers` layers, embedding and final norm.
 
     The output layer is untied (its rows are set at save time); the embedding is frozen.
@@ -162,7 +162,7 @@ def init_draft(target: nn.Module, layers: int) -> nn.Module:
     if isinstance(getattr(cfg, "layer_types", None), list):
         cfg.layer_types = cfg.layer_types[:layers]
     cfg.tie_word_embeddings = False
-    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    draft: Any = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     source = target.state_dict()
     own = draft.state_dict()
     copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
@@ -235,8 +235,13 @@ def build_draft(
     minutes: float = 10.0,
     resume: bool = False,
     progress: ProgressFn | None = None,
+    stop_after: int | None = None,
 ) -> dict[str, Any]:
-    """Build (or continue) a draft for the target at `target_dir` into `out`; return its card."""
+    """Build (or continue) a draft for the target at `target_dir` into `out`; return its card.
+
+    Training stops at the end of the schedule, when `minutes` have passed in this run, or
+    after `stop_after` steps in this run; a `resume` run continues from the checkpoint.
+    """
     from fedge.models import load_causal_lm, load_tokenizer
 
     spec = spec or DraftSpec()
@@ -256,7 +261,7 @@ def build_draft(
 
     tokenizer = load_tokenizer(target_dir)
     bos = bos_token_id(tokenizer)
-    target = load_causal_lm(target_dir)
+    target: Any = load_causal_lm(target_dir)
     target.requires_grad_(False)
     vocab_size = int(target.get_output_embeddings().weight.shape[0])  # type: ignore[union-attr]
     train, heldout = _cached_streams(work, tokenizer, spec.max_chars_per_label)
@@ -292,7 +297,8 @@ def build_draft(
     deadline = time.perf_counter() + minutes * 60
     began = time.perf_counter() - seconds
     student.train()
-    while step < budget.steps and time.perf_counter() < deadline:
+    last = budget.steps if stop_after is None else min(budget.steps, step + stop_after)
+    while step < last and time.perf_counter() < deadline:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, budget)
         rng = np.random.default_rng([spec.seed, step])
@@ -305,11 +311,11 @@ def build_draft(
         torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
         optimizer.step()
         step += 1
-        if step % spec.eval_every == 0 or step == budget.steps or time.perf_counter() >= deadline:
+        if step % spec.eval_every == 0 or step == last or time.perf_counter() >= deadline:
             student.eval()
             rate = path_agreement(student, paths, _prompt_len(spec, bos), ids)
             student.train()
-            curve.append(_point(step, time.perf_counter() - began, spec, rate, float(loss)))
+            curve.append(_point(step, time.perf_counter() - began, spec, rate, loss.item()))
             _report(progress, curve[-1])
             _save_checkpoint(
                 checkpoint, student, optimizer, step, time.perf_counter() - began, curve

@@ -1,0 +1,71 @@
+"""`fedge models draft`: a draft for any target (here the micro zoo's target, a 1-layer draft,
+seconds of distillation) that loads as an ordinary folder and presents the full vocabulary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fedge.zoo import ZooPaths
+from fedge.zoo.draft import CARD_NAME, VOCAB_NAME, DraftSpec, build_draft
+
+SPEC = DraftSpec(
+    layers=1,
+    vocab=300,
+    steps=12,
+    batch_size=4,
+    context=32,
+    eval_every=4,
+    prompts=4,
+    prompt_tokens=16,
+    new_tokens=8,
+    max_chars_per_label=10_000,
+)
+
+
+@pytest.fixture(scope="module")
+def built(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One step in a first run, then --resume finishes the schedule."""
+    out = tmp_path_factory.mktemp("draft-any")
+    build_draft(micro_zoo.target_dir, out, SPEC, stop_after=1)
+    build_draft(micro_zoo.target_dir, out, SPEC, minutes=5.0, resume=True)
+    return out
+
+
+def test_the_draft_is_an_ordinary_folder_with_the_targets_full_vocabulary(
+    micro_zoo: ZooPaths, built: Path
+) -> None:
+    target = AutoModelForCausalLM.from_pretrained(micro_zoo.target_dir)
+    draft = AutoModelForCausalLM.from_pretrained(built)
+    assert draft.config.num_hidden_layers == 1
+    assert draft.config.vocab_size == target.config.vocab_size
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    ids = torch.tensor(json.loads((built / VOCAB_NAME).read_text()))
+    assert 0 < len(ids) < target.config.vocab_size
+    logits = draft(input_ids=torch.tensor([[5, 17, 99, 3, 42]])).logits[0]
+    assert logits.shape[-1] == target.config.vocab_size
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool)
+    outside[ids] = False
+    # every excluded token scores far below the best restricted one: never proposed
+    best_inside = logits[:, ids].max(-1).values
+    assert (logits[:, outside].max(-1).values < best_inside - 10).all()
+
+
+def test_resume_continues_the_schedule_and_the_card_records_the_curve(built: Path) -> None:
+    card = json.loads((built / CARD_NAME).read_text())
+    assert card["steps"] == SPEC.steps  # the first run stopped at 1, the resumed one finished
+    steps = [p["step"] for p in card["agreement_curve"]]
+    assert steps[0] == 0 and steps[1] == 1 and steps[-1] == SPEC.steps
+    assert steps == sorted(steps) and len(steps) == len(set(steps))
+    assert 0.0 <= card["greedy_agreement"] <= 1.0
+    assert card["excluded_rows"]["heldout_argmax_outside_restricted"] == 0.0
+    assert card["restricted_vocab"]["size"] <= SPEC.vocab + 3
+
+
+def test_resume_with_other_settings_is_refused(micro_zoo: ZooPaths, built: Path) -> None:
+    with pytest.raises(ValueError, match=r"settings differ"):
+        build_draft(micro_zoo.target_dir, built, DraftSpec(layers=1, vocab=100), resume=True)
