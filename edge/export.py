@@ -107,9 +107,72 @@ def _geometry(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
-def export_onnx(model: torch.nn.Module, path: Path) -> list[str]:
-    """Write the fp32 ONNX graph with dynamic batch, new-token and past lengths; returns past names."""
+RESTRICTED_VOCAB_FILE = "restricted_vocab.json"  # written by `fedge models draft`
+
+
+class _RestrictedHead(torch.nn.Module):
+    """The output layer of a restricted-vocabulary draft, computing N rows instead of V.
+
+    A `fedge models draft` folder keeps a full output layer whose rows outside the restricted
+    ids are one shared vector; the logits are the same computed as the N restricted logits
+    plus that one excluded logit, spread over the V positions by a constant Gather.
+    """
+
+    index: torch.Tensor  # [V]: each id's column among the N restricted logits, else N
+
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor) -> None:
+        super().__init__()
+        vocab = weight.shape[0]
+        index = torch.full((vocab,), len(ids), dtype=torch.long)
+        index[ids] = torch.arange(len(ids))
+        excluded = weight[index == len(ids)]
+        # two products, not one: quantizers scale a matrix per tensor, and the excluded row
+        # (far larger than the others) would take the restricted rows' precision with it
+        self.rows_t = torch.nn.Parameter(weight[ids].T.contiguous(), requires_grad=False)
+        self.excluded_t = torch.nn.Parameter(excluded[:1].T.contiguous(), requires_grad=False)
+        self.register_buffer("index", index)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([hidden @ self.rows_t, hidden @ self.excluded_t], dim=-1)
+        return torch.index_select(both, -1, self.index)
+
+
+def restricted_head(model: torch.nn.Module, model_dir: Path) -> _RestrictedHead | None:
+    """The N-row head of a restricted draft folder, None for any other model (or rows differ)."""
+    path = Path(model_dir) / RESTRICTED_VOCAB_FILE
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]
+    if not path.is_file() or head is None or getattr(head, "bias", None) is not None:
+        return None
+    ids = torch.tensor(json.loads(path.read_text()), dtype=torch.long)
+    weight = head.weight.detach()
+    outside = torch.ones(weight.shape[0], dtype=torch.bool)
+    outside[ids] = False
+    if not outside.any() or not torch.equal(
+        weight[outside], weight[outside][:1].expand_as(weight[outside])
+    ):
+        return None
+    return _RestrictedHead(weight, ids)
+
+
+def export_onnx(
+    model: torch.nn.Module, path: Path, head: torch.nn.Module | None = None
+) -> list[str]:
+    """Write the fp32 ONNX graph with dynamic batch, new-token and past lengths; returns past names.
+
+    `head` replaces the model's output layer in the graph (a restricted draft's N-row head).
+    """
     geo = _geometry(model)
+    original: Any = model.get_output_embeddings()  # type: ignore[operator]
+    if head is not None:
+        model.set_output_embeddings(head)  # type: ignore[operator]
+    try:
+        return _export_onnx(model, path, geo)
+    finally:
+        if head is not None:
+            model.set_output_embeddings(original)  # type: ignore[operator]
+
+
+def _export_onnx(model: torch.nn.Module, path: Path, geo: dict[str, int]) -> list[str]:
     layers = geo["num_layers"]
     past_names = [f"past_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
     present_names = [n.replace("past_", "present_") for n in past_names]
@@ -349,7 +412,7 @@ def export_draft(
     references = [(list(p), *_reference(model, p, config.steps)) for p in prompts]
     with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
         staged = Path(scratch)
-        past_names = export_onnx(model, staged / FP32_FILE)
+        past_names = export_onnx(model, staged / FP32_FILE, restricted_head(model, model_dir))
         variants = {"fp32": (FP32_FILE, config.fp32_max_relative_error, config.fp32_min_agreement)}
         if config.quantize:
             quantize_int8(staged / FP32_FILE, staged / INT8_FILE)

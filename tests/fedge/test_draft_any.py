@@ -69,3 +69,32 @@ def test_resume_continues_the_schedule_and_the_card_records_the_curve(built: Pat
 def test_resume_with_other_settings_is_refused(micro_zoo: ZooPaths, built: Path) -> None:
     with pytest.raises(ValueError, match=r"settings differ"):
         build_draft(micro_zoo.target_dir, built, DraftSpec(layers=1, vocab=100), resume=True)
+
+
+def test_the_export_computes_only_the_restricted_rows_and_validates(
+    micro_zoo: ZooPaths, built: Path, tmp_path: Path
+) -> None:
+    """The ONNX draft computes N head columns (and one shared) instead of V (the head is most of a small
+    draft's compute) and still matches the torch folder's full-vocabulary logits."""
+    import onnx
+    from onnx import numpy_helper
+
+    from fedge.edge.export import ExportConfig, export_draft
+    from fedge.edge.prompts import heldout_prompts
+    from fedge.models import load_tokenizer
+
+    prompts = heldout_prompts(load_tokenizer(micro_zoo.target_dir), 3, 16)
+
+    manifest = export_draft(built, tmp_path, prompts, ExportConfig(steps=4, timing_steps=1))
+    assert manifest["vocab_size"] == 1024
+    for variant in ("fp32", "int8", "int4"):
+        assert manifest["variants"][variant]["valid"], manifest["variants"][variant]["failures"]
+    assert manifest["variants"]["fp32"]["greedy_agreement"] == 1.0
+    graph = onnx.load(str(tmp_path / "draft.fp32.onnx")).graph
+    weights = {t.name: numpy_helper.to_array(t).shape for t in graph.initializer}
+    ids = json.loads((built / VOCAB_NAME).read_text())
+    head_shapes = [
+        weights[n.input[1]] for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights
+    ]
+    assert any(s[-1] == len(ids) for s in head_shapes)  # the restricted rows
+    assert not any(1024 in s for s in head_shapes)  # no full-vocabulary matrix product
