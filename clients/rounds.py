@@ -36,6 +36,7 @@ from fedge.clients.trainer import (
 from fedge.data import ClientTokens
 from fedge.data.shards import device_tokens
 from fedge.lm import distill, holder
+from fedge.lm.bos import model_bos_token_id
 from fedge.lm.config import TrainConfig, derive_seed
 from fedge.lm.evaluate import autocast_context, evaluate_tokens
 from fedge.strategies.base import (
@@ -128,6 +129,7 @@ def train_reply(msg: Message, context: Context) -> Message:
     global_adapter = record_arrays(msg, keys.REC_GLOBAL)
     holder.set_adapter(lm, global_adapter)
     tokens = device_data(config, context, cfg).train
+    bos = model_bos_token_id(holder.resolve_model(holder.client_model_ref(config)))
 
     # Strategy hook, then the local loop: everything random is seeded by (seed, round, partition),
     # except DP-SGD's batches and noise, which must be secret and come from the OS.
@@ -141,7 +143,8 @@ def train_reply(msg: Message, context: Context) -> Message:
     rng = np.random.default_rng(derive_seed(seed, "batches", server_round, pid))
     torch.manual_seed(derive_seed(seed, "torch", server_round, pid))
     batches = [
-        random_windows(tokens, cfg.batch_size, cfg.seq_len, rng).to(lm.device) for _ in range(steps)
+        random_windows(tokens, cfg.batch_size, cfg.seq_len, rng, bos).to(lm.device)
+        for _ in range(steps)
     ]
     apply_ffa(
         lm.model, ffa_enabled(config)
@@ -163,6 +166,7 @@ def train_reply(msg: Message, context: Context) -> Message:
                 hook=hook,
                 ledger=node_ledger(context),
                 max_epsilon=dpsgd_budget(node_policy(context.node_config), config),
+                bos=bos,
             )
         except BudgetExhausted as exc:  # this client stops contributing, the server hears why
             return Message(Error(code=ERROR_BUDGET, reason=str(exc)), reply_to=msg)
@@ -229,7 +233,8 @@ def evaluate_reply(msg: Message, context: Context) -> Message:
     lm = holder.get_lora_model(holder.client_model_ref(config), cfg)
     holder.set_adapter(lm, record_arrays(msg, keys.REC_GLOBAL))
     heldout = device_data(config, context, cfg).heldout
-    loss, scored = evaluate_tokens(lm.model, np.asarray(heldout), cfg, lm.device)
+    bos = model_bos_token_id(holder.resolve_model(holder.client_model_ref(config)))
+    loss, scored = evaluate_tokens(lm.model, np.asarray(heldout), cfg, lm.device, bos)
     metrics = MetricRecord(
         {
             keys.MET_EVAL_LOSS: loss,

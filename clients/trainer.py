@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from fedge.lm.bos import cut_windows
 from fedge.lm.config import TrainConfig
 from fedge.lm.evaluate import MIN_WINDOW
 from fedge.strategies.base import ClientHook
@@ -22,9 +23,16 @@ from fedge.strategies.base import ClientHook
 
 # ---------------------------------------------------------------- batches
 def random_windows(
-    tokens: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator
+    tokens: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    rng: np.random.Generator,
+    bos: int | None = None,
 ) -> torch.Tensor:
-    """Return a (batch_size, L + 1) LongTensor of random windows, L = seq_len or less for short data."""
+    """Return a (batch_size, L + 1) LongTensor of random windows, L = seq_len or less for short data.
+
+    With ``bos`` (the tokenizer adds BOS, `fedge.lm.bos`) each window is BOS + L stream tokens.
+    """
     length = min(seq_len, len(tokens) - 2)
     if length < MIN_WINDOW:
         raise ValueError(
@@ -32,8 +40,7 @@ def random_windows(
             f"(need at least {MIN_WINDOW + 2}); give the client more data"
         )
     starts = rng.integers(0, len(tokens) - length - 1, size=batch_size)
-    rows = np.stack([np.asarray(tokens[s : s + length + 1]) for s in starts])
-    return torch.from_numpy(rows.astype(np.int64))
+    return torch.from_numpy(cut_windows(tokens, starts, length, bos))
 
 
 # ---------------------------------------------------------------- optimizer (swappable)

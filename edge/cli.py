@@ -97,6 +97,7 @@ def export_command(
         )
         _console.print(
             f"{name}: {state} max|Δlogit| {variant['max_abs_logit_diff']:.3g} "
+            f"(relative {variant['relative_logit_error']:.3g}) "
             f"greedy agreement {variant['greedy_agreement']:.3f} "
             f"decode {variant['decode_step_s'] * 1e3:.2f} ms/token, {variant['bytes']} bytes"
         )

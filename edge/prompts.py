@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from fedge.data.corpus import stdlib_sources
+from fedge.lm.bos import bos_token_id, with_bos
 
 CHARS_PER_LABEL = 20_000  # a slice of every package is plenty for a few dozen prompts
 
 
 def heldout_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
-    """`count` prompts of `length` tokens spread over the held-out split (never trained on)."""
+    """`count` prompts of `length` tokens spread over the held-out split (never trained on),
+    each after BOS where the tokenizer adds BOS (`fedge.lm.bos`)."""
     if count < 1 or length < 1:
         raise ValueError(f"need count >= 1 and length >= 1, got count={count} length={length}")
     files = [f for f in stdlib_sources(max_chars_per_label=CHARS_PER_LABEL) if f.heldout]
@@ -24,4 +26,5 @@ def heldout_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
             f"the held-out split has {len(tokens)} tokens, fewer than {count} prompts x {length}"
         )
     stride = (len(tokens) - length) // count
-    return [tokens[i * stride : i * stride + length] for i in range(count)]
+    bos = bos_token_id(tokenizer)
+    return [with_bos(tokens[i * stride : i * stride + length], bos) for i in range(count)]

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fedge.lm import holder
+from fedge.lm.bos import model_bos_token_id
 from fedge.lm.evaluate import evaluate_tokens
 from fedge.server.config import RunConfig
 from fedge.server.messages import server_config
@@ -56,7 +57,8 @@ class ServerModel:
         eval_cfg = type(cfg).from_config(
             {**cfg.to_config(), "eval-batches": self.cfg.server_eval_batches}
         )
-        loss, _ = evaluate_tokens(self.lm.model, tokens, eval_cfg, self.lm.device)
+        bos = model_bos_token_id(self.model_path)  # BOS first where the tokenizer adds it
+        loss, _ = evaluate_tokens(self.lm.model, tokens, eval_cfg, self.lm.device, bos)
         return loss
 
     def export(self, adapter: Arrays, out: Path) -> Path:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedge.extras import require
+from fedge.lm.bos import disjoint_windows
 from fedge.strategies.base import ClientHook
 
 if TYPE_CHECKING:  # Opacus loads SciPy (seconds): imported where a DP-SGD round needs it
@@ -73,15 +74,16 @@ def freeze_lora_a(model: torch.nn.Module) -> int:
     return frozen
 
 
-def token_records(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
-    """Cut a token stream into disjoint (records, seq_len + 1) windows: the DP unit."""
+def token_records(tokens: np.ndarray, seq_len: int, bos: int | None = None) -> torch.Tensor:
+    """Cut a token stream into disjoint (records, seq_len + 1) windows: the DP unit (BOS first
+    when ``bos`` is given, `fedge.lm.bos`)."""
     n = len(tokens) // (seq_len + 1)
     if n < 1:
         raise ValueError(  # no count: the stream's length is this node's data
             "this client's stream holds no whole DP-SGD record of seq-len + 1 tokens; lower "
             "seq-len or give the client more data"
         )
-    rows = np.asarray(tokens[: n * (seq_len + 1)], dtype=np.int64).reshape(n, seq_len + 1)
+    rows = disjoint_windows(tokens, seq_len, bos)
     return torch.from_numpy(rows)
 
 
@@ -137,6 +139,7 @@ def train_dpsgd(
     dp: DPSGDConfig,
     state: State,
     hook: ClientHook | None = None,
+    bos: int | None = None,
 ) -> DPSGDOutcome:
     """Run ``steps`` DP-SGD steps on the trainable (LoRA) parameters of ``model``.
 
@@ -150,7 +153,7 @@ def train_dpsgd(
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("the model has no trainable parameters; apply LoRA before DP-SGD")
-    records = token_records(tokens, seq_len)
+    records = token_records(tokens, seq_len, bos)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(records), batch_size=min(batch_size, len(records))
     )

@@ -80,6 +80,7 @@ def train_dpsgd_round(
     hook: ClientHook,
     ledger: Ledger,
     max_epsilon: float = 0.0,
+    bos: int | None = None,
 ) -> tuple[list[float], dict[str, float]]:
     """Run one round of DP-SGD; return the step losses and the metrics to report.
 
@@ -90,7 +91,7 @@ def train_dpsgd_round(
     data = ledger.load()
     state: dict[str, object] = dict(data.get(DPSGD, {}))
     if max_epsilon > 0:
-        records = len(token_records(tokens, seq_len))
+        records = len(token_records(tokens, seq_len, bos))
         projected = projected_epsilon(
             state, dp, records=records, batch_size=batch_size, steps=steps
         )
@@ -116,6 +117,7 @@ def train_dpsgd_round(
         dp=dp,
         state=state,
         hook=hook,
+        bos=bos,
     )
     ledger.save({**data, DPSGD: state})
     losses = [x for x in outcome.losses if math.isfinite(x)] or [math.nan]

@@ -16,6 +16,7 @@ from fedge.edge.client.verifier import TRANSIENT, VerifierClient
 from fedge.edge.decoder import DecodeConfig
 from fedge.edge.router import Objective, Route, Router
 from fedge.edge.tracing import REQUEST_SPAN, Tracing
+from fedge.lm.bos import bos_token_id, with_bos
 
 
 class EdgeClient:
@@ -67,6 +68,8 @@ class EdgeClient:
     def stream_text(self, prompt: str, route: str | None = None) -> Iterator[str]:
         """Yield decoded text pieces as tokens arrive."""
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if prompt_ids:  # BOS first where the tokenizer adds BOS (fedge.lm.bos)
+            prompt_ids = with_bos(prompt_ids, bos_token_id(self.tokenizer))
         if not prompt_ids:
             raise ValueError("prompt encodes to no tokens; pass some text")
         generated: list[int] = []

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from fedge.lm.bos import cut_windows
 from fedge.lm.config import TrainConfig
 
 MIN_WINDOW = 8  # shortest usable window: below this a client has too little text to learn from
@@ -22,8 +23,13 @@ def autocast_context(
     return contextlib.nullcontext()
 
 
-def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> Iterator[torch.Tensor]:
-    """Yield up to ``max_windows`` evenly spaced, non-overlapping (1, L + 1) windows, L <= seq_len."""
+def eval_windows(
+    tokens: np.ndarray, seq_len: int, max_windows: int, bos: int | None = None
+) -> Iterator[torch.Tensor]:
+    """Yield up to ``max_windows`` evenly spaced, non-overlapping (1, L + 1) windows, L <= seq_len.
+
+    With ``bos`` each window is BOS + L stream tokens (`fedge.lm.bos`): BOS is never scored.
+    """
     length = min(seq_len, len(tokens) - 1)
     if length < 1:
         raise ValueError(f"a held-out stream of {len(tokens)} tokens has nothing to score")
@@ -31,8 +37,7 @@ def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> Iterator
     picks = np.unique(np.linspace(0, n_full - 1, num=min(n_full, max_windows)).astype(int))
     for i in picks:
         start = int(i) * length
-        window = np.asarray(tokens[start : start + length + 1], dtype=np.int64)
-        yield torch.from_numpy(window)[None]
+        yield torch.from_numpy(cut_windows(tokens, [start], length, bos))
 
 
 def lm_batch_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -46,14 +51,19 @@ def lm_batch_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_tokens(
-    model: torch.nn.Module, tokens: np.ndarray, cfg: TrainConfig, device: torch.device
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    cfg: TrainConfig,
+    device: torch.device,
+    bos: int | None = None,
 ) -> tuple[float, int]:
-    """Return (mean token loss, tokens scored) on evenly spaced held-out windows."""
+    """Return (mean token loss, tokens scored) on evenly spaced held-out windows (BOS first
+    with ``bos``)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     with autocast_context(device, cfg.precision):
-        for window in eval_windows(tokens, cfg.seq_len, cfg.eval_batches):
+        for window in eval_windows(tokens, cfg.seq_len, cfg.eval_batches, bos):
             w = window.to(device)
             loss = lm_batch_loss(model, w)
             n = w.shape[1] - 1

@@ -129,3 +129,35 @@ def import_gguf_command(
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
     console.print_json(json.dumps({"directory": str(out), **record}))
+
+
+@app.command("draft")
+def draft(
+    target: Path = typer.Option(..., exists=True, file_okay=False, help="The target model folder."),
+    out: Path | None = typer.Option(None, help="Output folder (default: TARGET-draft beside it)."),
+    layers: int = typer.Option(2, help="The target's first LAYERS layers start the draft."),
+    vocab: int = typer.Option(8192, help="Restricted vocabulary: the N most used stdlib tokens."),
+    minutes: float = typer.Option(10.0, help="Wall-time budget for distillation in this run."),
+    steps: int = typer.Option(2000, help="Length of the learning-rate schedule (steps)."),
+    eval_every: int = typer.Option(50, help="Steps between agreement measurements/checkpoints."),
+    resume: bool = typer.Option(False, help="Continue the build checkpointed in OUT."),
+) -> None:
+    """Build a draft for any target: its first layers, a restricted vocabulary, distilled on it."""
+    from fedge.zoo.draft import DraftSpec, build_draft
+
+    console = Console()
+    destination = out or target.with_name(target.name + "-draft")
+    spec = DraftSpec(layers=layers, vocab=vocab, steps=steps, eval_every=eval_every)
+
+    def show(point: dict[str, object]) -> None:
+        console.print(
+            f"step {point['step']} ({point['seconds']} s): greedy agreement "
+            f"{point['greedy_agreement']}  loss {point['loss']}"
+        )
+
+    try:
+        card = build_draft(target, destination, spec, minutes=minutes, resume=resume, progress=show)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    console.print_json(json.dumps({"directory": str(destination), **card}))

@@ -154,8 +154,8 @@ def test_tampered_or_invalid_exports_are_refused(exported: Path, tmp_path: Path)
 def test_export_failing_validation_is_not_marked_valid(
     micro_zoo: ZooPaths, micro_prompts: list[list[int]], tmp_path: Path
 ) -> None:
-    """A bar below float32 rounding (max logit difference 1e-30) fails the fp32 export."""
-    strict = ExportConfig(quantize=False, fp32_max_logit_diff=1e-30, steps=2, timing_steps=1)
+    """A bar below float32 rounding (relative logit error 1e-30) fails the fp32 export."""
+    strict = ExportConfig(quantize=False, fp32_max_relative_error=1e-30, steps=2, timing_steps=1)
     with pytest.raises(ExportValidationError, match=r"no exported variant"):
         export_draft(micro_zoo.draft_dir, tmp_path, micro_prompts[:1], strict)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -163,6 +163,32 @@ def test_export_failing_validation_is_not_marked_valid(
     assert "max_abs_logit_diff" in manifest["variants"]["fp32"]["failures"][0]
     with pytest.raises(ModelNotFoundError, match=r"failed validation"):
         load_draft_runtime(tmp_path, "onnx-fp32")
+
+
+def test_large_logit_scale_is_judged_relative_to_the_scale(
+    micro_zoo: ZooPaths, micro_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """The micro draft with its logits scaled 300x (final norm weight x300: the same greedy
+    choices, quantization errors 300x larger in logit units). Before the fix its int8 variant
+    was marked invalid on the absolute limit 2.0 although its greedy agreement was unchanged,
+    as a real SmolLM2 draft's int8/int4 were (5.53 > 2.0, 8.22 > 3.0 at agreement ~0.91)."""
+    import torch
+
+    from fedge.models import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(micro_zoo.draft_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(300.0)
+    scaled = tmp_path / "scaled"
+    model.save_pretrained(scaled)
+    load_tokenizer(micro_zoo.draft_dir).save_pretrained(scaled)
+    manifest = export_draft(
+        scaled, tmp_path / "out", micro_prompts[8:12], ExportConfig(steps=8, timing_steps=1)
+    )
+    int8 = manifest["variants"]["int8"]
+    assert int8["max_abs_logit_diff"] > 2.0  # the old absolute rule would have refused it
+    assert int8["valid"], int8["failures"]
+    assert int8["relative_logit_error"] < 0.2 and int8["greedy_agreement"] >= 0.9
 
 
 def test_export_config_names_the_bad_field() -> None:

@@ -1,0 +1,446 @@
+"""A draft for any target: its first layers, a restricted vocabulary, distilled on its own outputs.
+
+`build_draft(target_dir, out)` makes a small model that proposes tokens for greedy speculative
+decoding with a pretrained target whose tokenizer fedge did not train:
+
+- **Initialised from the target**: the same architecture and width with its first K layers,
+  token embedding (frozen) and final norm copied.
+- **A restricted vocabulary**: the N tokens used most often on fedge's stdlib training split
+  (tokenized by the target's tokenizer) plus the special tokens. Distillation and agreement
+  compute logits for those N rows only (the 49k-token head is ~80% of a 2-layer SmolLM2
+  draft's compute). The saved folder is a plain model of the target's class with a full,
+  untied output layer: the N rows trained, every other row one constant vector chosen so its
+  logit lies far below the best restricted logit (see `_exclusion_row`). So the draft still
+  presents the target's whole vocabulary, `AutoModelForCausalLM.from_pretrained` loads it
+  without custom code, and the edge decoder, ONNX export and verifier are unchanged.
+  Greedy verification stays lossless whatever the draft proposes: the target decides.
+- **Distilled with the zoo's loss** (`distillation_loss`: KL to the target's distribution,
+  here over the restricted rows) on stdlib training windows, BOS first where the tokenizer
+  adds BOS.
+- **Resumable with a wall-time budget**: the trainable tensors, optimizer state, step and the
+  agreement curve are checkpointed in `<out>/.draft-build`; a later `--resume` run continues.
+  Greedy agreement with the target on held-out prompts is measured every `eval_every` steps
+  (the agreement-vs-build-time curve in the card).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedge.lm.bos import bos_token_id, cut_windows, with_bos
+from fedge.manifest import write_manifest
+from fedge.zoo.presets import TrainBudget
+from fedge.zoo.training import (
+    _make_optimizer,
+    autocast_context,
+    distillation_loss,
+    lr_at,
+)
+
+WORK_DIR = ".draft-build"  # hidden: the folder's manifest does not hash build state
+CARD_NAME = "draft_card.json"
+VOCAB_NAME = "restricted_vocab.json"
+EXCLUSION_MARGIN = 30.0  # excluded tokens' logit at least this far below the best restricted one
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What determines a draft build (a resumed build must use the same)."""
+
+    layers: int = 2
+    vocab: int = 8192
+    steps: int = 2000  # length of the learning-rate schedule; the wall-time budget may stop sooner
+    batch_size: int = 8
+    context: int = 128
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    temperature: float = 1.0
+    eval_every: int = 50  # steps between agreement measurements (and checkpoints)
+    prompts: int = 16
+    prompt_tokens: int = 32
+    new_tokens: int = 32
+    max_chars_per_label: int = 100_000  # stdlib characters per package read for data
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "vocab", "steps", "batch_size", "context", "eval_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"draft {name} must be > 0, got {getattr(self, name)}")
+
+    def budget(self) -> TrainBudget:
+        return TrainBudget(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            warmup_steps=min(self.warmup_steps, self.steps - 1),
+            weight_decay=0.0,
+        )
+
+
+class RestrictedLogits(nn.Module):
+    """A causal LM's logits for the restricted token ids only: (B, T, N), column j = ids[j].
+
+    `rows` are the output-layer rows of those ids (a trainable parameter for the draft, the
+    target's own rows for the teacher); the model's full head is never computed.
+    """
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("ids", ids, persistent=False)
+        self.rows = rows if isinstance(rows, nn.Parameter) else nn.Parameter(rows, False)
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        base: Any = self.model.base_model  # type: ignore[union-attr]
+        out: torch.Tensor = base(input_ids=input_ids).last_hidden_state
+        return out
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        logits = self.hidden(input_ids) @ self.rows.T
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return SimpleNamespace(logits=logits)
+
+
+# ---------------------------------------------------------------- data and vocabulary
+def token_streams(tokenizer: Any, max_chars_per_label: int) -> tuple[np.ndarray, np.ndarray]:
+    """fedge's stdlib train and held-out splits as streams of the target's tokens (EOS between)."""
+    from fedge.data.corpus import split_sources, stdlib_sources
+
+    train_files, heldout_files = split_sources(
+        stdlib_sources(max_chars_per_label=max_chars_per_label)
+    )
+    eos = tokenizer.eos_token_id
+    streams = []
+    for files in (train_files, heldout_files):
+        encoded = tokenizer([f.text for f in files], add_special_tokens=False)["input_ids"]
+        streams.append(np.fromiter((t for ids in encoded for t in [*ids, eos]), dtype=np.uint32))
+    return streams[0], streams[1]
+
+
+def restricted_vocabulary(
+    train: np.ndarray, vocab_size: int, n: int, always: list[int]
+) -> np.ndarray:
+    """The `n` most frequent ids of `train` plus `always` (special tokens), sorted."""
+    counts = np.bincount(train.astype(np.int64), minlength=vocab_size)
+    order = np.argsort(-counts, kind="stable")
+    chosen = [int(t) for t in order[:n] if counts[t] > 0]
+    return np.array(
+        sorted(set(chosen) | {t for t in always if 0 <= t < vocab_size}), dtype=np.int64
+    )
+
+
+# ---------------------------------------------------------------- the model
+def init_draft(target: Any, layers: int) -> Any:
+    """A model of the target's class with its first `layers` layers, embedding and final norm.
+
+    The output layer is untied (its rows are set at save time); the embedding is frozen.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg: Any = target.config.__class__.from_dict(target.config.to_dict())
+    total = int(cfg.num_hidden_layers)
+    if not 0 < layers < total:
+        raise ValueError(f"--layers must be in [1, {total - 1}] for a {total}-layer target")
+    cfg.num_hidden_layers = layers
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:layers]
+    cfg.tie_word_embeddings = False
+    draft: Any = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    source = target.state_dict()
+    own = draft.state_dict()
+    copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+    head: Any = target.get_output_embeddings()
+    copied["lm_head.weight"] = head.weight.detach()
+    missing, _ = draft.load_state_dict(copied, strict=False)
+    if missing:
+        raise ValueError(f"draft tensors not found in the target: {missing[:5]}")
+    draft.get_input_embeddings().weight.requires_grad_(False)  # type: ignore[union-attr]
+    draft.get_output_embeddings().weight.requires_grad_(False)  # type: ignore[union-attr]
+    return draft
+
+
+@torch.no_grad()
+def _exclusion_row(
+    student: RestrictedLogits, windows: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One row for every excluded token: -alpha * (mean direction of the draft's final hidden states).
+
+    A decoder's normed final states share a strong common direction, so a row against it gives
+    every position a low logit. alpha puts that logit EXCLUSION_MARGIN below the best
+    restricted logit at every calibration position where the direction is positive.
+    """
+    hidden = student.hidden(windows).float().reshape(-1, student.rows.shape[1])
+    best = (hidden @ student.rows.float().T).max(-1).values
+    direction = hidden.mean(0)
+    direction = direction / direction.norm().clamp_min(1e-12)
+    projection = hidden @ direction
+    positive = projection > 0
+    alpha = float(((EXCLUSION_MARGIN - best[positive]) / projection[positive]).max().clamp_min(0))
+    return -alpha * direction, {
+        "alpha": round(alpha, 3),
+        "calibration_positions": int(hidden.shape[0]),
+        "positions_direction_positive": round(float(positive.float().mean()), 4),
+    }
+
+
+# ---------------------------------------------------------------- agreement
+@torch.no_grad()
+def target_paths(target: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The target's greedy continuation of each (equal-length) prompt, one batched generate."""
+    out: torch.Tensor = target.generate(  # type: ignore[operator]
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out
+
+
+@torch.no_grad()
+def path_agreement(
+    draft: Callable[..., Any], paths: torch.Tensor, prompt_len: int, ids: torch.Tensor | None = None
+) -> float:
+    """Teacher-forced greedy agreement of `draft` on the target's paths (restricted columns -> ids)."""
+    logits = draft(input_ids=paths[:, :-1]).logits[:, prompt_len - 1 :]
+    choice = logits.argmax(-1)
+    if ids is not None:
+        choice = ids[choice]
+    return float((choice == paths[:, prompt_len:]).float().mean())
+
+
+# ---------------------------------------------------------------- the build
+def build_draft(
+    target_dir: Path,
+    out: Path,
+    spec: DraftSpec | None = None,
+    minutes: float = 10.0,
+    resume: bool = False,
+    progress: ProgressFn | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Build (or continue) a draft for the target at `target_dir` into `out`; return its card.
+
+    Training stops at the end of the schedule, when `minutes` have passed in this run, or
+    after `stop_after` steps in this run; a `resume` run continues from the checkpoint.
+    """
+    from fedge.models import load_causal_lm, load_tokenizer
+
+    spec = spec or DraftSpec()
+    work = out / WORK_DIR
+    spec_path, checkpoint = work / "spec.json", work / "checkpoint.pt"
+    if resume and spec_path.is_file():
+        built = json.loads(spec_path.read_text())
+        changed = {k: (v, asdict(spec)[k]) for k, v in built.items() if asdict(spec).get(k) != v}
+        if changed:
+            raise ValueError(f"cannot resume {out}: settings differ from the build's {changed}")
+    elif work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(asdict(spec)))
+    load_before = os.getloadavg()[0]
+    torch.manual_seed(spec.seed)
+
+    tokenizer = load_tokenizer(target_dir)
+    bos = bos_token_id(tokenizer)
+    target: Any = load_causal_lm(target_dir)
+    target.requires_grad_(False)
+    vocab_size = int(target.get_output_embeddings().weight.shape[0])  # type: ignore[union-attr]
+    train, heldout = _cached_streams(work, tokenizer, spec.max_chars_per_label)
+    specials = [tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id]
+    ids_np = restricted_vocabulary(
+        train, vocab_size, spec.vocab, [t for t in specials if t is not None]
+    )
+    ids = torch.from_numpy(ids_np)
+    coverage = float(np.isin(heldout, ids_np).mean())
+
+    draft = init_draft(target, spec.layers)
+    head: Any = target.get_output_embeddings()
+    teacher = RestrictedLogits(target, ids, head.weight.detach()[ids].clone()).eval()
+    student = RestrictedLogits(draft, ids, nn.Parameter(head.weight.detach()[ids].clone()))
+    budget = spec.budget()
+    optimizer = _make_optimizer(student, budget)
+    loss_fn = distillation_loss(teacher, spec.temperature)
+
+    paths = _cached_paths(work, target, heldout, spec, bos)
+    step, seconds, curve = 0, 0.0, []
+    if resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=True)
+        student.load_state_dict(state["trainable"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        step, seconds, curve = int(state["step"]), float(state["seconds"]), state["curve"]
+    if not curve:
+        student.eval()
+        curve.append(
+            _point(0, 0.0, spec, path_agreement(student, paths, _prompt_len(spec, bos), ids))
+        )
+        _report(progress, curve[-1])
+
+    deadline = time.perf_counter() + minutes * 60
+    began = time.perf_counter() - seconds
+    student.train()
+    last = budget.steps if stop_after is None else min(budget.steps, step + stop_after)
+    while step < last and time.perf_counter() < deadline:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, budget)
+        rng = np.random.default_rng([spec.seed, step])
+        starts = rng.integers(0, len(train) - spec.context - 1, size=spec.batch_size)
+        batch = torch.from_numpy(cut_windows(train, starts, spec.context, bos))
+        with autocast_context():
+            loss = loss_fn(student, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
+        optimizer.step()
+        step += 1
+        if step % spec.eval_every == 0 or step == last or time.perf_counter() >= deadline:
+            student.eval()
+            rate = path_agreement(student, paths, _prompt_len(spec, bos), ids)
+            student.train()
+            curve.append(_point(step, time.perf_counter() - began, spec, rate, loss.item()))
+            _report(progress, curve[-1])
+            _save_checkpoint(
+                checkpoint, student, optimizer, step, time.perf_counter() - began, curve
+            )
+    student.eval()
+
+    calibration = torch.from_numpy(
+        cut_windows(train, np.arange(8) * (len(train) // 9), spec.context, bos)
+    )
+    exclusion, exclusion_figures = _exclusion_row(student, calibration)
+    with torch.no_grad():
+        out_head: Any = draft.get_output_embeddings()
+        out_head.weight.copy_(exclusion.expand_as(out_head.weight))
+        out_head.weight[ids] = student.rows.detach()
+    full_rate = path_agreement(draft, paths, _prompt_len(spec, bos))
+    with torch.no_grad():
+        held = torch.from_numpy(
+            cut_windows(heldout, np.arange(4) * (len(heldout) // 5), spec.context, bos)
+        )
+        choice = draft(input_ids=held).logits.argmax(-1)
+        excluded_wins = float((~torch.isin(choice, ids)).float().mean())
+    _save_folder(draft, tokenizer, out, ids_np)
+    card = {
+        "target": str(Path(target_dir).resolve()),
+        "architecture": type(draft).__name__,
+        "spec": asdict(spec),
+        "bos_first": bos is not None,
+        "parameters": sum(p.numel() for p in draft.parameters()),
+        "trained_parameters": sum(p.numel() for p in student.parameters() if p.requires_grad),
+        "restricted_vocab": {
+            "size": len(ids_np),
+            "of": vocab_size,
+            "heldout_token_coverage": round(coverage, 4),
+            "file": VOCAB_NAME,
+        },
+        "excluded_rows": {
+            **exclusion_figures,
+            "heldout_argmax_outside_restricted": round(excluded_wins, 4),
+        },
+        "data": {"train_tokens": len(train), "heldout_tokens": len(heldout)},
+        "steps": step,
+        "training_tokens": step * spec.batch_size * spec.context,
+        "training_seconds": round(time.perf_counter() - began, 1),
+        "agreement_curve": curve,
+        "greedy_agreement": round(full_rate, 4),
+        "agreement_prompts": int(paths.shape[0]),
+        "agreement_positions": int(paths.shape[0] * spec.new_tokens),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    (out / CARD_NAME).write_text(json.dumps(card, indent=2))
+    write_manifest(out, {"fedge_draft_for": card["target"]})
+    return card
+
+
+def _prompt_len(spec: DraftSpec, bos: int | None) -> int:
+    return spec.prompt_tokens + (1 if bos is not None else 0)
+
+
+def _point(
+    step: int, seconds: float, spec: DraftSpec, rate: float, loss: float = math.nan
+) -> dict[str, Any]:
+    return {
+        "step": step,
+        "seconds": round(seconds, 1),
+        "tokens": step * spec.batch_size * spec.context,
+        "greedy_agreement": round(rate, 4),
+        "loss": None if math.isnan(loss) else round(loss, 4),
+    }
+
+
+def _report(progress: ProgressFn | None, point: dict[str, Any]) -> None:
+    if progress is not None:
+        progress(point)
+
+
+def _cached_streams(work: Path, tokenizer: Any, max_chars: int) -> tuple[np.ndarray, np.ndarray]:
+    train_path, heldout_path = work / "train.npy", work / "heldout.npy"
+    if not (train_path.is_file() and heldout_path.is_file()):
+        train, heldout = token_streams(tokenizer, max_chars)
+        np.save(train_path, train)
+        np.save(heldout_path, heldout)
+    return np.load(train_path), np.load(heldout_path)
+
+
+def _cached_paths(
+    work: Path, target: nn.Module, heldout: np.ndarray, spec: DraftSpec, bos: int | None
+) -> torch.Tensor:
+    """The target's greedy paths on held-out prompts (BOS first where the tokenizer adds it)."""
+    path = work / "paths.npy"
+    if not path.is_file():
+        stride = max(1, (len(heldout) - spec.prompt_tokens) // spec.prompts)
+        prompts = [
+            with_bos(heldout[i * stride : i * stride + spec.prompt_tokens], bos)
+            for i in range(spec.prompts)
+        ]
+        rows = target_paths(target, torch.tensor(prompts, dtype=torch.long), spec.new_tokens)
+        np.save(path, rows.numpy())
+    return torch.from_numpy(np.load(path).astype(np.int64))
+
+
+def _save_checkpoint(
+    path: Path,
+    student: RestrictedLogits,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    seconds: float,
+    curve: list[dict[str, Any]],
+) -> None:
+    """Trainable tensors only (the frozen embedding is the target's), written atomically."""
+    trainable = {k: v for k, v in student.named_parameters() if v.requires_grad}
+    state = {
+        "trainable": {k: v.detach() for k, v in trainable.items()},
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "seconds": seconds,
+        "curve": curve,
+    }
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def _save_folder(draft: nn.Module, tokenizer: Any, out: Path, ids: np.ndarray) -> None:
+    for stale in out.glob("*.safetensors"):
+        stale.unlink()
+    draft.save_pretrained(out)  # type: ignore[operator]
+    tokenizer.save_pretrained(out)
+    (out / VOCAB_NAME).write_text(json.dumps([int(t) for t in ids]))
