@@ -25,7 +25,12 @@ from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inproces
 from tests.simulations.federations import RecordingGrid
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-dp"
-NODES, ROUNDS, Z = 4, 2, 0.5
+NODES, ROUNDS = 4, 2
+# Noise multiplier per variant. The server-side variants noise the mean of 4 clipped updates
+# (C = 1) once per round: at z = 0.5 that noise (norm about 3 on this 676-weight MLP) outweighs
+# the signal, and the accuracy margin below failed in about 1 of 10 runs (+0.18 and +0.04 seen,
+# OS-drawn noise, unseeded by design); at z = 0.1 the signal leads. DP-SGD noises per sample.
+Z_OF = {"central": 0.1, "central-adaptive": 0.1, "distributed": 0.1, "dp-sgd": 0.5}
 
 # what `flwr run` starts from: the app's [tool.flwr.app.config]
 DEFAULTS = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
@@ -59,7 +64,7 @@ def runs(example: tuple[Any, Any, Any], tmp_path_factory: pytest.TempPathFactory
                 config = {
                     **DEFAULTS,
                     "privacy": privacy,
-                    "noise-multiplier": Z,
+                    "noise-multiplier": Z_OF[privacy],
                     "clip": 1.0,
                     "max-epsilon": max_epsilon,
                     "num-server-rounds": ROUNDS,
@@ -87,7 +92,7 @@ def _accuracy(task: Any, state_dict: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("privacy", ["central", "central-adaptive", "distributed", "dp-sgd"])
 def test_every_dp_variant_trains_and_reports_its_epsilon(example, runs, privacy: str) -> None:  # type: ignore[no-untyped-def]
-    """4 nodes, 2 rounds at z = 0.5, C = 1: the final model beats the initial one by a clear
+    """4 nodes, 2 rounds at C = 1 (z per variant, Z_OF): the final model beats the initial one by a clear
     margin; the server-side variants' Result holds, per round, the epsilon of r Gaussian
     releases (RDP, delta 1e-5); under DP-SGD the clients report their own (sample-level)
     epsilon, which grows from round to round."""
@@ -102,7 +107,7 @@ def test_every_dp_variant_trains_and_reports_its_epsilon(example, runs, privacy:
         assert 0 < eps[0] < eps[1]
     else:
         for r in (1, 2):
-            expected = gaussian_epsilon([Z] * r, 1e-5, "rdp")
+            expected = gaussian_epsilon([Z_OF[privacy]] * r, 1e-5, "rdp")
             assert metrics[str(r)]["dp-epsilon"] == pytest.approx(expected)
 
 
@@ -120,9 +125,9 @@ def test_distributed_dp_hides_every_update_and_metric(runs) -> None:  # type: ig
 
 
 def test_the_budget_stops_training_before_the_overspending_round(runs) -> None:  # type: ignore[no-untyped-def]
-    """max-epsilon between 1 and 2 releases of z = 0.5: round 2 is refused before it is sent."""
+    """max-epsilon between 1 and 2 releases of central z: round 2 is refused before it is sent."""
     # Prepare
-    one, two = (gaussian_epsilon([Z] * n, 1e-5, "rdp") for n in (1, 2))
+    one, two = (gaussian_epsilon([Z_OF["central"]] * n, 1e-5, "rdp") for n in (1, 2))
     # Execute
     _, metrics, recording = runs("central", max_epsilon=(one + two) / 2)
     # Assert
