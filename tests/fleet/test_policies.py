@@ -352,6 +352,71 @@ def test_a_call_completed_before_its_routing_is_heard_is_not_counted_outstanding
     assert len(router._completed_early) == EARLY_COMPLETIONS_KEPT
 
 
+def burst(router: FleetRouter, candidates: list[Replica], sessions: int) -> list[str]:
+    """`sessions` new sessions' first calls placed at once, as Serve's routing tasks do: each
+    task ranks, probes the queue lengths (an await: the others rank meanwhile), gives its
+    first choice to a waiting call; Serve hears them routed only a replica round trip later,
+    after the whole burst was placed. Returns the replica each session got."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    async def place() -> list[str]:
+        pending = []
+        for i in range(sessions):
+            kwargs = {ROUTE_TOKENS: 6, ROUTE_REPLICA: "", ROUTE_MOVE_TOKENS: 0}
+            kwargs[ROUTE_SESSION] = f"burst{i}"
+            pr = PendingRequest(["Verify"], kwargs, RequestMetadata(f"r{i}", f"burst-r{i}"))
+            router._pending_requests_to_fulfill.append(pr)
+            router._add_pending_request_to_indices(pr)
+            pending.append(pr)
+
+        async def routing_task(own: PendingRequest) -> None:
+            ranks = await router.choose_replicas(candidates, own)  # type: ignore[arg-type]
+            for _ in range(3):  # probing the queue lengths (the clock is frozen: no timed sleep)
+                await asyncio.sleep(0)
+            router._fulfill_next_pending_request(ranks[0][0], own.metadata)  # type: ignore[arg-type]
+
+        await asyncio.gather(*(routing_task(pr) for pr in pending))
+        placed = [pr.future.result().replica_id.unique_id for pr in pending]
+        for pr, name in zip(pending, placed, strict=True):  # routed, after the burst
+            router.on_request_routed(pr, ReplicaID(name, DEPLOYMENT), None)  # type: ignore[arg-type]
+        return placed
+
+    return asyncio.run(place())
+
+
+@pytest.mark.parametrize("cls", [TokenAwareRouter, LeastOutstandingRouter])
+def test_a_burst_of_sessions_placed_in_one_instant_spreads_over_equal_replicas(
+    monkeypatch: pytest.MonkeyPatch, cls: type[FleetRouter]
+) -> None:
+    """Eight sessions open at once on two equal replicas, one measured 5% slower (load and
+    noise): they are placed four and four, each placement seeing those made before it in the
+    same instant (ranked, or given a replica, not yet heard routed).
+
+    Before, placement had no memory of calls placed in the same instant: every routing task
+    ranked the oldest waiting call on the same state, and no call counted until Serve heard it
+    routed (after the replica's accept, a round trip), so all 8 went to the replica measured
+    faster (run: token-aware [8, 0]; least-outstanding by its random tie-break). In the fleet
+    test (`test_edge_client_decodes_through_the_fleet_as_through_one_verifier`) all 8
+    sessions opened on one of two equal replicas under the suite's load, and a fleet's first
+    burst after a start or a promotion landed on one replica.
+    """
+    clock = frozen_clock(monkeypatch)
+    router, fast, slow = slowed(1.05)
+    if cls is not TokenAwareRouter:
+        router = make_router(cls, affinity=True)
+    for i in range(4):  # earlier sessions, long quiet: a session makes 32 calls on average
+        run_session(router, fast if i % 2 else slow, f"old{i}")
+    clock[0] += 2 * SESSION_ACTIVE_S
+    placed = burst(router, [fast, slow], 8)
+    assert sorted(placed.count(name) for name in ("fast", "slow")) == [4, 4], placed
+    assert router.active_sessions(fast.replica_id) == 4  # routed: the placements became sessions
+    assert router.placing() == []
+    clock[0] += 2 * SESSION_ACTIVE_S
+    again = burst(router, [fast, slow], 8)
+    assert sorted(again.count(name) for name in ("fast", "slow")) == [4, 4], again
+
+
 def test_affinity_sends_a_session_home_and_new_sessions_by_policy() -> None:
     router = make_router(RoundRobinRouter, affinity=True)
     pool = replicas("a", "b")
