@@ -142,6 +142,10 @@ class FleetIngress:
         """Figures per application since the canary was set (from every ingress)."""
         return await self.state.arm_stats()
 
+    async def reset_arm_stats(self) -> None:
+        """Start both arms' figures from zero now (after the canary's warm-up)."""
+        await self.state.reset_arm_stats()
+
     async def rollout(self) -> dict[str, Any] | None:
         """The progress of the rollout under way (None: none)."""
         return await self.state.rollout()

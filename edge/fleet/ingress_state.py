@@ -169,6 +169,12 @@ class IngressState:
         arms = await self.store.arm_stats((routing.stable, routing.canary))
         return {app: stats.summary() for app, stats in arms.items()}
 
+    async def reset_arm_stats(self) -> None:
+        """Forget both arms' figures of the canary under way: they start from zero together."""
+        routing = await self.refresh()
+        if routing.canary is not None:
+            await self.store.reset_arms((routing.stable, routing.canary))
+
     async def rollout(self) -> dict[str, Any] | None:
         """The progress of the rollout under way (None: none)."""
         return await self.store.rollout()

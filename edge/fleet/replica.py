@@ -268,6 +268,14 @@ class VerifierReplica:
         engine = server.engine if server is not None else None
         return len(engine.sessions) if engine is not None else 0
 
+    def speed_report(self, **hints: object) -> dict[str, float]:
+        """This replica's own seconds per work token per kind of call (`ReplicaSpeed.report`):
+        its speed behind every call in flight here, whatever share of the load it got."""
+        pin = self._pinned_elsewhere(hints)
+        if pin:
+            raise LookupError(f"replica {pin} is gone")
+        return self.speed.report()
+
     def slowed_by(self, **hints: object) -> float:
         """How many times as late this replica answers (bench: the slowed one; else 1.0)."""
         pin = self._pinned_elsewhere(hints)

@@ -12,6 +12,12 @@ Replicas report through Serve's routing stats whether they serve (`SERVING`) and
 fast they are per kind of call (`SPEEDS`), which only a replica can measure across
 every ingress that sends it calls.
 
+Placement sees placements made in the same instant: a call counts on its replica from the
+moment a routing task ranks it (its first choice, tentatively) or gives it a replica, not only
+once Serve hears it routed (after the replica accepted it, a round trip later), and each of
+Serve's concurrent routing tasks ranks a call of its own (`FleetRouter._ranked_request`), so a
+burst of new sessions spreads over equal replicas instead of all taking one's first choice.
+
 A call pinned to a replica (`ROUTE_PIN`: an admin call such as a drain, or the
 ingress closing a session that moved) goes to that replica whatever its state,
 or, when it is gone, to any replica, which refuses it (NOT_FOUND).
