@@ -149,9 +149,7 @@ def decide(
         for key in ("latency_p50_ms", "latency_p99_ms"):
             limit = stable[key] * config.max_latency_ratio + LATENCY_FLOOR_MS
             if canary[key] > limit:
-                reasons.append(
-                    f"{key} {canary[key]:.1f} > {limit:.1f} (stable {stable[key]:.1f})"
-                )
+                reasons.append(f"{key} {canary[key]:.1f} > {limit:.1f} (stable {stable[key]:.1f})")
     if reasons:
         return "rollback", reasons
     service = "" if ratio is None else f", service time {ratio:.2f}x"

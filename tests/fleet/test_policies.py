@@ -17,7 +17,7 @@ from fedge.edge.fleet import routers
 from fedge.edge.fleet.adapters import AdapterMismatch, check_adapter
 from fedge.edge.fleet.relay import session_key
 from fedge.edge.fleet.replica import ReplicaSpec, VerifierReplica
-from fedge.edge.fleet.rollout import RolloutConfig, decide
+from fedge.edge.fleet.rollout import RolloutConfig, decide, speed_ratio
 from fedge.edge.fleet.routers import (
     EARLY_COMPLETIONS_KEPT,
     ROUTE_MOVE_TOKENS,
@@ -36,7 +36,13 @@ from fedge.edge.fleet.routers import (
     relative_slowness,
     should_spill,
 )
-from fedge.edge.fleet.speed import SPEED_MAX_AGE_S, SPEED_MIN_SAMPLES, ReplicaSpeed
+from fedge.edge.fleet.speed import (
+    SPEED_MAX_AGE_S,
+    SPEED_MIN_SAMPLES,
+    ReplicaSpeed,
+    SpeedMeter,
+    work_tokens,
+)
 from fedge.edge.fleet.stats import ArmStats, CallOutcome
 from fedge.edge.fleet.wire import ROUTE_PIN, SERVING, SPEEDS
 from fedge.edge.proto import verifier_pb2 as pb
@@ -727,6 +733,47 @@ def test_decide_promotes_an_equal_canary_and_rolls_back_a_worse_one(tmp_path: Pa
     assert decide(FIGURES, dict(FIGURES, verifies=3), config)[0] == "rollback"
     decision, reasons = decide(FIGURES, dict(FIGURES, sessions=3), config)
     assert decision == "rollback" and "3 canary and 40 stable sessions" in reasons[0]
+
+
+def replica_speeds(per_token_s: float, ahead: int, calls: int = 15) -> dict[str, float]:
+    """A replica's own report (`SpeedMeter`) after `calls` 9-token verifies, each behind
+    `ahead` tokens of other calls, at `per_token_s` seconds per work token."""
+    meter: SpeedMeter[str] = SpeedMeter()
+    for _ in range(calls):
+        work = work_tokens(ahead, 9)
+        meter.record(call_kind("Verify", 9), per_token_s * work, work)
+    return meter.current()
+
+
+@pytest.mark.parametrize(
+    ("slower", "decision"), [(1.0, "promote"), (1.2, "promote"), (3.0, "rollback")]
+)
+def test_a_canary_is_judged_on_its_service_time_not_on_the_queue_its_replica_got(
+    tmp_path: Path, slower: float, decision: str
+) -> None:
+    """One canary replica takes half the sessions beside two stable ones, on a CPU the rest
+    of the suite shares: its calls wait behind far more work, and the ingress measures p50
+    315.9 ms against the stable's 40.6 (the figures with which `make test` rolled back a good
+    adapter: 315.9 > 40.6 x 5 + 5 = 207.8). Per work token, each replica's own measure of the
+    calls it served (`ReplicaSpeed`), an adapter of the same cost is as fast as the stable:
+    promoted; one 3x slower per work token is rolled back whatever its queue.
+
+    Before, the p50/p99 rule alone decided (run: the good canary rolled back on
+    `latency_p50_ms 315.9 > 207.8`, as `decide` without speeds still does here)."""
+    config = RolloutConfig(adapter_dir=tmp_path, run_dir=tmp_path, min_verifies=50)
+    stable_figures = dict(FIGURES, latency_p50_ms=40.6, latency_p99_ms=90.0)
+    canary_figures = dict(FIGURES, latency_p50_ms=315.9, latency_p99_ms=700.0)
+    stable = replica_speeds(0.004, ahead=0)
+    canary = replica_speeds(0.004 * slower, ahead=60)
+    assert decide(stable_figures, canary_figures, config)[0] == "rollback"  # the p50 rule
+    got, reasons = decide(stable_figures, canary_figures, config, (stable, canary))
+    assert got == decision, reasons
+    if decision == "rollback":
+        assert reasons == [
+            "service time 3.00x the stable's per work token > 1.5 (p50 315.9 vs 40.6 ms)"
+        ]
+    assert speed_ratio(stable, {}) is None  # no kind in common: the p50/p99 rule decides
+    assert decide(FIGURES, FIGURES, config, (stable, {}))[0] == "promote"
 
 
 def test_a_few_long_lucky_sessions_cannot_promote_a_canary(tmp_path: Path) -> None:
