@@ -99,6 +99,13 @@ def fleet_command(
     run_dir: Annotated[
         Path, typer.Option(help="Where fleet.json (Ray address, port) goes, for `rollout`.")
     ] = Path("runs/fleet"),
+    fleet_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The fleet key (hex, mode 0600): seals the config in the shared state, signs "
+            "the identities relayed to replicas; default RUN_DIR/fleet.key, written if missing."
+        ),
+    ] = None,
 ) -> None:
     """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM.
 
@@ -108,11 +115,17 @@ def fleet_command(
     Redis: any ingress may die, and --ingress-replicas N share one port.
     """
     from fedge.edge.fleet.app import FleetConfig, running_fleet
+    from fedge.edge.fleet.sealed import KEY_FILE, write_key
     from fedge.edge.tracing import TracingConfig
     from fedge.edge.verifier.engine import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if fleet_key_file is None:
+        fleet_key_file = run_dir / KEY_FILE
+        if not fleet_key_file.exists():
+            write_key(fleet_key_file)
     config = FleetConfig(
+        fleet_key_file=fleet_key_file.resolve(),
         model_dir=model,
         adapter_dir=adapter,
         replicas=replicas,
@@ -149,7 +162,11 @@ def fleet_command(
         import ray
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        state = {"ray_address": ray.get_runtime_context().gcs_address, "port": fleet.port}
+        state = {
+            "ray_address": ray.get_runtime_context().gcs_address,
+            "port": fleet.port,
+            "fleet_key_file": str(fleet_key_file.resolve()),  # its path, never the key
+        }
         (run_dir / FLEET_FILE).write_text(json.dumps(state))
         sys.stdout.write(f"fleet listening on {host}:{fleet.port}\n")
         sys.stdout.flush()
@@ -183,14 +200,15 @@ def rollout_command(
         min_sessions=min_sessions,
         max_window_s=max(600.0, window),
     )
-    record = run_rollout(_connect(fleet), config)
+    record = run_rollout(*_connect(fleet), config=config)
     _console.print_json(json.dumps(record))
     if record["decision"] != "promote":
         raise typer.Exit(1)
 
 
-def _connect(fleet: Path) -> Any:
-    """Join the Ray cluster of the fleet started with run dir `fleet`; its ingress's handle."""
+def _connect(fleet: Path) -> tuple[Any, bytes]:
+    """Join the Ray cluster of the fleet started with run dir `fleet`; its ingress's handle and
+    the fleet key."""
     import ray
     from ray import serve
 
@@ -199,9 +217,12 @@ def _connect(fleet: Path) -> Any:
     state_file = fleet / FLEET_FILE
     if not state_file.is_file():
         raise typer.BadParameter(f"{state_file} is missing; start `fedge verifier fleet` first")
-    address = json.loads(state_file.read_text())["ray_address"]
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-    return serve.get_app_handle(INGRESS_APP)
+    from fedge.edge.fleet.sealed import load_key
+
+    state = json.loads(state_file.read_text())
+    key = load_key(Path(state["fleet_key_file"]))
+    ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False)
+    return serve.get_app_handle(INGRESS_APP), key
 
 
 def restart_command(
@@ -229,7 +250,8 @@ def restart_command(
         return
     from fedge.edge.fleet.app import restart_version
 
-    _console.print_json(json.dumps(restart_version(_connect(fleet))))
+    ingress, key = _connect(fleet)
+    _console.print_json(json.dumps(restart_version(ingress, key)))
 
 
 def register(app: typer.Typer) -> None:

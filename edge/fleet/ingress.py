@@ -80,11 +80,16 @@ class FleetIngress:
 
     async def __init__(self, spec: IngressSpec) -> None:  # type: ignore[misc]
         self.spec = spec
+        self.key = spec.key()  # checks sealed configs, signs the identities relayed to replicas
         self.store = open_state(
-            spec.redis_url, spec.redis_password_file, spec.rate_limits.max_devices
+            spec.redis_url,
+            spec.redis_password_file,
+            spec.rate_limits.max_devices,
+            session_ttl_s=spec.session_ttl_s,
+            max_sessions_per_owner=spec.max_sessions_per_owner,
         )
         declared = Routing(spec.stable_app, limits=spec.rate_limits)
-        self.state = IngressState(self.store, declared, spec.fleet, spec.epoch)
+        self.state = IngressState(self.store, declared, spec.fleet, spec.epoch, key=self.key)
         routing = await self.state.start()  # a restart adopts the stored routing, limits included
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
@@ -131,11 +136,11 @@ class FleetIngress:
         await self.state.set_rate_limits(config)
 
     async def fleet_config(self) -> bytes:
-        """The pickled FleetConfig of the stable version (for the rollout controller)."""
+        """The sealed FleetConfig of the stable version (for the rollout controller)."""
         return await self.state.fleet_config()
 
     async def promote(self, app: str, fleet: bytes) -> None:
-        """Make `app` (serving the pickled FleetConfig `fleet`) the stable application."""
+        """Make `app` (serving the sealed FleetConfig `fleet`) the stable application."""
         await self.state.promote(app, fleet)
 
     async def arm_stats(self) -> dict[str, dict[str, float]]:

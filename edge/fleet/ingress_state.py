@@ -20,6 +20,8 @@ from fedge.edge.fleet.stats import CallOutcome
 from fedge.edge.fleet.wire import CallResult
 from fedge.edge.verifier.rate_config import RateLimitConfig
 
+FLEET_KIND = "fedge.fleet-config"  # = fedge.edge.fleet.app.FLEET_KIND (no torch import here)
+
 # Relay outcomes after which a session's home replica cannot serve it again: gone there (a dead
 # or stopping replica is reported as NOT_FOUND by the relay) or its version retired. A transient
 # failure (UNAVAILABLE), a full queue (RESOURCE_EXHAUSTED) or a bad request keeps the session
@@ -43,11 +45,21 @@ class IngressState:
         fleet: bytes,
         epoch: str,
         on_limits: Callable[[RateLimitConfig], None] | None = None,
+        key: bytes | None = None,
     ) -> None:
         self.store = store
         self.routing = declared
         self._declared, self._fleet, self._epoch = declared, fleet, epoch
         self.on_limits = on_limits
+        self._key = key  # the fleet key: a config not sealed with it is refused (None: opaque)
+
+    def _check_sealed(self, fleet: bytes) -> bytes:
+        """`fleet` when it is a FleetConfig sealed with the fleet key (any bytes without a key)."""
+        if self._key is not None:
+            from fedge.edge.fleet.sealed import unseal
+
+            unseal(FLEET_KIND, fleet, self._key)  # SealError: tampered, or another fleet's
+        return fleet
 
     async def start(self) -> Routing:
         """Write the declared routing unless this epoch's state exists; adopt what is in force."""
@@ -144,8 +156,9 @@ class IngressState:
         await self.refresh()
 
     async def promote(self, app: str, fleet: bytes) -> None:
-        """Make `app` (serving the pickled FleetConfig `fleet`) the stable application, in one
-        step for every ingress."""
+        """Make `app` (serving the sealed FleetConfig `fleet`) the stable application, in one
+        step for every ingress; a config not sealed with the fleet key is refused."""
+        self._check_sealed(fleet)
         routing = await self.refresh()
         promoted = replace(routing, stable=app, canary=None, fraction=0.0)
         await self.store.set_routing(promoted, fleet, fields=("stable", "canary", "fraction"))
@@ -158,8 +171,9 @@ class IngressState:
         await self.refresh()
 
     async def fleet_config(self) -> bytes:
-        """The pickled FleetConfig of the stable version (the promoted adapter's)."""
-        return await self.store.fleet()
+        """The sealed FleetConfig of the stable version (the promoted adapter's), refused when
+        what the store holds was not sealed with the fleet key (written by another hand)."""
+        return self._check_sealed(await self.store.fleet())
 
     async def arm_stats(self) -> dict[str, dict[str, float]]:
         """Figures per application of the canary under way (stable and canary; none without)."""

@@ -61,6 +61,9 @@ class ReplicaSpec:
     tracing: TracingConfig = field(
         default_factory=lambda: TracingConfig(service_name=REPLICA_SERVICE)
     )
+    # the fleet key: a relayed call's identity must carry the ingress's signature under it
+    # (`fedge.edge.fleet.relay.check_identity`); None: identities are taken as named
+    fleet_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.slowdown <= 100.0:

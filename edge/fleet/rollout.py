@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import pickle
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -238,14 +237,15 @@ def recover_rollout(ingress: Any) -> str:
     return action
 
 
-def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
-    """Run one canary rollout against a live fleet's ingress handle; returns the recorded decision."""
+def run_rollout(ingress: Any, key: bytes, config: RolloutConfig) -> dict[str, Any]:
+    """Run one canary rollout against a live fleet's ingress handle (`key`: the fleet key,
+    which unseals the stable config and seals the promoted one); returns the decision."""
     from ray import serve
 
-    from fedge.edge.fleet.app import replica_actors, replica_application
+    from fedge.edge.fleet.app import replica_actors, replica_application, stored_config
 
     recover_rollout(ingress)
-    fleet = pickle.loads(ingress.fleet_config.remote().result())
+    fleet = stored_config(ingress, key)
     stable = ingress.describe.remote().result()["stable"]
     config.run_dir.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
@@ -290,7 +290,7 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
             replica_application(fleet, config.adapter_dir), name=canary, route_prefix=None
         )
         promoted = replace(fleet, adapter_dir=config.adapter_dir)
-        ingress.promote.remote(canary, pickle.dumps(promoted)).result()
+        ingress.promote.remote(canary, promoted.seal(key)).result()
         ingress.set_rollout.remote({**progress, "phase": "promoted"}).result()
         serve.delete(stable)
     else:

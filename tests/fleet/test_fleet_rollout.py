@@ -125,7 +125,7 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
             # the ingress's p50 judged at 5x, a good canary was rolled back under the suite's
             # load (315.9 > 207.8 ms, stable 40.6): its one replica took half the sessions.
         )
-        return run_rollout(fleet.ingress, config)
+        return run_rollout(fleet.ingress, fleet.config.key(), config)
 
     before = fleet.describe()
     with Load(fleet.port, work, threads=3, pause_s=1.0) as load:
