@@ -282,7 +282,9 @@ class FleetIngress:
                     .remote(
                         name,
                         request.SerializeToString(),
-                        relay_metadata(context.invocation_metadata() or ()),
+                        relay_metadata(
+                            context.invocation_metadata() or (), self.key, name, session_id
+                        ),
                         context.time_remaining(),
                         **{
                             ROUTE_TOKENS: routing_tokens(request),
@@ -311,7 +313,9 @@ class FleetIngress:
         never touched. It carries the caller's metadata: sessions are scoped by token.
         """
         payload = pb.CloseSessionRequest(session_id=session_id).SerializeToString()
-        metadata = relay_metadata(context.invocation_metadata() or ())
+        metadata = relay_metadata(
+            context.invocation_metadata() or (), self.key, "CloseSession", session_id
+        )
         owner = caller_identity(context.invocation_metadata() or ())
         pinned = {
             ROUTE_PIN: replica,
@@ -384,7 +388,12 @@ class FleetIngress:
                     .stream.remote(
                         name,
                         current.SerializeToString(),
-                        relay_metadata(context.invocation_metadata() or ()),
+                        relay_metadata(
+                            context.invocation_metadata() or (),
+                            self.key,
+                            name,
+                            session_of(current),
+                        ),
                         context.time_remaining(),
                         **{ROUTE_TOKENS: routing_tokens(current), ROUTE_REPLICA: ""},
                     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from transformers import PreTrainedModel
 
@@ -620,3 +621,66 @@ def test_a_devices_session_keys_die_with_its_sessions_and_stay_under_its_cap(
         await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_believes_only_the_identity_the_ingress_signed(
+    micro_zoo: ZooPaths, tmp_path: Path
+) -> None:
+    """Device A decodes through the ingress (credentials, fleet key) to real replicas. A process
+    that reaches a replica's relay without the ingress (as a token-less process that joined
+    Ray's open control plane did) calls it naming `device-a`: unsigned, with A's signature of
+    another call replayed (another session, another method), or signed with another key. Every
+    call is refused UNAUTHENTICATED and A's session is neither read nor advanced; A's own calls,
+    signed by the ingress, go on.
+
+    Before, the relay trusted the plain `fedge-identity` name: the joined process read and
+    advanced A's session (issue 31, finding 6)."""
+    from fedge.edge.fleet.relay import IDENTITY_SIG_KEY, sign_identity
+    from fedge.edge.fleet.sealed import load_key, write_key
+    from fedge.edge.proto import verifier_pb2 as pb
+    from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+    from fedge.edge.verifier.auth import IDENTITY_KEY
+    from tests.edge.harness import write_credentials
+
+    key_file = write_key(tmp_path / "fleet.key")
+    key = load_key(key_file)
+    credentials, tokens = write_credentials(tmp_path, ["device-a"])
+    spec = IngressSpec("fedge-v1", credentials_file=credentials, fleet_key_file=key_file)
+    auth = (("authorization", f"Bearer {tokens['device-a']}"),)
+    with contextlib.ExitStack() as stack:
+        replicas = stack.enter_context(LocalReplicas(micro_zoo.target_dir, 1, key_file))
+        front, _ = stack.enter_context(running_ingress(spec, replicas.handle("ingress")))
+        stub = pb_grpc.VerifierStub(
+            stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{front.port()}"))
+        )
+        opened = stub.Verify(
+            pb.VerifyRequest(session_id="a1", committed_ids=[3, 4, 5], draft_ids=[6]),
+            metadata=auth,
+        )
+        length = opened.session_length
+        (replica,) = replicas.replicas.values()
+        loop = replicas._loops["replica-0"]
+
+        def direct(method: str, request: Any, signature: str | None) -> CallResult:
+            metadata = [(IDENTITY_KEY, "device-a")]
+            if signature is not None:
+                metadata.append((IDENTITY_SIG_KEY, signature))
+            call = replica.unary(method, request.SerializeToString(), tuple(metadata), 10.0)
+            return asyncio.run_coroutine_threadsafe(call, loop).result()
+
+        advance = pb.VerifyRequest(session_id="a1", draft_ids=[7], expected_length=length)
+        other_key = load_key(write_key(tmp_path / "other.key"))
+        forged = {
+            "unsigned": None,
+            "another session": sign_identity(key, "device-a", "Verify", "a2"),
+            "another method": sign_identity(key, "device-a", "CloseSession", "a1"),
+            "another key": sign_identity(other_key, "device-a", "Verify", "a1"),
+            "stale": sign_identity(key, "device-a", "Verify", "a1", now=time.time() - 3600),
+        }
+        for what, signature in forged.items():
+            result = direct("Verify", advance, signature)
+            assert result.code == "UNAUTHENTICATED", (what, result)
+        closed = direct("CloseSession", pb.CloseSessionRequest(session_id="a1"), None)
+        assert closed.code == "UNAUTHENTICATED"
+        again = stub.Verify(advance, metadata=auth)  # A's session is where A left it
+        assert again.session_length == length + again.accepted + 1  # not advanced meanwhile
