@@ -79,6 +79,9 @@ class FleetConfig:
     # the fleet key (hex, mode 0600): seals the config in the shared state and signs the
     # identity the ingress relays to the replicas; None: `start_fleet` writes a fresh one
     fleet_key_file: Path | None = None
+    # start Ray with token authentication (a process without the token cannot join, read the
+    # ingress's admin methods or call a replica); off only when told (`--no-ray-auth`)
+    ray_auth: bool = True
 
     def __post_init__(self) -> None:
         policy_class(self.policy)
@@ -232,13 +235,45 @@ def replica_application(
     return serve.deployment(**options)(VerifierReplica).bind(spec)
 
 
-def ensure_serve() -> bool:
-    """Start Ray (local, no dashboard) and Serve (no HTTP proxy) unless running; True if started."""
+RAY_TOKEN_FILE = "ray-auth-token"
+
+
+def enable_ray_token(directory: Path) -> Path | None:
+    """Turn on Ray's token authentication for the cluster this process starts: RAY_AUTH_MODE=token
+    and, unless a token is configured already (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH), a fresh one
+    in `directory` (mode 0600), where Ray's processes and `fedge verifier rollout` read it.
+    Leaves an explicit RAY_AUTH_MODE alone. Returns the token file (None: not written here)."""
+    if os.environ.get("RAY_AUTH_MODE", "token") != "token":
+        LOG.warning("RAY_AUTH_MODE=%s: Ray runs without token auth", os.environ["RAY_AUTH_MODE"])
+        return None
+    os.environ["RAY_AUTH_MODE"] = "token"
+    path = None
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        import secrets
+
+        path = directory / RAY_TOKEN_FILE
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")  # Ray read its config at import: read RAY_AUTH_MODE again
+    AuthenticationTokenLoader.instance().reset_cache()
+    return path
+
+
+def ensure_serve(auth_dir: Path | None = None) -> bool:
+    """Start Ray (local, no dashboard; with token auth when `auth_dir` is given: `enable_ray_token`)
+    and Serve (no HTTP proxy) unless running; True if started."""
     import ray
     from ray import serve
 
     started = False
     if not ray.is_initialized():
+        if auth_dir is not None and "RAY_ADDRESS" not in os.environ:
+            enable_ray_token(auth_dir)
         ray.init(
             namespace=NAMESPACE,
             include_dashboard=False,
@@ -394,7 +429,8 @@ def start_fleet(config: FleetConfig) -> Fleet:
         home = Path(tempfile.mkdtemp(prefix="fedge-fleet-"))
         config = replace(config, fleet_key_file=write_key(home / KEY_FILE))
     config.key()  # refuse a missing, short or world-readable key before starting anything
-    owns_ray = ensure_serve()
+    assert config.fleet_key_file is not None
+    owns_ray = ensure_serve(config.fleet_key_file.parent if config.ray_auth else None)
     stable = version_app(1)
     serve.run(replica_application(config), name=stable, route_prefix=None)
     shared_port = config.port or (free_port(config.host) if config.ingress_replicas > 1 else 0)

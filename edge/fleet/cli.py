@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -99,6 +100,13 @@ def fleet_command(
     run_dir: Annotated[
         Path, typer.Option(help="Where fleet.json (Ray address, port) goes, for `rollout`.")
     ] = Path("runs/fleet"),
+    ray_auth: Annotated[
+        bool,
+        typer.Option(
+            "--ray-auth/--no-ray-auth",
+            help="Start Ray with token authentication (token in RUN_DIR/ray-auth-token).",
+        ),
+    ] = True,
     fleet_key_file: Annotated[
         Path | None,
         typer.Option(
@@ -126,6 +134,7 @@ def fleet_command(
             write_key(fleet_key_file)
     config = FleetConfig(
         fleet_key_file=fleet_key_file.resolve(),
+        ray_auth=ray_auth,
         model_dir=model,
         adapter_dir=adapter,
         replicas=replicas,
@@ -166,6 +175,7 @@ def fleet_command(
             "ray_address": ray.get_runtime_context().gcs_address,
             "port": fleet.port,
             "fleet_key_file": str(fleet_key_file.resolve()),  # its path, never the key
+            "ray_token_file": os.environ.get("RAY_AUTH_TOKEN_PATH", ""),  # its path likewise
         }
         (run_dir / FLEET_FILE).write_text(json.dumps(state))
         sys.stdout.write(f"fleet listening on {host}:{fleet.port}\n")
@@ -221,6 +231,9 @@ def _connect(fleet: Path) -> tuple[Any, bytes]:
 
     state = json.loads(state_file.read_text())
     key = load_key(Path(state["fleet_key_file"]))
+    if state.get("ray_token_file"):  # the fleet's Ray takes token-authenticated callers only
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN_PATH"] = state["ray_token_file"]
     ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False)
     return serve.get_app_handle(INGRESS_APP), key
 

@@ -31,11 +31,11 @@ the replica that gets it answers NOT_FOUND, so the edge reopens the session).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 import random
 import statistics
 import time
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -70,11 +70,6 @@ SESSION_ACTIVE_S = 3.0
 # accepted it: a round trip later) or it completes; a placement never heard of again (its
 # caller gave up) stops counting after this many seconds.
 PLACING_MAX_S = 10.0
-# The pending call the current routing task ranked replicas for (each Serve routing task runs
-# in its own asyncio context): `_fulfill_next_pending_request` gives the replica to that call.
-_RANKED_FOR: contextvars.ContextVar[PendingRequest | None] = contextvars.ContextVar(
-    "fedge_ranked_for", default=None
-)
 
 
 def relative_slowness(
@@ -191,6 +186,29 @@ class FleetRouter(RequestRouter):
         # and not yet heard routed (`PLACING_MAX_S`), so calls placed in one instant see each other
         self._placing: dict[str, tuple[ReplicaID, int, str, float]] = {}
         self._claims: dict[str, asyncio.Task[Any]] = {}  # request id -> the task ranking for it
+        # routing task -> the waiting call it ranked replicas for last: the call
+        # `_fulfill_next_pending_request` gives the replica it picked (no module-level context
+        # variable: Serve pickles the router's module by value into the ingress's handle)
+        self._ranked_by: weakref.WeakKeyDictionary[asyncio.Task[Any], PendingRequest] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _ranked_for(self) -> PendingRequest | None:
+        """The waiting call the current routing task ranked replicas for last (None: none)."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return None
+        return None if task is None else self._ranked_by.get(task)
+
+    def _rank_for(self, request: PendingRequest) -> None:
+        """Note that the current routing task ranks replicas for `request`."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return
+        if task is not None:
+            self._ranked_by[task] = request
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -333,7 +351,7 @@ class FleetRouter(RequestRouter):
             task = None
         live = {_request_id(pr) for pr in waiting}
         self._claims = {rid: t for rid, t in self._claims.items() if rid in live and not t.done()}
-        mine = _RANKED_FOR.get()
+        mine = self._ranked_for()
         mine_waiting = mine is not None and not mine.future.done()
         if mine_waiting and task is not None and self._claims.get(_request_id(mine)) is task:
             return mine
@@ -342,9 +360,9 @@ class FleetRouter(RequestRouter):
             if owner is None or owner is task:
                 if task is not None:
                     self._claims[_request_id(pr)] = task
-                _RANKED_FOR.set(pr)
+                self._rank_for(pr)
                 return pr
-        _RANKED_FOR.set(waiting[0])
+        self._rank_for(waiting[0])
         return waiting[0]
 
     def current_speed(
@@ -386,7 +404,7 @@ class FleetRouter(RequestRouter):
         Serve's exact matching strands a call whose routing task exits early. Routing
         always ranks for the oldest call (`choose_replicas`), so both agree.
         """
-        ranked = _RANKED_FOR.get()
+        ranked = self._ranked_for()
         if ranked is not None and not ranked.future.done() and self._suits(ranked, replica):
             chosen: PendingRequest | None = ranked
         else:
