@@ -165,10 +165,19 @@ def fleet_command(
         tracing=TracingConfig(tracing, endpoint=otlp_endpoint),
     )
     stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
+
+    def listen() -> None:  # a signal asks for the teardown; one during it waits for it to end
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopping.set())
+
+    listen()
     with running_fleet(config) as fleet:
         import ray
+
+        # ray.init replaced the SIGTERM handler with one raising SystemExit wherever the main
+        # thread is: a SIGTERM then tore down half-way (exit by SIGABRT, Ray's agents left
+        # running). Ours only sets the event, and the teardown below runs in order.
+        listen()
 
         run_dir.mkdir(parents=True, exist_ok=True)
         state = {
@@ -176,6 +185,8 @@ def fleet_command(
             "port": fleet.port,
             "fleet_key_file": str(fleet_key_file.resolve()),  # its path, never the key
             "ray_token_file": os.environ.get("RAY_AUTH_TOKEN_PATH", ""),  # its path likewise
+            "ray_session_dir": ray._private.worker._global_node.get_session_dir_path(),  # type: ignore[attr-defined]
+            "pid": os.getpid(),
         }
         (run_dir / FLEET_FILE).write_text(json.dumps(state))
         sys.stdout.write(f"fleet listening on {host}:{fleet.port}\n")
