@@ -65,6 +65,7 @@ from fedge.edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto.streams import resume_generate
 from fedge.edge.tracing import server_interceptors, shutdown, tracer_provider
+from fedge.edge.verifier.auth import CALLER
 from fedge.edge.verifier.limits import RateLimitConfig
 
 LOG = logging.getLogger("fedge.fleet")
@@ -448,5 +449,6 @@ class FleetIngress:
             drafted=len(getattr(request, "draft_ids", ())),
             accepted=int(getattr(reply, "accepted", 0)) if reply is not None else 0,
             session_id=session_of(request),
+            owner=CALLER.get() or "",  # authenticated only: an open ingress's tokens are anyone's
         )
         await self.state.observe(app, call)

@@ -8,6 +8,7 @@ state, and the decisions are testable against a real Redis without a Ray cluster
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,6 +28,15 @@ FLEET_KIND = "fedge.fleet-config"  # = fedge.edge.fleet.app.FLEET_KIND (no torch
 # failure (UNAVAILABLE), a full queue (RESOURCE_EXHAUSTED) or a bad request keeps the session
 # where it is, so a retry returns to its replica instead of re-prefilling elsewhere.
 HOME_LOST = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
+
+
+def owner_in_canary(owner: str, routing: Routing) -> bool:
+    """Whether `owner`'s new sessions go to the canary: a hash of the owner and the canary,
+    below the canary's share. Fixed for the canary's life, whatever the device sends (its
+    `VerifyRequest.version` or reopens cannot move it to the other arm), and the same on
+    every ingress."""
+    digest = hashlib.sha256(f"{routing.canary}\0{owner}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < routing.fraction
 
 
 class IngressState:
@@ -84,17 +94,28 @@ class IngressState:
 
         A session the fleet has not seen opens wherever the call lands (the edge opens
         sessions with their first Verify), so a new session takes part in the canary
-        split; a reopen naming its version returns to the application serving that
-        version while one is live (else the stable one refuses it: version gone). A
-        session whose application is no longer live goes to the stable one.
+        split: an identified owner's new sessions all go to the arm the ingress assigned it
+        (`owner_in_canary`), an anonymous caller's (an open ingress) are split at random. A
+        reopen naming its version returns to the application serving that version while
+        one is live (else the stable one refuses it: version gone), but naming the canary's
+        version does not put an owner the ingress left on the stable arm into the canary. A session whose application is
+        no longer live goes to the stable one.
         """
         routing, home = await self.store.route(owner, session_id)
         self._adopt(routing)
         if home is not None:
             return home if routing.live(home[0]) else (routing.stable, "")
+        assigned = bool(owner and routing.canary)  # the ingress assigns the arm, not the device
+        in_canary = assigned and owner_in_canary(owner, routing)
         if version:
             app = await self.store.version_app(version)
-            return (app, "") if app is not None and routing.live(app) else (routing.stable, "")
+            if app is None or not routing.live(app):
+                return routing.stable, ""
+            if assigned and app == routing.canary and not in_canary:
+                return routing.stable, ""  # naming the canary's version does not join it
+            return app, ""
+        if assigned:
+            return (routing.canary if in_canary else routing.stable), ""  # type: ignore[return-value]
         if routing.canary and random.random() < routing.fraction:
             return routing.canary, ""
         return routing.stable, ""

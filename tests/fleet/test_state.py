@@ -684,3 +684,46 @@ def test_a_replica_believes_only_the_identity_the_ingress_signed(
         assert closed.code == "UNAUTHENTICATED"
         again = stub.Verify(advance, metadata=auth)  # A's session is where A left it
         assert again.session_length == length + again.accepted + 1  # not advanced meanwhile
+
+
+def test_one_credential_can_neither_pick_its_canary_arm_nor_outweigh_other_owners(
+    fresh_redis: RedisServer,
+) -> None:
+    """A canary takes half of new sessions. Mallory (one credential) opens 40 sessions naming
+    the canary's version: the ingress keeps her on the arm it assigned her (by a hash of her
+    identity and the canary), every time; 200 owners split about evenly. Then she drives 30
+    sessions of perfect acceptance through the canary beside 5 honest owners at 0.2 each: the
+    canary's acceptance counts each owner once, (1.0 + 5 x 0.2) / 6 = 0.333 over 6 observations.
+
+    Before, a device picked its arm (`VerifyRequest.version` naming the canary's version put
+    every one of her sessions on the canary), and every session weighed one: 31 / 35 = 0.886,
+    which promoted a canary the other owners found poor."""
+    store = RedisState.connect(fresh_redis.url, fresh_redis.password_file)
+    state = IngressState(store, Routing("fedge-v1"), b"", "deploy-1")
+    canary_version = "m1/a2"
+
+    async def scenario() -> None:
+        await state.start()
+        await store.learn_version(canary_version, "fedge-v2")
+        await state.set_canary("fedge-v2", 0.5)
+        owners = [f"device-{i}" for i in range(200)]
+        arms = [(await state.target(f"new-{o}", o))[0] for o in owners]
+        assert 70 <= arms.count("fedge-v2") <= 130
+        stable_owner = owners[arms.index("fedge-v1")]
+        canary_owner = owners[arms.index("fedge-v2")]
+        for i in range(40):
+            picked = await state.target(f"m{i}", stable_owner, canary_version)
+            assert picked == ("fedge-v1", "")
+            assert await state.target(f"n{i}", canary_owner) == ("fedge-v2", "")
+        for i in range(30):
+            outcome = CallOutcome("Verify", "OK", 0.01, 10, 10, f"s{i}", owner=canary_owner)
+            await state.observe("fedge-v2", outcome)
+        for i in range(5):
+            outcome = CallOutcome("Verify", "OK", 0.01, 10, 2, f"h{i}", owner=f"honest-{i}")
+            await state.observe("fedge-v2", outcome)
+        figures = (await state.arm_stats())["fedge-v2"]
+        assert figures["sessions"] == 6
+        assert figures["session_acceptance"] == pytest.approx((1.0 + 5 * 0.2) / 6)
+        await store.close()
+
+    asyncio.run(scenario())
