@@ -264,6 +264,53 @@ def enable_ray_token(directory: Path) -> Path | None:
     return path
 
 
+RAY_START_ATTEMPTS = 3
+RAY_NODE_MARKER = "FEDGE_FLEET_RAY_NODE"  # inherited by the processes of one start attempt
+
+
+def _init_ray() -> None:
+    """`ray.init` of a local node, started again (up to RAY_START_ATTEMPTS) when its raylet
+    overran Ray's fixed 30 s start-up window on a loaded machine ("The current node timed out
+    during startup"): the failed attempt's processes, which carry that attempt's marker in
+    their environment, are stopped by pid first (Ray no longer tracks them)."""
+    import uuid
+
+    import psutil
+    import ray
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        marker = uuid.uuid4().hex
+        os.environ[RAY_NODE_MARKER] = marker
+        try:
+            ray.init(
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=max(2, os.cpu_count() or 2),
+            )
+            return
+        except Exception as err:
+            if "timed out during startup" not in str(err) or attempt == RAY_START_ATTEMPTS:
+                raise
+            LOG.warning("Ray start attempt %d timed out; starting it again", attempt)
+            ray.shutdown()
+            leftovers = []
+            for proc in psutil.process_iter(["pid"]):
+                try:
+                    if proc.pid != os.getpid() and proc.environ().get(RAY_NODE_MARKER) == marker:
+                        leftovers.append(proc)
+                except psutil.Error:
+                    continue
+            for proc in leftovers:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    continue
+            psutil.wait_procs(leftovers, timeout=10)
+        finally:
+            os.environ.pop(RAY_NODE_MARKER, None)
+
+
 def ensure_serve(auth_dir: Path | None = None) -> bool:
     """Start Ray (local, no dashboard; with token auth when `auth_dir` is given: `enable_ray_token`)
     and Serve (no HTTP proxy) unless running; True if started."""
@@ -274,12 +321,7 @@ def ensure_serve(auth_dir: Path | None = None) -> bool:
     if not ray.is_initialized():
         if auth_dir is not None and "RAY_ADDRESS" not in os.environ:
             enable_ray_token(auth_dir)
-        ray.init(
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=max(2, os.cpu_count() or 2),
-        )
+        _init_ray()
         started = True
     serve.start(proxy_location="Disabled")
     return started
