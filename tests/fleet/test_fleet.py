@@ -244,7 +244,11 @@ def secure_front(
     cert, key = self_signed_cert(directory)
     credentials, tokens = write_credentials(directory, ["alice", "mallory"])
     spec = IngressSpec(
-        fleet.describe()["stable"], credentials_file=credentials, tls_cert=cert, tls_key=key
+        fleet.describe()["stable"],
+        credentials_file=credentials,
+        tls_cert=cert,
+        tls_key=key,
+        fleet_key_file=fleet.config.fleet_key_file,  # the replicas believe identities it signs
     )
     handle = serve.run(ingress_application(spec), name=AUTH_INGRESS, route_prefix=None)
     port = int(handle.port.remote().result())
