@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fedge.zoo import ZooPaths
@@ -22,10 +23,16 @@ pytestmark = pytest.mark.cluster
 START_S = 300
 
 
-def ray_processes(session_dir: str) -> list[str]:
-    """Command lines of the processes still running for the Ray session in `session_dir`."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if session_dir in line]
+def alive(processes: list[psutil.Process]) -> list[str]:
+    """Names of those of `processes` still running (a reused pid is another process)."""
+    names = []
+    for proc in processes:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                names.append(" ".join(proc.cmdline()[:2]))
+        except psutil.Error:
+            continue
+    return names
 
 
 def test_the_fleet_admits_no_tokenless_ray_process_and_a_sigterm_leaves_nothing_running(
@@ -47,7 +54,6 @@ def test_the_fleet_admits_no_tokenless_ray_process_and_a_sigterm_leaves_nothing_
         "--replica-cpus", "0", "--port", "0", "--run-dir", str(run_dir),
     ]  # fmt: skip
     fleet = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
-    session_dir = ""
     try:
         assert fleet.stdout is not None
         deadline = time.monotonic() + START_S
@@ -57,7 +63,6 @@ def test_the_fleet_admits_no_tokenless_ray_process_and_a_sigterm_leaves_nothing_
             if not line and fleet.poll() is not None:
                 pytest.fail(f"fedge verifier fleet exited {fleet.returncode} before listening")
         state = json.loads((run_dir / "fleet.json").read_text())
-        session_dir = state["ray_session_dir"]
         assert Path(state["ray_token_file"]).stat().st_mode & 0o077 == 0
         stranger = subprocess.run(
             [sys.executable, "-c", f"import ray; ray.init(address={state['ray_address']!r})"],
@@ -67,13 +72,14 @@ def test_the_fleet_admits_no_tokenless_ray_process_and_a_sigterm_leaves_nothing_
             timeout=180,
         )
         assert stranger.returncode != 0, stranger.stdout
-        assert ray_processes(session_dir) != []
+        ray_processes = psutil.Process(fleet.pid).children(recursive=True)  # GCS, raylet, agents
+        assert any("agent" in name.lower() for name in alive(ray_processes)), alive(ray_processes)
         fleet.send_signal(signal.SIGTERM)
         assert fleet.wait(timeout=180) == 0
         deadline = time.monotonic() + 30
-        while ray_processes(session_dir) and time.monotonic() < deadline:
+        while alive(ray_processes) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert ray_processes(session_dir) == []
+        assert alive(ray_processes) == []
     finally:
         if fleet.poll() is None:  # only the process this test started, by its pid
             fleet.kill()
