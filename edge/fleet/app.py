@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,8 +23,10 @@ from typing import Any
 
 from fedge.edge.fleet.ingress import REPLICA_DEPLOYMENT, FleetIngress
 from fedge.edge.fleet.ingress_spec import INGRESS_SERVICE, IngressSpec
+from fedge.edge.fleet.ingress_state import FLEET_KIND  # the sealed FleetConfig's kind
 from fedge.edge.fleet.replica import REPLICA_SERVICE, ReplicaSpec, VerifierReplica
 from fedge.edge.fleet.routers import policy_class, policy_path
+from fedge.edge.fleet.sealed import KEY_FILE, from_json, load_key, seal, to_json, unseal, write_key
 from fedge.edge.fleet.wire import ROUTE_PIN
 from fedge.edge.tracing import TracingConfig
 from fedge.edge.verifier.engine import EngineConfig
@@ -74,6 +76,12 @@ class FleetConfig:
     slowdown: float = 1.0  # bench: the rank-0 replica answers this many times as late
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)  # per device, fleet-wide
     tracing: TracingConfig = field(default_factory=TracingConfig)  # ingress and replicas
+    # the fleet key (hex, mode 0600): seals the config in the shared state and signs the
+    # identity the ingress relays to the replicas; None: `start_fleet` writes a fresh one
+    fleet_key_file: Path | None = None
+    # start Ray with token authentication (a process without the token cannot join, read the
+    # ingress's admin methods or call a replica); off only when told (`--no-ray-auth`)
+    ray_auth: bool = True
 
     def __post_init__(self) -> None:
         policy_class(self.policy)
@@ -119,6 +127,27 @@ class FleetConfig:
         if self.replica_cpus < 0:
             raise ValueError(f"FleetConfig.replica_cpus must be >= 0, got {self.replica_cpus}")
 
+    def key(self) -> bytes:
+        """The fleet key, read from `fleet_key_file`."""
+        if self.fleet_key_file is None:
+            raise ValueError("FleetConfig.fleet_key_file is not set (start_fleet writes one)")
+        return load_key(self.fleet_key_file)
+
+    def seal(self, key: bytes) -> bytes:
+        """This config as the shared state keeps it: typed JSON under the fleet key's MAC."""
+        return seal(FLEET_KIND, to_json(self), key)
+
+    @classmethod
+    def unseal(cls, blob: bytes, key: bytes) -> FleetConfig:
+        """The config in sealed value `blob`; `SealError` when it was not sealed with `key`."""
+        return from_json(cls, unseal(FLEET_KIND, blob, key))
+
+    def sessions_per_owner(self) -> int:
+        """Session homes the shared state keeps per owner: the per-device quota on every
+        replica the fleet may run (1024 without a quota)."""
+        quota = self.engine.max_sessions_per_token
+        return quota * (self.max_replicas or self.replicas) if quota > 0 else 1024
+
     def replica_spec(self, adapter_dir: Path | None = None) -> ReplicaSpec:
         """What each replica of a version serves (`adapter_dir` overrides the fleet's)."""
         return ReplicaSpec(
@@ -127,10 +156,12 @@ class FleetConfig:
             self.engine,
             self.slowdown,
             replace(self.tracing, service_name=REPLICA_SERVICE),
+            fleet_key_file=self.fleet_key_file,
         )
 
     def ingress_spec(self, stable_app: str, port: int | None = None) -> IngressSpec:
-        """The ingress in front of `stable_app`: address, shared state, limits, tracing."""
+        """The ingress in front of `stable_app`: address, shared state, limits, tracing; the
+        config goes sealed (`seal`), the key by its file's path."""
         return IngressSpec(
             stable_app,
             self.host,
@@ -140,7 +171,10 @@ class FleetConfig:
             self.tls_key,
             self.tls_client_ca,
             max_inflight=self.max_inflight,
-            fleet=pickle.dumps(self),
+            fleet=self.seal(self.key()),
+            fleet_key_file=self.fleet_key_file,
+            session_ttl_s=self.engine.session_ttl_s,
+            max_sessions_per_owner=self.sessions_per_owner(),
             redis_url=self.redis_url,
             redis_password_file=self.redis_password_file,
             rate_limits=self.rate_limits,
@@ -201,19 +235,93 @@ def replica_application(
     return serve.deployment(**options)(VerifierReplica).bind(spec)
 
 
-def ensure_serve() -> bool:
-    """Start Ray (local, no dashboard) and Serve (no HTTP proxy) unless running; True if started."""
+RAY_TOKEN_FILE = "ray-auth-token"
+
+
+def enable_ray_token(directory: Path) -> Path | None:
+    """Turn on Ray's token authentication for the cluster this process starts: RAY_AUTH_MODE=token
+    and, unless a token is configured already (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH), a fresh one
+    in `directory` (mode 0600), where Ray's processes and `fedge verifier rollout` read it.
+    Leaves an explicit RAY_AUTH_MODE alone. Returns the token file (None: not written here)."""
+    if os.environ.get("RAY_AUTH_MODE", "token") != "token":
+        LOG.warning("RAY_AUTH_MODE=%s: Ray runs without token auth", os.environ["RAY_AUTH_MODE"])
+        return None
+    os.environ["RAY_AUTH_MODE"] = "token"
+    path = None
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        import secrets
+
+        path = directory / RAY_TOKEN_FILE
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")  # Ray read its config at import: read RAY_AUTH_MODE again
+    AuthenticationTokenLoader.instance().reset_cache()
+    return path
+
+
+RAY_START_ATTEMPTS = 3
+RAY_NODE_MARKER = "FEDGE_FLEET_RAY_NODE"  # inherited by the processes of one start attempt
+
+
+def _init_ray() -> None:
+    """`ray.init` of a local node, started again (up to RAY_START_ATTEMPTS) when its raylet
+    overran Ray's fixed 30 s start-up window on a loaded machine ("The current node timed out
+    during startup"): the failed attempt's processes, which carry that attempt's marker in
+    their environment, are stopped by pid first (Ray no longer tracks them)."""
+    import uuid
+
+    import psutil
+    import ray
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        marker = uuid.uuid4().hex
+        os.environ[RAY_NODE_MARKER] = marker
+        try:
+            ray.init(
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=max(2, os.cpu_count() or 2),
+            )
+            return
+        except Exception as err:
+            if "timed out during startup" not in str(err) or attempt == RAY_START_ATTEMPTS:
+                raise
+            LOG.warning("Ray start attempt %d timed out; starting it again", attempt)
+            ray.shutdown()
+            leftovers = []
+            for proc in psutil.process_iter(["pid"]):
+                try:
+                    if proc.pid != os.getpid() and proc.environ().get(RAY_NODE_MARKER) == marker:
+                        leftovers.append(proc)
+                except psutil.Error:
+                    continue
+            for proc in leftovers:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    continue
+            psutil.wait_procs(leftovers, timeout=10)
+        finally:
+            os.environ.pop(RAY_NODE_MARKER, None)
+
+
+def ensure_serve(auth_dir: Path | None = None) -> bool:
+    """Start Ray (local, no dashboard; with token auth when `auth_dir` is given: `enable_ray_token`)
+    and Serve (no HTTP proxy) unless running; True if started."""
     import ray
     from ray import serve
 
     started = False
     if not ray.is_initialized():
-        ray.init(
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=max(2, os.cpu_count() or 2),
-        )
+        if auth_dir is not None and "RAY_ADDRESS" not in os.environ:
+            enable_ray_token(auth_dir)
+        _init_ray()
         started = True
     serve.start(proxy_location="Disabled")
     return started
@@ -248,10 +356,18 @@ class Fleet:
         handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=self.describe()["stable"])
         return getattr(handle, method).remote(*args, **{ROUTE_PIN: replica_id, **kwargs}).result()
 
+    def stored_config(self) -> FleetConfig:
+        """The stable version's config as the shared state holds it (its seal checked)."""
+        return stored_config(self.ingress, self.config.key())
+
+    def promote(self, app: str, config: FleetConfig) -> None:
+        """Make `app`, serving `config`, the stable application (the config sealed)."""
+        self.ingress.promote.remote(app, config.seal(self.config.key())).result()
+
     def restart(self) -> dict[str, Any]:
         """Replace every replica of the stable version in place, one at a time (`restart_version`)."""
-        report = restart_version(self.ingress)
-        self.config = pickle.loads(self.ingress.fleet_config.remote().result())
+        report = restart_version(self.ingress, self.config.key())
+        self.config = self.stored_config()
         return report
 
     def stop(self) -> None:
@@ -280,7 +396,13 @@ def replica_actors(app: str) -> dict[str, str]:
     }
 
 
-def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
+def stored_config(ingress: Any, key: bytes) -> FleetConfig:
+    """The stable version's FleetConfig from the ingress, unsealed with the fleet key (a value
+    not sealed with it is refused: `SealError`)."""
+    return FleetConfig.unseal(ingress.fleet_config.remote().result(), key)
+
+
+def restart_version(ingress: Any, key: bytes, timeout_s: float = 600.0) -> dict[str, Any]:
     """Replace every replica of the ingress's stable version, one at a time, failing no call.
 
     This is Ray Serve's rolling update: `serve.run` under a new code version (the spec's
@@ -303,12 +425,12 @@ def restart_version(ingress: Any, timeout_s: float = 600.0) -> dict[str, Any]:
             f"canary {current['canary']} is being rolled out; restart after its decision"
         )
     stable = current["stable"]
-    config: FleetConfig = pickle.loads(ingress.fleet_config.remote().result())
+    config = stored_config(ingress, key)
     before = set(replica_actors(stable))
     started = time.monotonic()
     fresh = f"{config.replica_spec().code_version()}-restart-{uuid.uuid4().hex[:8]}"
     serve.run(replica_application(config, code_version=fresh), name=stable, route_prefix=None)
-    ingress.promote.remote(stable, pickle.dumps(config)).result()
+    ingress.promote.remote(stable, config.seal(key)).result()
     while before & set(replica_actors(stable)):  # serve.run returns before the last old one exits
         if time.monotonic() - started > timeout_s:
             raise TimeoutError(f"old replicas of {stable} still alive after {timeout_s:.0f} s")
@@ -345,7 +467,12 @@ def start_fleet(config: FleetConfig) -> Fleet:
     """Deploy version 1 (N replicas) and the ingress; returns once the ingress listens."""
     from ray import serve
 
-    owns_ray = ensure_serve()
+    if config.fleet_key_file is None:  # a fresh key in a private directory, for this fleet
+        home = Path(tempfile.mkdtemp(prefix="fedge-fleet-"))
+        config = replace(config, fleet_key_file=write_key(home / KEY_FILE))
+    config.key()  # refuse a missing, short or world-readable key before starting anything
+    assert config.fleet_key_file is not None
+    owns_ray = ensure_serve(config.fleet_key_file.parent if config.ray_auth else None)
     stable = version_app(1)
     serve.run(replica_application(config), name=stable, route_prefix=None)
     shared_port = config.port or (free_port(config.host) if config.ingress_replicas > 1 else 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -101,6 +102,20 @@ def fleet_command(
     run_dir: Annotated[
         Path, typer.Option(help="Where fleet.json (Ray address, port) goes, for `rollout`.")
     ] = Path("runs/fleet"),
+    ray_auth: Annotated[
+        bool,
+        typer.Option(
+            "--ray-auth/--no-ray-auth",
+            help="Start Ray with token authentication (token in RUN_DIR/ray-auth-token).",
+        ),
+    ] = True,
+    fleet_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The fleet key (hex, mode 0600): seals the config in the shared state, signs "
+            "the identities relayed to replicas; default RUN_DIR/fleet.key, written if missing."
+        ),
+    ] = None,
 ) -> None:
     """Serve MODEL as a Ray Serve fleet behind one gRPC ingress (same proto as `serve`) until SIGINT/SIGTERM.
 
@@ -110,11 +125,18 @@ def fleet_command(
     Redis: any ingress may die, and --ingress-replicas N share one port.
     """
     from fedge.edge.fleet.app import FleetConfig, running_fleet
+    from fedge.edge.fleet.sealed import KEY_FILE, write_key
     from fedge.edge.tracing import TracingConfig
     from fedge.edge.verifier.engine import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if fleet_key_file is None:
+        fleet_key_file = run_dir / KEY_FILE
+        if not fleet_key_file.exists():
+            write_key(fleet_key_file)
     config = FleetConfig(
+        fleet_key_file=fleet_key_file.resolve(),
+        ray_auth=ray_auth,
         model_dir=model,
         adapter_dir=adapter,
         replicas=replicas,
@@ -145,13 +167,29 @@ def fleet_command(
         tracing=TracingConfig(tracing, endpoint=otlp_endpoint),
     )
     stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
+
+    def listen() -> None:  # a signal asks for the teardown; one during it waits for it to end
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopping.set())
+
+    listen()
     with running_fleet(config) as fleet:
         import ray
 
+        # ray.init replaced the SIGTERM handler with one raising SystemExit wherever the main
+        # thread is: a SIGTERM then tore down half-way (exit by SIGABRT, Ray's agents left
+        # running). Ours only sets the event, and the teardown below runs in order.
+        listen()
+
         run_dir.mkdir(parents=True, exist_ok=True)
-        state = {"ray_address": ray.get_runtime_context().gcs_address, "port": fleet.port}
+        state = {
+            "ray_address": ray.get_runtime_context().gcs_address,
+            "port": fleet.port,
+            "fleet_key_file": str(fleet_key_file.resolve()),  # its path, never the key
+            "ray_token_file": os.environ.get("RAY_AUTH_TOKEN_PATH", ""),  # its path likewise
+            "ray_session_dir": ray._private.worker._global_node.get_session_dir_path(),  # type: ignore[attr-defined]
+            "pid": os.getpid(),
+        }
         (run_dir / FLEET_FILE).write_text(json.dumps(state))
         sys.stdout.write(f"fleet listening on {host}:{fleet.port}\n")
         sys.stdout.flush()
@@ -185,14 +223,15 @@ def rollout_command(
         min_sessions=min_sessions,
         max_window_s=max(600.0, window),
     )
-    record = run_rollout(_connect(fleet), config)
+    record = run_rollout(*_connect(fleet), config=config)
     _console.print_json(json.dumps(record))
     if record["decision"] != "promote":
         raise typer.Exit(1)
 
 
-def _connect(fleet: Path) -> Any:
-    """Join the Ray cluster of the fleet started with run dir `fleet`; its ingress's handle."""
+def _connect(fleet: Path) -> tuple[Any, bytes]:
+    """Join the Ray cluster of the fleet started with run dir `fleet`; its ingress's handle and
+    the fleet key."""
     import ray
     from ray import serve
 
@@ -201,9 +240,15 @@ def _connect(fleet: Path) -> Any:
     state_file = fleet / FLEET_FILE
     if not state_file.is_file():
         raise typer.BadParameter(f"{state_file} is missing; start `fedge verifier fleet` first")
-    address = json.loads(state_file.read_text())["ray_address"]
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-    return serve.get_app_handle(INGRESS_APP)
+    from fedge.edge.fleet.sealed import load_key
+
+    state = json.loads(state_file.read_text())
+    key = load_key(Path(state["fleet_key_file"]))
+    if state.get("ray_token_file"):  # the fleet's Ray takes token-authenticated callers only
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN_PATH"] = state["ray_token_file"]
+    ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False)
+    return serve.get_app_handle(INGRESS_APP), key
 
 
 def restart_command(
@@ -231,7 +276,8 @@ def restart_command(
         return
     from fedge.edge.fleet.app import restart_version
 
-    _console.print_json(json.dumps(restart_version(_connect(fleet))))
+    ingress, key = _connect(fleet)
+    _console.print_json(json.dumps(restart_version(ingress, key)))
 
 
 def register(app: typer.Typer) -> None:

@@ -65,6 +65,7 @@ from fedge.edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto.streams import resume_generate
 from fedge.edge.tracing import server_interceptors, shutdown, tracer_provider
+from fedge.edge.verifier.auth import CALLER
 from fedge.edge.verifier.limits import RateLimitConfig
 
 LOG = logging.getLogger("fedge.fleet")
@@ -80,11 +81,16 @@ class FleetIngress:
 
     async def __init__(self, spec: IngressSpec) -> None:  # type: ignore[misc]
         self.spec = spec
+        self.key = spec.key()  # checks sealed configs, signs the identities relayed to replicas
         self.store = open_state(
-            spec.redis_url, spec.redis_password_file, spec.rate_limits.max_devices
+            spec.redis_url,
+            spec.redis_password_file,
+            spec.rate_limits.max_devices,
+            session_ttl_s=spec.session_ttl_s,
+            max_sessions_per_owner=spec.max_sessions_per_owner,
         )
         declared = Routing(spec.stable_app, limits=spec.rate_limits)
-        self.state = IngressState(self.store, declared, spec.fleet, spec.epoch)
+        self.state = IngressState(self.store, declared, spec.fleet, spec.epoch, key=self.key)
         routing = await self.state.start()  # a restart adopts the stored routing, limits included
         self.replicas: dict[str, ReplicaFigures] = {}
         self.resumed_streams = 0
@@ -131,16 +137,20 @@ class FleetIngress:
         await self.state.set_rate_limits(config)
 
     async def fleet_config(self) -> bytes:
-        """The pickled FleetConfig of the stable version (for the rollout controller)."""
+        """The sealed FleetConfig of the stable version (for the rollout controller)."""
         return await self.state.fleet_config()
 
     async def promote(self, app: str, fleet: bytes) -> None:
-        """Make `app` (serving the pickled FleetConfig `fleet`) the stable application."""
+        """Make `app` (serving the sealed FleetConfig `fleet`) the stable application."""
         await self.state.promote(app, fleet)
 
     async def arm_stats(self) -> dict[str, dict[str, float]]:
         """Figures per application since the canary was set (from every ingress)."""
         return await self.state.arm_stats()
+
+    async def reset_arm_stats(self) -> None:
+        """Start both arms' figures from zero now (after the canary's warm-up)."""
+        await self.state.reset_arm_stats()
 
     async def rollout(self) -> dict[str, Any] | None:
         """The progress of the rollout under way (None: none)."""
@@ -273,7 +283,9 @@ class FleetIngress:
                     .remote(
                         name,
                         request.SerializeToString(),
-                        relay_metadata(context.invocation_metadata() or ()),
+                        relay_metadata(
+                            context.invocation_metadata() or (), self.key, name, session_id
+                        ),
                         context.time_remaining(),
                         **{
                             ROUTE_TOKENS: routing_tokens(request),
@@ -302,7 +314,9 @@ class FleetIngress:
         never touched. It carries the caller's metadata: sessions are scoped by token.
         """
         payload = pb.CloseSessionRequest(session_id=session_id).SerializeToString()
-        metadata = relay_metadata(context.invocation_metadata() or ())
+        metadata = relay_metadata(
+            context.invocation_metadata() or (), self.key, "CloseSession", session_id
+        )
         owner = caller_identity(context.invocation_metadata() or ())
         pinned = {
             ROUTE_PIN: replica,
@@ -375,7 +389,12 @@ class FleetIngress:
                     .stream.remote(
                         name,
                         current.SerializeToString(),
-                        relay_metadata(context.invocation_metadata() or ()),
+                        relay_metadata(
+                            context.invocation_metadata() or (),
+                            self.key,
+                            name,
+                            session_of(current),
+                        ),
                         context.time_remaining(),
                         **{ROUTE_TOKENS: routing_tokens(current), ROUTE_REPLICA: ""},
                     )
@@ -430,5 +449,6 @@ class FleetIngress:
             drafted=len(getattr(request, "draft_ids", ())),
             accepted=int(getattr(reply, "accepted", 0)) if reply is not None else 0,
             session_id=session_of(request),
+            owner=CALLER.get() or "",  # authenticated only: an open ingress's tokens are anyone's
         )
         await self.state.observe(app, call)

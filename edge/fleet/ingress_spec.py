@@ -74,7 +74,12 @@ class IngressSpec:
     tls_client_ca: Path | None = None  # PEM CA of client certificates (mTLS)
     max_message_bytes: int = 4 << 20  # largest request (= the single verifier's)
     max_inflight: int = 4096  # calls held at once; beyond, RESOURCE_EXHAUSTED at once
-    fleet: bytes = b""  # the pickled FleetConfig (opaque here: unpickling it would import torch)
+    fleet: bytes = b""  # the sealed FleetConfig (`fedge.edge.fleet.sealed`; opaque here)
+    fleet_key_file: Path | None = None  # the fleet key: checks sealed configs, signs identities
+    session_ttl_s: float = (
+        24 * 3600.0
+    )  # a session's home is forgotten this long after its last call
+    max_sessions_per_owner: int = 1024  # session homes kept per owner (least recently called go)
     redis_url: str | None = None  # the fleet's shared state; None: in the (single) ingress
     redis_password_file: Path | None = None  # the Redis password, read at start
     # names this deployment of the ingress: its first replica writes the declared routing,
@@ -98,6 +103,16 @@ class IngressSpec:
             check_redis_url(self.redis_url)
         elif self.redis_password_file is not None:
             raise ValueError("IngressSpec.redis_password_file needs redis_url")
+        if self.session_ttl_s <= 0:
+            raise ValueError(f"IngressSpec.session_ttl_s must be > 0, got {self.session_ttl_s}")
+
+    def key(self) -> bytes | None:
+        """The fleet key, read from its file now (None without one)."""
+        if self.fleet_key_file is None:
+            return None
+        from fedge.edge.fleet.sealed import load_key
+
+        return load_key(self.fleet_key_file)
 
     def authenticator(self) -> Authenticator | None:
         """The interceptor naming each caller, reading the credentials file now (None: open)."""

@@ -8,6 +8,7 @@ state, and the decisions are testable against a real Redis without a Ray cluster
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,11 +21,22 @@ from fedge.edge.fleet.stats import CallOutcome
 from fedge.edge.fleet.wire import CallResult
 from fedge.edge.verifier.rate_config import RateLimitConfig
 
+FLEET_KIND = "fedge.fleet-config"  # = fedge.edge.fleet.app.FLEET_KIND (no torch import here)
+
 # Relay outcomes after which a session's home replica cannot serve it again: gone there (a dead
 # or stopping replica is reported as NOT_FOUND by the relay) or its version retired. A transient
 # failure (UNAVAILABLE), a full queue (RESOURCE_EXHAUSTED) or a bad request keeps the session
 # where it is, so a retry returns to its replica instead of re-prefilling elsewhere.
 HOME_LOST = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
+
+
+def owner_in_canary(owner: str, routing: Routing) -> bool:
+    """Whether `owner`'s new sessions go to the canary: a hash of the owner and the canary,
+    below the canary's share. Fixed for the canary's life, whatever the device sends (its
+    `VerifyRequest.version` or reopens cannot move it to the other arm), and the same on
+    every ingress."""
+    digest = hashlib.sha256(f"{routing.canary}\0{owner}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < routing.fraction
 
 
 class IngressState:
@@ -43,11 +55,21 @@ class IngressState:
         fleet: bytes,
         epoch: str,
         on_limits: Callable[[RateLimitConfig], None] | None = None,
+        key: bytes | None = None,
     ) -> None:
         self.store = store
         self.routing = declared
         self._declared, self._fleet, self._epoch = declared, fleet, epoch
         self.on_limits = on_limits
+        self._key = key  # the fleet key: a config not sealed with it is refused (None: opaque)
+
+    def _check_sealed(self, fleet: bytes) -> bytes:
+        """`fleet` when it is a FleetConfig sealed with the fleet key (any bytes without a key)."""
+        if self._key is not None:
+            from fedge.edge.fleet.sealed import unseal
+
+            unseal(FLEET_KIND, fleet, self._key)  # SealError: tampered, or another fleet's
+        return fleet
 
     async def start(self) -> Routing:
         """Write the declared routing unless this epoch's state exists; adopt what is in force."""
@@ -72,17 +94,28 @@ class IngressState:
 
         A session the fleet has not seen opens wherever the call lands (the edge opens
         sessions with their first Verify), so a new session takes part in the canary
-        split; a reopen naming its version returns to the application serving that
-        version while one is live (else the stable one refuses it: version gone). A
-        session whose application is no longer live goes to the stable one.
+        split: an identified owner's new sessions all go to the arm the ingress assigned it
+        (`owner_in_canary`), an anonymous caller's (an open ingress) are split at random. A
+        reopen naming its version returns to the application serving that version while
+        one is live (else the stable one refuses it: version gone), but naming the canary's
+        version does not put an owner the ingress left on the stable arm into the canary. A session whose application is
+        no longer live goes to the stable one.
         """
         routing, home = await self.store.route(owner, session_id)
         self._adopt(routing)
         if home is not None:
             return home if routing.live(home[0]) else (routing.stable, "")
+        assigned = bool(owner and routing.canary)  # the ingress assigns the arm, not the device
+        in_canary = assigned and owner_in_canary(owner, routing)
         if version:
             app = await self.store.version_app(version)
-            return (app, "") if app is not None and routing.live(app) else (routing.stable, "")
+            if app is None or not routing.live(app):
+                return routing.stable, ""
+            if assigned and app == routing.canary and not in_canary:
+                return routing.stable, ""  # naming the canary's version does not join it
+            return app, ""
+        if assigned:
+            return (routing.canary if in_canary else routing.stable), ""  # type: ignore[return-value]
         if routing.canary and random.random() < routing.fraction:
             return routing.canary, ""
         return routing.stable, ""
@@ -144,8 +177,9 @@ class IngressState:
         await self.refresh()
 
     async def promote(self, app: str, fleet: bytes) -> None:
-        """Make `app` (serving the pickled FleetConfig `fleet`) the stable application, in one
-        step for every ingress."""
+        """Make `app` (serving the sealed FleetConfig `fleet`) the stable application, in one
+        step for every ingress; a config not sealed with the fleet key is refused."""
+        self._check_sealed(fleet)
         routing = await self.refresh()
         promoted = replace(routing, stable=app, canary=None, fraction=0.0)
         await self.store.set_routing(promoted, fleet, fields=("stable", "canary", "fraction"))
@@ -158,8 +192,9 @@ class IngressState:
         await self.refresh()
 
     async def fleet_config(self) -> bytes:
-        """The pickled FleetConfig of the stable version (the promoted adapter's)."""
-        return await self.store.fleet()
+        """The sealed FleetConfig of the stable version (the promoted adapter's), refused when
+        what the store holds was not sealed with the fleet key (written by another hand)."""
+        return self._check_sealed(await self.store.fleet())
 
     async def arm_stats(self) -> dict[str, dict[str, float]]:
         """Figures per application of the canary under way (stable and canary; none without)."""
@@ -168,6 +203,12 @@ class IngressState:
             return {}
         arms = await self.store.arm_stats((routing.stable, routing.canary))
         return {app: stats.summary() for app, stats in arms.items()}
+
+    async def reset_arm_stats(self) -> None:
+        """Forget both arms' figures of the canary under way: they start from zero together."""
+        routing = await self.refresh()
+        if routing.canary is not None:
+            await self.store.reset_arms((routing.stable, routing.canary))
 
     async def rollout(self) -> dict[str, Any] | None:
         """The progress of the rollout under way (None: none)."""

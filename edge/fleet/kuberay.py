@@ -51,6 +51,7 @@ VERSION_ARGS = {  # arg -> FleetConfig field (or EngineConfig field under engine
     "max_batch": "engine.max_batch",
     "session_ttl_s": "engine.session_ttl_s",
     "max_sessions_per_device": "engine.max_sessions_per_token",
+    "fleet_key_file": "fleet_key_file",
 }
 SECRET_FILE_ARGS = (  # paths
     "credentials_file",
@@ -58,6 +59,7 @@ SECRET_FILE_ARGS = (  # paths
     "tls_key",
     "tls_client_ca",
     "redis_password_file",
+    "fleet_key_file",
 )
 INGRESS_ARGS = ("stable", "host", "port", "replicas", "redis_url", *SECRET_FILE_ARGS, *LIMIT_ARGS)
 
@@ -80,7 +82,7 @@ def fleet_config(args: Mapping[str, Any]) -> FleetConfig:
     engine: dict[str, Any] = {}
     for arg, value in args.items():
         field = VERSION_ARGS[arg]
-        if field in ("model_dir", "adapter_dir"):
+        if field in ("model_dir", "adapter_dir", "fleet_key_file"):
             value = None if value is None else Path(value)
         if field.startswith("engine."):
             engine[field.removeprefix("engine.")] = value
@@ -115,6 +117,7 @@ def ingress_app(args: dict[str, Any]) -> Any:
         tls_client_ca=files["tls_client_ca"],
         redis_url=args.get("redis_url"),
         redis_password_file=files["redis_password_file"],
+        fleet_key_file=files["fleet_key_file"],
         rate_limits=RateLimitConfig(**{k: v for k, v in args.items() if k in LIMIT_ARGS}),
         epoch=hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:32],
     )

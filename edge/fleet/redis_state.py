@@ -1,9 +1,17 @@
 """The fleet's shared state in a Redis server: every ingress reads and writes the same keys.
 
 Keys under one prefix: `routing` (a hash: epoch, stable, canary, fraction, limits), `fleet`
-(the pickled FleetConfig), `rollout` (progress JSON), `versions` (version -> application),
-`session:<owner digest>:<id>` (application and replica, expiring), `bucket:<kind>:<device>`
-(tokens and stamp, expiring once full), `arm:<app>` (canary counts, sessions, latencies).
+(the sealed FleetConfig: `fedge.edge.fleet.sealed`, never a pickle), `rollout` (progress
+JSON), `versions` (version -> application), `session:<owner digest>:<id>` (application and
+replica), `owner:<owner digest>` (a sorted set of the owner's session ids by last call),
+`bucket:<kind>:<device>` (tokens and stamp, expiring once full), `arm:<app>` (canary counts,
+sessions, latencies).
+
+A session's key dies with the session: deleted when it closes or its replica lost it
+(NOT_FOUND), expiring `session_ttl_s` after its last call (the verifier's idle timeout, after
+which the replica has evicted it anyway: each call renews it), and at most
+`max_sessions_per_owner` per owner (the owner's least recently called go first), so no device
+grows the store beyond what its sessions on the replicas can hold.
 Token buckets are charged by a Lua script on the server's clock, so a charge is atomic
 and every ingress sees one clock; a routing change is one MULTI, so no reader sees half.
 """
@@ -21,7 +29,31 @@ from fedge.edge.fleet.state import ROUTING, Routing
 from fedge.edge.fleet.stats import ArmStats, CallOutcome
 from fedge.edge.verifier.rate_config import RateLimitConfig
 
-SESSION_TTL_S = 24 * 3600  # a session's home is forgotten this long after it last moved
+SESSION_TTL_S = 24 * 3600  # default: a session's home is forgotten this long after its last call
+MAX_SESSIONS_PER_OWNER = 1024  # default cap of one owner's session keys
+
+# Remember a session's home under its owner's cap. KEYS[1]: the session's key, KEYS[2]: the
+# owner's sorted set. ARGV: session id, "app\nreplica", ttl ms, cap, session key prefix.
+# Drops the owner's sessions that expired, then the least recently called beyond the cap.
+REMEMBER_SCRIPT = """
+redis.replicate_commands()
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local ttl, cap = tonumber(ARGV[3]), tonumber(ARGV[4])
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
+local excess = redis.call('ZCARD', KEYS[2]) - cap
+if excess > 0 then
+  local oldest = redis.call('ZRANGE', KEYS[2], 0, excess - 1)
+  for _, sid in ipairs(oldest) do
+    redis.call('DEL', ARGV[5] .. sid)
+    redis.call('ZREM', KEYS[2], sid)
+  end
+end
+redis.call('PEXPIRE', KEYS[2], ttl)
+return excess
+"""
 LATENCY_KEEP = 20_000  # canary latencies kept per application (= stats.LATENCY_WINDOW)
 
 # One token bucket, charged or refunded atomically on the server's clock. KEYS[1]: the
@@ -138,29 +170,53 @@ class RedisBuckets:
 class RedisState:
     """The fleet's state in a Redis server, shared by every ingress (keys under `prefix`)."""
 
-    def __init__(self, client: Any, prefix: str = "fedge:fleet") -> None:
+    def __init__(
+        self,
+        client: Any,
+        prefix: str = "fedge:fleet",
+        session_ttl_s: float = SESSION_TTL_S,
+        max_sessions_per_owner: int = MAX_SESSIONS_PER_OWNER,
+    ) -> None:
+        if session_ttl_s <= 0 or max_sessions_per_owner < 1:
+            raise ValueError(
+                f"RedisState needs session_ttl_s > 0 and max_sessions_per_owner >= 1, got "
+                f"{session_ttl_s}, {max_sessions_per_owner}"
+            )
         self.client = client
         self.prefix = prefix
+        self.session_ttl_ms = max(1, int(session_ttl_s * 1000))
+        self.max_sessions_per_owner = max_sessions_per_owner
         self.bucket_script = client.register_script(BUCKET_SCRIPT)
         self._start_script = client.register_script(START_SCRIPT)
+        self._remember_script = client.register_script(REMEMBER_SCRIPT)
 
     @classmethod
     def connect(
-        cls, url: str, password_file: Path | None = None, prefix: str = "fedge:fleet"
+        cls,
+        url: str,
+        password_file: Path | None = None,
+        prefix: str = "fedge:fleet",
+        session_ttl_s: float = SESSION_TTL_S,
+        max_sessions_per_owner: int = MAX_SESSIONS_PER_OWNER,
     ) -> RedisState:
         """A state over the Redis at `url` (password read from `password_file` now)."""
         from redis import asyncio as aioredis
 
         client = aioredis.from_url(check_redis_url(url), password=redis_password(password_file))
-        return cls(client, prefix)
+        return cls(client, prefix, session_ttl_s, max_sessions_per_owner)
 
     def key(self, *parts: str) -> str:
         """The Redis key of `parts` under this fleet's prefix."""
         return ":".join((self.prefix, *parts))
 
+    def _owner_digest(self, owner: str) -> str:
+        return hashlib.sha256(owner.encode()).hexdigest()[:32]  # fixed length: unambiguous
+
     def _session_key(self, owner: str, session_id: str) -> str:
-        owner_digest = hashlib.sha256(owner.encode()).hexdigest()[:32]  # fixed length: unambiguous
-        return self.key("session", owner_digest, session_id)
+        return self.key("session", self._owner_digest(owner), session_id)
+
+    def _owner_key(self, owner: str) -> str:
+        return self.key("owner", self._owner_digest(owner))
 
     def _keys(self) -> list[str]:
         return [self.key("routing"), self.key("fleet"), self.key("rollout"), self.key("versions")]
@@ -182,8 +238,8 @@ class RedisState:
     async def route(self, owner: str, session_id: str) -> tuple[Routing, tuple[str, str] | None]:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hmget(self.key("routing"), "stable", "canary", "fraction", "limits")
-            if session_id:
-                pipe.get(self._session_key(owner, session_id))
+            if session_id:  # a call of the session: its home lives another idle timeout
+                pipe.getex(self._session_key(owner, session_id), px=self.session_ttl_ms)
             replies = await pipe.execute()
         stored = replies[0]
         if stored[0] is None:
@@ -216,12 +272,22 @@ class RedisState:
         return bytes(await self.client.get(self.key("fleet")) or b"")
 
     async def remember(self, owner: str, session_id: str, app: str, replica: str) -> None:
-        await self.client.set(
-            self._session_key(owner, session_id), f"{app}\n{replica}", ex=SESSION_TTL_S
+        await self._remember_script(
+            keys=[self._session_key(owner, session_id), self._owner_key(owner)],
+            args=[
+                session_id,
+                f"{app}\n{replica}",
+                self.session_ttl_ms,
+                self.max_sessions_per_owner,
+                self._session_key(owner, ""),
+            ],
         )
 
     async def forget(self, owner: str, session_id: str) -> None:
-        await self.client.delete(self._session_key(owner, session_id))
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(self._session_key(owner, session_id))
+            pipe.zrem(self._owner_key(owner), session_id)
+            await pipe.execute()
 
     async def sessions_per_replica(self) -> dict[str, int]:
         counts: dict[str, int] = {}

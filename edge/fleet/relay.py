@@ -1,7 +1,10 @@
 """What the ingress sends a replica and what it answers when the relay itself fails.
 
 Metadata: the caller's credentials stay in the ingress; the replica learns whom a call
-is for from `fedge-identity`. Failures of the relay (not of the call: those come back
+is for from `fedge-identity`, which it believes only with the ingress's signature
+(`fedge-identity-sig`: an HMAC under the fleet key over the identity, the method, the
+session and the time, `sign_identity`), so a process that reaches a replica through Ray
+without passing the ingress cannot name another device's identity (`check_identity`). Failures of the relay (not of the call: those come back
 as values) map to the status that tells the edge what to do: a replica that died
 takes its sessions with it (NOT_FOUND: reopen from the committed tokens, the proto's
 recovery); a full queue is RESOURCE_EXHAUSTED with a retry-after; anything else
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import math
+import time
 from collections.abc import Iterator, Sequence
 
 from google.protobuf import descriptor
@@ -28,7 +33,9 @@ from fedge.edge.verifier.auth import AUTH_HEADER, CALLER, IDENTITY_KEY, bearer_t
 from fedge.edge.verifier.limits import RETRY_AFTER_KEY
 
 TRACE_KEYS = frozenset({"traceparent", "tracestate"})  # W3C context the ingress re-injects
-PRIVATE_KEYS = frozenset({AUTH_HEADER, IDENTITY_KEY})  # never relayed as the caller sent them
+IDENTITY_SIG_KEY = "fedge-identity-sig"  # metadata: "<unix time>.<hmac>" of the identity
+SIGNATURE_MAX_AGE_S = 300.0  # a relayed call's signature is refused this long after signing
+PRIVATE_KEYS = frozenset({AUTH_HEADER, IDENTITY_KEY, IDENTITY_SIG_KEY})  # never relayed as sent
 BUSY_RETRY_S = 0.1  # retry-after of a call refused for a full queue (a few verify passes)
 GONE, BUSY, FAILED = "gone", "busy", "failed"
 SESSION_FIELD = "session_id"
@@ -46,7 +53,47 @@ def caller_identity(pairs: Sequence[tuple[str, str | bytes]]) -> str:
     return token_identity(token) if token else ""
 
 
-def relay_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> Metadata:
+def _identity_mac(key: bytes, identity: str, method: str, session_id: str, stamp: str) -> str:
+    parts = ("fedge-identity", identity, method, session_id, stamp)
+    return hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def sign_identity(
+    key: bytes, identity: str, method: str, session_id: str, now: float | None = None
+) -> str:
+    """The ingress's signature of a relayed call: `identity` may call `method` on `session_id`."""
+    stamp = str(int(time.time() if now is None else now))
+    return f"{stamp}.{_identity_mac(key, identity, method, session_id, stamp)}"
+
+
+def check_identity(
+    key: bytes,
+    metadata: Sequence[tuple[str, str | bytes]],
+    method: str,
+    session_id: str,
+    now: float | None = None,
+) -> str | None:
+    """Why the relayed call's identity is not the ingress's (None: it is): no signature, one
+    over another identity, method or session, or one older than `SIGNATURE_MAX_AGE_S`."""
+    values = {k: v.decode() if isinstance(v, bytes) else v for k, v in metadata}
+    identity, signature = values.get(IDENTITY_KEY, ""), values.get(IDENTITY_SIG_KEY, "")
+    stamp, _, tag = signature.partition(".")
+    if not stamp.isdigit() or not tag:
+        return "the relayed call carries no identity signed by the fleet's ingress"
+    age = (time.time() if now is None else now) - int(stamp)
+    if not -60.0 <= age <= SIGNATURE_MAX_AGE_S:
+        return f"the relayed call's identity was signed {age:.0f} s ago"
+    if not hmac.compare_digest(tag, _identity_mac(key, identity, method, session_id, stamp)):
+        return "the relayed call's identity is not the one the fleet's ingress signed"
+    return None
+
+
+def relay_metadata(
+    pairs: Sequence[tuple[str, str | bytes]],
+    key: bytes | None = None,
+    method: str = "",
+    session_id: str = "",
+) -> Metadata:
     """Caller metadata for the replica: credentials out, the caller's identity in, trace context
     replaced by the current span's.
 
@@ -59,7 +106,13 @@ def relay_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> Metadata:
     propagate.inject(carrier)
     dropped = PRIVATE_KEYS | (TRACE_KEYS if carrier else frozenset())
     kept = tuple((k, v) for k, v in clean_metadata(pairs) if k not in dropped)
-    return (*kept, (IDENTITY_KEY, caller_identity(pairs)), *carrier.items())
+    identity = caller_identity(pairs)
+    signed = (
+        ()
+        if key is None
+        else ((IDENTITY_SIG_KEY, sign_identity(key, identity, method, session_id)),)
+    )
+    return (*kept, (IDENTITY_KEY, identity), *signed, *carrier.items())
 
 
 def failure_kind(error: BaseException) -> str:

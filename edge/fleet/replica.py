@@ -21,8 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fedge.edge.fleet.relay import check_identity, session_of
+from fedge.edge.fleet.sealed import load_key
 from fedge.edge.fleet.speed import ReplicaSpeed
 from fedge.edge.fleet.wire import (
     ROUTE_PIN,
@@ -34,6 +38,7 @@ from fedge.edge.fleet.wire import (
     ReplicaStopping,
     clean_metadata,
 )
+from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.tracing import TracingConfig, tracer_provider
 from fedge.edge.verifier.auth import AUTH_HEADER
 from fedge.edge.verifier.engine import EngineConfig
@@ -61,6 +66,9 @@ class ReplicaSpec:
     tracing: TracingConfig = field(
         default_factory=lambda: TracingConfig(service_name=REPLICA_SERVICE)
     )
+    # the fleet key: a relayed call's identity must carry the ingress's signature under it
+    # (`fedge.edge.fleet.relay.check_identity`); None: identities are taken as named
+    fleet_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.slowdown <= 100.0:
@@ -121,6 +129,8 @@ class VerifierReplica:
         self._stopping = False  # Serve is stopping this replica: its verifier refuses new calls
         self._held = False  # drained on purpose and kept: the health check still passes
         self.speed = ReplicaSpeed()  # this replica's own speed, behind every ingress's calls
+        # the fleet key: the identity of a relayed call must be the one the ingress signed
+        self._key = load_key(spec.fleet_key_file) if spec.fleet_key_file is not None else None
         self._health_stub = health_pb2_grpc.HealthStub(
             grpc.insecure_channel(f"127.0.0.1:{self.port}")
         )
@@ -159,6 +169,24 @@ class VerifierReplica:
             raise ReplicaStopping(f"replica {self.replica_id} is stopping")
         return None
 
+    def _unsigned(self, method: str, payload: bytes, metadata: Metadata) -> CallResult | None:
+        """UNAUTHENTICATED when the call's identity is not the one the ingress signed for this
+        method and session (a process reaching the replica through Ray, not the ingress)."""
+        if self._key is None:
+            return None
+        try:
+            request_cls = message_factory.GetMessageClass(
+                pb.DESCRIPTOR.services_by_name["Verifier"].methods_by_name[method].input_type
+            )
+            session_id = session_of(request_cls.FromString(payload))
+        except (KeyError, DecodeError):
+            return CallResult("INVALID_ARGUMENT", f"no Verifier call {method!r} with that payload")
+        problem = check_identity(self._key, metadata, method, session_id)
+        if problem is None:
+            return None
+        LOG.warning("replica %s refused a relayed %s: %s", self.replica_id, method, problem)
+        return CallResult("UNAUTHENTICATED", problem, b"", self.replica_id)
+
     def _vouch(self, metadata: Metadata) -> Metadata:
         """The relayed metadata (with the ingress's `fedge-identity`) plus this replica's secret."""
         return (*((k, v) for k, v in metadata if k != AUTH_HEADER), self._relay_auth)
@@ -172,7 +200,7 @@ class VerifierReplica:
         **hints: object,
     ) -> CallResult:
         """Relay one unary Verifier call (`method` is its short name, e.g. "Verify")."""
-        refused = self._refuses(hints)
+        refused = self._refuses(hints) or self._unsigned(method, payload, metadata)
         if refused is not None:
             return refused
         call = self._open_channel().unary_unary(SERVICE_PATH + method)
@@ -198,7 +226,7 @@ class VerifierReplica:
         **hints: object,
     ) -> AsyncIterator[CallResult]:
         """Relay one server-streaming call; a failure is the last item, with its code."""
-        refused = self._refuses(hints)
+        refused = self._refuses(hints) or self._unsigned(method, payload, metadata)
         if refused is not None:
             yield refused
             return
@@ -267,6 +295,14 @@ class VerifierReplica:
         server = self._server.server if self._server is not None else None
         engine = server.engine if server is not None else None
         return len(engine.sessions) if engine is not None else 0
+
+    def speed_report(self, **hints: object) -> dict[str, float]:
+        """This replica's own seconds per work token per kind of call (`ReplicaSpeed.report`):
+        its speed behind every call in flight here, whatever share of the load it got."""
+        pin = self._pinned_elsewhere(hints)
+        if pin:
+            raise LookupError(f"replica {pin} is gone")
+        return self.speed.report()
 
     def slowed_by(self, **hints: object) -> float:
         """How many times as late this replica answers (bench: the slowed one; else 1.0)."""

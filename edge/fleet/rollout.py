@@ -3,8 +3,12 @@
 1. `check_adapter` refuses an adapter that does not fit before any traffic.
 2. The new adapter is deployed as its own application beside the stable one;
    the ingress sends `canary` of new sessions to it.
-3. Over the window the ingress records acceptance, error rate and latency per
-   application; `decide` compares them (a pure function of the figures).
+3. The canary serves a warm-up (`warmup_s`) first; then both arms' figures start from zero
+   together, so they cover one window. Over it the ingress records acceptance, error rate
+   and latency per application, and at its end each replica reports its own seconds per
+   work token per kind of call (`fedge.edge.fleet.speed.ReplicaSpeed`: its time over the
+   work it waited through, so a replica given more of the load is not judged slower for
+   it); `decide` compares them (a pure function of the figures).
 4. Promote: the canary application takes every new session and the old one is
    deleted (its sessions reopen on the new replicas, NOT_FOUND -> reopen). Roll
    back: the canary is deleted. The decision and figures go to `rollout.json`.
@@ -23,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import pickle
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -35,6 +38,7 @@ LOG = logging.getLogger("fedge.fleet")
 DECISION_FILE = "rollout.json"
 NOISE_Z = 2.0  # a drop within 2 standard errors (over sessions) of the tolerance is forgiven
 LATENCY_FLOOR_MS = 5.0  # p99 differences below this are noise on a shared CPU
+Speeds = dict[str, float]  # seconds per work token per kind of call (`speed.call_kind`)
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,10 @@ class RolloutConfig:
         0.05  # canary acceptance may trail stable's by this much (absolute)
     )
     max_error_rate_rise: float = 0.01  # canary error rate may exceed stable's by this much
-    max_latency_ratio: float = 1.5  # canary p50/p99 may be this many times stable's (+ floor)
+    max_latency_ratio: float = 1.5  # canary service time (or p50/p99) may be this many x stable's
     canary_replicas: int = 1
     poll_s: float = 0.5
+    warmup_s: float = 5.0  # the canary serves this long before the window (and its figures) start
 
     def __post_init__(self) -> None:
         if not 0.0 < self.canary < 1.0:
@@ -73,12 +78,37 @@ class RolloutConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.warmup_s < 0:
+            raise ValueError(f"RolloutConfig.warmup_s must be >= 0, got {self.warmup_s}")
+
+
+def speed_ratio(stable: Speeds, canary: Speeds) -> float | None:
+    """The canary's service time over the stable's: the median, over the kinds of call both
+    arms measured, of the canary's seconds per work token over the stable's (None: no kind
+    in common). Per work token (the call and what it waited behind on its replica), so the
+    arms are compared like for like whatever share of the load each replica got; the median
+    over kinds and each speed's median over its last calls (`SpeedMeter`) absorb a stall."""
+    ratios = [canary[k] / stable[k] for k in set(stable) & set(canary) if stable[k] > 0]
+    if not ratios:
+        return None
+    ratios.sort()
+    middle = len(ratios) // 2
+    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
 
 
 def decide(
-    stable: dict[str, float], canary: dict[str, float], config: RolloutConfig
+    stable: dict[str, float],
+    canary: dict[str, float],
+    config: RolloutConfig,
+    speeds: tuple[Speeds, Speeds] | None = None,
 ) -> tuple[str, list[str]]:
     """ "promote" or "rollback", with the reasons (every failed criterion, or why it passed).
+
+    Latency: with the replicas' speeds (`speeds`: stable's, canary's) in common kinds, the
+    canary's service time per work token (`speed_ratio`) may be `max_latency_ratio` times the
+    stable's; the ingress's p50/p99, which count queueing behind other calls on a replica
+    that got more of the load (one canary replica beside N stable ones), are recorded but do
+    not decide. Without speeds in common, p50 and p99 decide (`max_latency_ratio` + a floor).
 
     Acceptance is compared per session (`ArmStats`: each session's accepted / drafted is
     one observation, its noise the standard error over sessions), not per drafted token:
@@ -106,16 +136,26 @@ def decide(
             f"error rate {canary['error_rate']:.3f} vs stable {stable['error_rate']:.3f} "
             f"(rise {rise:.3f} > {config.max_error_rate_rise})"
         )
-    for key in ("latency_p50_ms", "latency_p99_ms"):
-        limit = stable[key] * config.max_latency_ratio + LATENCY_FLOOR_MS
-        if canary[key] > limit:
-            reasons.append(f"{key} {canary[key]:.1f} > {limit:.1f} (stable {stable[key]:.1f})")
+    ratio = None if speeds is None else speed_ratio(*speeds)
+    if ratio is not None:
+        if ratio > config.max_latency_ratio:
+            reasons.append(
+                f"service time {ratio:.2f}x the stable's per work token > "
+                f"{config.max_latency_ratio} (p50 {canary['latency_p50_ms']:.1f} vs "
+                f"{stable['latency_p50_ms']:.1f} ms)"
+            )
+    else:
+        for key in ("latency_p50_ms", "latency_p99_ms"):
+            limit = stable[key] * config.max_latency_ratio + LATENCY_FLOOR_MS
+            if canary[key] > limit:
+                reasons.append(f"{key} {canary[key]:.1f} > {limit:.1f} (stable {stable[key]:.1f})")
     if reasons:
         return "rollback", reasons
+    service = "" if ratio is None else f", service time {ratio:.2f}x"
     return "promote", [
         f"acceptance {ours:.3f} vs {theirs:.3f} per session, error rate "
         f"{canary['error_rate']:.3f} vs {stable['error_rate']:.3f}, p99 "
-        f"{canary['latency_p99_ms']:.1f} vs {stable['latency_p99_ms']:.1f} ms"
+        f"{canary['latency_p99_ms']:.1f} vs {stable['latency_p99_ms']:.1f} ms{service}"
     ]
 
 
@@ -126,8 +166,35 @@ def _next_version(stable: str) -> str:
     return version_app(int(stable.removeprefix(VERSION_PREFIX)) + 1)
 
 
+def app_speeds(app: str) -> Speeds:
+    """Seconds per work token per kind of call of `app`: per kind, the median over its live
+    replicas of each one's own report (`VerifierReplica.speed_report`; a replica gone
+    meanwhile is left out)."""
+    from ray import serve
+
+    from fedge.edge.fleet.app import replica_actors
+    from fedge.edge.fleet.ingress import REPLICA_DEPLOYMENT
+    from fedge.edge.fleet.wire import ROUTE_PIN
+
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app)
+    by_kind: dict[str, list[float]] = {}
+    for replica in replica_actors(app):
+        try:
+            report = handle.speed_report.remote(**{ROUTE_PIN: replica}).result(timeout_s=30)
+        except Exception as err:  # stopped meanwhile, or too busy to answer: not counted
+            LOG.warning("speed of replica %s of %s: %r", replica, app, err)
+            continue
+        for kind, seconds in dict(report).items():
+            by_kind.setdefault(kind, []).append(float(seconds))
+    return {kind: sorted(v)[len(v) // 2] for kind, v in by_kind.items()}
+
+
 def _observe(ingress: Any, stable: str, canary: str, config: RolloutConfig) -> dict[str, Any]:
-    """Wait out the window (longer, up to max_window_s, until both arms have enough traffic)."""
+    """Let the canary warm up, start both arms' figures together, then wait out the window
+    (longer, up to max_window_s, until both arms have enough traffic)."""
+    if config.warmup_s > 0:
+        time.sleep(config.warmup_s)
+        ingress.reset_arm_stats.remote().result()
     started = time.monotonic()
     while True:
         time.sleep(config.poll_s)
@@ -170,14 +237,15 @@ def recover_rollout(ingress: Any) -> str:
     return action
 
 
-def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
-    """Run one canary rollout against a live fleet's ingress handle; returns the recorded decision."""
+def run_rollout(ingress: Any, key: bytes, config: RolloutConfig) -> dict[str, Any]:
+    """Run one canary rollout against a live fleet's ingress handle (`key`: the fleet key,
+    which unseals the stable config and seals the promoted one); returns the decision."""
     from ray import serve
 
-    from fedge.edge.fleet.app import replica_actors, replica_application
+    from fedge.edge.fleet.app import replica_actors, replica_application, stored_config
 
     recover_rollout(ingress)
-    fleet = pickle.loads(ingress.fleet_config.remote().result())
+    fleet = stored_config(ingress, key)
     stable = ingress.describe.remote().result()["stable"]
     config.run_dir.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
@@ -209,14 +277,20 @@ def run_rollout(ingress: Any, config: RolloutConfig) -> dict[str, Any]:
     ingress.set_rollout.remote({**progress, "phase": "observing"}).result()
     ingress.set_canary.remote(canary, config.canary).result()
     figures = _observe(ingress, stable, canary, config)
-    decision, reasons = decide(figures[stable], figures[canary], config)
-    record.update(decision=decision, reasons=reasons, figures=figures)
+    speeds = (app_speeds(stable), app_speeds(canary))
+    decision, reasons = decide(figures[stable], figures[canary], config, speeds)
+    record.update(
+        decision=decision,
+        reasons=reasons,
+        figures=figures,
+        speeds={stable: speeds[0], canary: speeds[1]},
+    )
     if decision == "promote":
         serve.run(  # the canary grows to the fleet's size around its replicas (same version)
             replica_application(fleet, config.adapter_dir), name=canary, route_prefix=None
         )
         promoted = replace(fleet, adapter_dir=config.adapter_dir)
-        ingress.promote.remote(canary, pickle.dumps(promoted)).result()
+        ingress.promote.remote(canary, promoted.seal(key)).result()
         ingress.set_rollout.remote({**progress, "phase": "promoted"}).result()
         serve.delete(stable)
     else:

@@ -12,6 +12,12 @@ Replicas report through Serve's routing stats whether they serve (`SERVING`) and
 fast they are per kind of call (`SPEEDS`), which only a replica can measure across
 every ingress that sends it calls.
 
+Placement sees placements made in the same instant: a call counts on its replica from the
+moment a routing task ranks it (its first choice, tentatively) or gives it a replica, not only
+once Serve hears it routed (after the replica accepted it, a round trip later), and each of
+Serve's concurrent routing tasks ranks a call of its own (`FleetRouter._ranked_request`), so a
+burst of new sessions spreads over equal replicas instead of all taking one's first choice.
+
 A call pinned to a replica (`ROUTE_PIN`: an admin call such as a drain, or the
 ingress closing a session that moved) goes to that replica whatever its state,
 or, when it is gone, to any replica, which refuses it (NOT_FOUND).
@@ -29,6 +35,7 @@ import itertools
 import random
 import statistics
 import time
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -58,6 +65,11 @@ CLOSE_METHOD = "CloseSession"  # the session leaves its replica
 # never drops out; a session that ended without a close, went quiet or moved stops counting
 # within a few seconds, before several such sessions could weigh on the next placements.
 SESSION_ACTIVE_S = 3.0
+# A call counts on the replica it is being placed on from the moment it is ranked (tentatively,
+# on its first choice) or given a replica, until Serve reports it routed there (the replica
+# accepted it: a round trip later) or it completes; a placement never heard of again (its
+# caller gave up) stops counting after this many seconds.
+PLACING_MAX_S = 10.0
 
 
 def relative_slowness(
@@ -119,6 +131,12 @@ def _kwarg(request: PendingRequest | None, key: str, default: Any) -> Any:
     return request.kwargs.get(key, default)
 
 
+def _request_id(request: PendingRequest | None) -> str:
+    """The call's internal request id ("" when unknown)."""
+    metadata = getattr(request, "metadata", None)
+    return str(getattr(metadata, "internal_request_id", "") or "")
+
+
 def _method(request: PendingRequest | None) -> str:
     """The relayed method's name (the replica call's first argument), or "" when unknown."""
     args = getattr(request, "args", None) or ()
@@ -164,6 +182,33 @@ class FleetRouter(RequestRouter):
         self.session_tokens = 0  # the tokens of those calls
         self.sessions_placed = 0  # of them, those placed without a home: a session's first
         self._active: dict[ReplicaID, OrderedDict[str, float]] = defaultdict(OrderedDict)
+        # request id -> (replica, tokens, session key, since): calls ranked or given a replica
+        # and not yet heard routed (`PLACING_MAX_S`), so calls placed in one instant see each other
+        self._placing: dict[str, tuple[ReplicaID, int, str, float]] = {}
+        self._claims: dict[str, asyncio.Task[Any]] = {}  # request id -> the task ranking for it
+        # routing task -> the waiting call it ranked replicas for last: the call
+        # `_fulfill_next_pending_request` gives the replica it picked (no module-level context
+        # variable: Serve pickles the router's module by value into the ingress's handle)
+        self._ranked_by: weakref.WeakKeyDictionary[asyncio.Task[Any], PendingRequest] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _ranked_for(self) -> PendingRequest | None:
+        """The waiting call the current routing task ranked replicas for last (None: none)."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return None
+        return None if task is None else self._ranked_by.get(task)
+
+    def _rank_for(self, request: PendingRequest) -> None:
+        """Note that the current routing task ranks replicas for `request`."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return
+        if task is not None:
+            self._ranked_by[task] = request
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -175,6 +220,8 @@ class FleetRouter(RequestRouter):
         A pinned call (an admin call, the close of a moved session) is no session's call.
         """
         request_id, method = pending_request.metadata.internal_request_id, _method(pending_request)
+        self._placing.pop(request_id, None)
+        self._claims.pop(request_id, None)
         tokens = int(_kwarg(pending_request, ROUTE_TOKENS, 1))
         session = str(_kwarg(pending_request, ROUTE_SESSION, ""))
         if method == CLOSE_METHOD:
@@ -208,6 +255,7 @@ class FleetRouter(RequestRouter):
         `EARLY_COMPLETIONS_KEPT`) and its routing then counts nothing. Counted, it stayed
         outstanding for good on its replica, which then looked ever busier.
         """
+        self._placing.pop(internal_request_id, None)
         routed = self._in_flight.pop(internal_request_id, None)
         if routed is None:
             self._completed_early[internal_request_id] = None
@@ -245,16 +293,77 @@ class FleetRouter(RequestRouter):
         if replica_id in self._active:
             self._active[replica_id].pop(session, None)
 
-    def active_sessions(self, replica_id: ReplicaID) -> int:
-        """Sessions that called `replica_id` within `SESSION_ACTIVE_S`; older ones are dropped
-        (oldest first: the map is kept in order of last call)."""
+    def active_sessions(self, replica_id: ReplicaID, request: PendingRequest | None = None) -> int:
+        """Sessions that called `replica_id` within `SESSION_ACTIVE_S` (older ones are dropped,
+        oldest first: the map is kept in order of last call), and those being placed there
+        (`placing`) other than `request`'s own."""
         sessions = self._active.get(replica_id)
-        if not sessions:
-            return 0
-        horizon = time.monotonic() - SESSION_ACTIVE_S
-        while sessions and next(iter(sessions.values())) < horizon:
-            sessions.popitem(last=False)
-        return len(sessions)
+        if sessions:
+            horizon = time.monotonic() - SESSION_ACTIVE_S
+            while sessions and next(iter(sessions.values())) < horizon:
+                sessions.popitem(last=False)
+        known: Mapping[str, float] = sessions or {}
+        placing = {
+            session
+            for replica, _, session in self.placing(request)
+            if replica == replica_id and session and session not in known
+        }
+        return len(known) + len(placing)
+
+    def placing(self, request: PendingRequest | None = None) -> list[tuple[ReplicaID, int, str]]:
+        """(replica, tokens, session key) of each call being placed now, other than `request`:
+        ranked or given a replica and not yet heard routed. Stale ones are dropped."""
+        horizon = time.monotonic() - PLACING_MAX_S
+        for rid in [rid for rid, entry in self._placing.items() if entry[3] < horizon]:
+            del self._placing[rid]
+        own = _request_id(request)
+        return [entry[:3] for rid, entry in self._placing.items() if rid != own]
+
+    def pending_tokens(self, replica_id: ReplicaID, request: PendingRequest | None = None) -> int:
+        """Tokens outstanding on `replica_id` plus those of the calls being placed there."""
+        placing = sum(t for replica, t, _ in self.placing(request) if replica == replica_id)
+        return self.outstanding_tokens.get(replica_id, 0) + placing
+
+    def pending_calls(self, replica_id: ReplicaID, request: PendingRequest | None = None) -> int:
+        """Calls outstanding on `replica_id` plus the calls being placed there."""
+        placing = sum(1 for replica, _, _ in self.placing(request) if replica == replica_id)
+        return self.outstanding.get(replica_id, 0) + placing
+
+    def _place(self, request: PendingRequest, replica_id: ReplicaID) -> None:
+        """Count `request` on `replica_id` until it is heard routed or completed (`placing`)."""
+        rid = _request_id(request)
+        if rid:
+            tokens = int(_kwarg(request, ROUTE_TOKENS, 1))
+            session = str(_kwarg(request, ROUTE_SESSION, ""))
+            self._placing[rid] = (replica_id, tokens, session, time.monotonic())
+
+    def _ranked_request(self, given: PendingRequest | None) -> PendingRequest | None:
+        """The waiting call this routing task ranks replicas for: the one it ranked last while
+        still waiting, else the oldest that no other live routing task is ranking (several
+        tasks ranking the oldest at once all ranked it alike and then gave its first choice to
+        as many calls), else the oldest, else `given`."""
+        waiting = [pr for pr in self._pending_requests_to_fulfill if not pr.future.done()]
+        if not waiting:
+            return given
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            task = None
+        live = {_request_id(pr) for pr in waiting}
+        self._claims = {rid: t for rid, t in self._claims.items() if rid in live and not t.done()}
+        mine = self._ranked_for()
+        mine_waiting = mine is not None and not mine.future.done()
+        if mine_waiting and task is not None and self._claims.get(_request_id(mine)) is task:
+            return mine
+        for pr in waiting:
+            owner = self._claims.get(_request_id(pr))
+            if owner is None or owner is task:
+                if task is not None:
+                    self._claims[_request_id(pr)] = task
+                self._rank_for(pr)
+                return pr
+        self._rank_for(waiting[0])
+        return waiting[0]
 
     def current_speed(
         self, candidates: Sequence[RunningReplica]
@@ -283,6 +392,7 @@ class FleetRouter(RequestRouter):
         self.outstanding_tokens.pop(replica_id, None)
         self._meter.keep(lambda key: key[0] != replica_id)
         self._active.pop(replica_id, None)
+        self._placing = {k: v for k, v in self._placing.items() if v[0] != replica_id}
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -294,16 +404,22 @@ class FleetRouter(RequestRouter):
         Serve's exact matching strands a call whose routing task exits early. Routing
         always ranks for the oldest call (`choose_replicas`), so both agree.
         """
-        chosen = next(
-            (
-                pr
-                for pr in self._pending_requests_to_fulfill
-                if not pr.future.done() and self._suits(pr, replica)
-            ),
-            None,
-        )
+        ranked = self._ranked_for()
+        if ranked is not None and not ranked.future.done() and self._suits(ranked, replica):
+            chosen: PendingRequest | None = ranked
+        else:
+            chosen = next(
+                (
+                    pr
+                    for pr in self._pending_requests_to_fulfill
+                    if not pr.future.done() and self._suits(pr, replica)
+                ),
+                None,
+            )
         if chosen is not None:
             self._record_queue_wait_time(chosen)
+            self._place(chosen, replica.replica_id)
+            self._claims.pop(_request_id(chosen), None)
             chosen.future.set_result(replica)
             self._remove_pending_request_from_indices(chosen)
 
@@ -334,10 +450,17 @@ class FleetRouter(RequestRouter):
         spinning on it would starve the loop the router shares with the caller.
         """
         await asyncio.sleep(0)
-        pending_request = next(
-            (pr for pr in self._pending_requests_to_fulfill if not pr.future.done()),
-            pending_request,
-        )
+        pending_request = self._ranked_request(pending_request)
+        ranks = self._ranks(candidate_replicas, pending_request)
+        claimed = _request_id(pending_request) in self._claims
+        if pending_request is not None and ranks and ranks[0] and claimed:
+            self._place(pending_request, ranks[0][0].replica_id)  # tentatively, its first choice
+        return ranks
+
+    def _ranks(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        """`choose_replicas` for one call: its pinned replica, its session's, else the policy's."""
         pin = _kwarg(pending_request, ROUTE_PIN, "")
         pinned = [r for r in candidate_replicas if pin and r.replica_id.unique_id == pin]
         if pinned:  # serving or not: a drained replica still takes its admin calls
@@ -402,8 +525,11 @@ class LeastOutstandingRouter(FleetRouter):
     def rank(
         self, candidates: list[RunningReplica], request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        """Fewest outstanding calls first."""
-        return self._by_load(candidates, self.outstanding)
+        """Fewest outstanding calls (those being placed included) first."""
+        return self._by_load(
+            candidates,
+            {r.replica_id: self.pending_calls(r.replica_id, request) for r in candidates},
+        )
 
 
 class PowerOfTwoRouter(FleetRouter):
@@ -438,12 +564,17 @@ class TokenAwareRouter(FleetRouter):
         return relative_slowness(self.current_speed(candidates), [r.replica_id for r in candidates])
 
     def _expected(
-        self, candidates: list[RunningReplica], tokens: int, slow: Mapping[ReplicaID, float]
+        self,
+        candidates: list[RunningReplica],
+        tokens: int,
+        slow: Mapping[ReplicaID, float],
+        request: PendingRequest | None = None,
     ) -> dict[ReplicaID, float]:
-        """Expected time of a `tokens` call on each candidate, at its slowness `slow`."""
+        """Expected time of a `tokens` call on each candidate, at its slowness `slow`, behind
+        its outstanding calls and those being placed there (`request`'s own aside)."""
         return {
             r.replica_id: expected_time(
-                slow[r.replica_id], self.outstanding_tokens.get(r.replica_id, 0), tokens
+                slow[r.replica_id], self.pending_tokens(r.replica_id, request), tokens
             )
             for r in candidates
         }
@@ -453,9 +584,9 @@ class TokenAwareRouter(FleetRouter):
     ) -> list[list[RunningReplica]]:
         """Least expected time first; a session's call, for the session's life (`lifetime`)."""
         slow = self._slowness(candidates)
-        expected = self._expected(candidates, int(_kwarg(request, ROUTE_TOKENS, 1)), slow)
+        expected = self._expected(candidates, int(_kwarg(request, ROUTE_TOKENS, 1)), slow, request)
         if _method(request) != STREAM_METHOD:
-            expected = self.lifetime(candidates, expected, slow)
+            expected = self.lifetime(candidates, expected, slow, request)
         return self._by_load(candidates, expected)
 
     def lifetime(
@@ -463,6 +594,7 @@ class TokenAwareRouter(FleetRouter):
         candidates: list[RunningReplica],
         expected: Mapping[ReplicaID, float],
         slow: Mapping[ReplicaID, float],
+        request: PendingRequest | None = None,
     ) -> dict[ReplicaID, float]:
         """Where a session is placed, its later calls follow (its KV cache is there): its
         cost is this call's expected time plus, for each further call a session makes on
@@ -485,7 +617,7 @@ class TokenAwareRouter(FleetRouter):
             r.replica_id: expected[r.replica_id]
             + later_calls
             * expected_time(
-                slow[r.replica_id], self.active_sessions(r.replica_id) * per_call, per_call
+                slow[r.replica_id], self.active_sessions(r.replica_id, request) * per_call, per_call
             )
             for r in candidates
         }
@@ -502,7 +634,7 @@ class TokenAwareRouter(FleetRouter):
             return False
         tokens = int(_kwarg(request, ROUTE_TOKENS, 1))
         slow = self._slowness([home, *others])
-        expected = self._expected([home, *others], tokens, slow)
+        expected = self._expected([home, *others], tokens, slow, request)
         best = min(others, key=lambda r: expected[r.replica_id]).replica_id
         move = int(_kwarg(request, ROUTE_MOVE_TOKENS, 0))
         return should_spill(

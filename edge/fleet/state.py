@@ -75,7 +75,7 @@ class FleetState(Protocol):
         ...
 
     async def fleet(self) -> bytes:
-        """The pickled FleetConfig of the stable version."""
+        """The sealed FleetConfig of the stable version."""
         ...
 
     async def remember(self, owner: str, session_id: str, app: str, replica: str) -> None:
@@ -230,11 +230,21 @@ class MemoryState:
 
 
 def open_state(
-    url: str | None, password_file: Path | None = None, max_devices: int = 100_000
+    url: str | None,
+    password_file: Path | None = None,
+    max_devices: int = 100_000,
+    session_ttl_s: float | None = None,
+    max_sessions_per_owner: int | None = None,
 ) -> FleetState:
-    """The fleet's state: in the Redis at `url`, else in this process (one ingress only)."""
+    """The fleet's state: in the Redis at `url`, else in this process (one ingress only).
+    `session_ttl_s`: a session's home expires this long after its last call (Redis)."""
     if url is None:
         return MemoryState(max_devices)
-    from fedge.edge.fleet.redis_state import RedisState
+    from fedge.edge.fleet.redis_state import MAX_SESSIONS_PER_OWNER, SESSION_TTL_S, RedisState
 
-    return RedisState.connect(url, password_file)
+    return RedisState.connect(
+        url,
+        password_file,
+        session_ttl_s=session_ttl_s or SESSION_TTL_S,
+        max_sessions_per_owner=max_sessions_per_owner or MAX_SESSIONS_PER_OWNER,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class CallOutcome:
     drafted: int  # draft tokens the call carried (0 for other methods)
     accepted: int  # of those, accepted by the target
     session_id: str = ""
+    owner: str = ""  # the authenticated caller ("" on an open ingress)
 
 
 @dataclass
@@ -63,11 +65,12 @@ class ArmStats:
             self.verifies += 1
             self.drafted += call.drafted
             self.accepted += call.accepted
-            if call.session_id and call.drafted > 0:
-                counts = self.sessions.setdefault(call.session_id, [0, 0])
+            unit = observation_unit(call)
+            if unit and call.drafted > 0:
+                counts = self.sessions.setdefault(unit, [0, 0])
                 counts[0] += call.drafted
                 counts[1] += call.accepted
-                self.sessions.move_to_end(call.session_id)
+                self.sessions.move_to_end(unit)
                 if len(self.sessions) > SESSION_WINDOW:
                     self.sessions.popitem(last=False)
         if call.code == "OK" and call.method in LATENCY_METHODS:  # a fast refusal: no serving time
@@ -92,6 +95,15 @@ class ArmStats:
             "latency_p50_ms": float(np.percentile(latency, 50)) if latency.size else 0.0,
             "latency_p99_ms": float(np.percentile(latency, 99)) if latency.size else 0.0,
         }
+
+
+def observation_unit(call: CallOutcome) -> str:
+    """What one observation of acceptance is: the caller when authenticated (each owner one
+    weight, however many sessions it opens: one credential cannot outweigh the others), else
+    the session (an open ingress cannot tell its callers apart)."""
+    if call.owner:
+        return "o:" + hashlib.sha256(call.owner.encode()).hexdigest()[:16]
+    return call.session_id
 
 
 def session_standard_error(rates: np.ndarray) -> float:

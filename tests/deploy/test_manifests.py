@@ -556,6 +556,11 @@ def fleet_problems(objects: list[Obj]) -> list[str]:
                 problems.append(
                     f"{application['name']} needs Ray resource {resource!r}: no node has it"
                 )
+    if config.get("proxy_location") != "Disabled":
+        problems.append(
+            "serveConfigV2.proxy_location must be Disabled: no application speaks HTTP, and "
+            f"Serve's proxy would listen on {config.get('http_options', {}).get('port', 8000)}"
+        )
     if cluster.get("rayVersion") != ray.__version__:
         problems.append(f"rayVersion {cluster.get('rayVersion')} is not Ray {ray.__version__}")
     for application in config["applications"]:
@@ -569,6 +574,23 @@ def fleet_problems(objects: list[Obj]) -> list[str]:
                         f"{resource!r}; the head offers {head_resources.get(resource, 0)}"
                     )
     return problems + redis_problems(objects, ingress_args, head["template"])
+
+
+def _bytes(size: str) -> int:
+    """A memory size as Redis (768mb) or Kubernetes (1Gi) writes it, in bytes."""
+    units = {
+        "gi": 1 << 30,
+        "mi": 1 << 20,
+        "ki": 1 << 10,
+        "gb": 1 << 30,
+        "mb": 1 << 20,
+        "kb": 1 << 10,
+    }
+    size = size.strip().lower()
+    for unit, factor in units.items():
+        if size.endswith(unit):
+            return int(float(size[: -len(unit)]) * factor)
+    return int(size)
 
 
 def redis_problems(objects: list[Obj], ingress_args: Obj, head: Obj) -> list[str]:
@@ -604,6 +626,28 @@ def redis_problems(objects: list[Obj], ingress_args: Obj, head: Obj) -> list[str
         problems += secret_problems(template["spec"], container, {})
         if "requirepass" in " ".join(container.get("args", [])):
             problems.append(f"{container['name']}: the Redis password is in its arguments")
+    (redis,) = template["spec"]["containers"]
+    args = [str(a) for a in redis.get("args", [])]
+    options = dict(zip(args[1::2], args[2::2], strict=False))  # after the config file
+    if options.get("--maxmemory-policy") != "noeviction":
+        problems.append(
+            "Redis must run with --maxmemory-policy noeviction (any other policy may evict a live "
+            f"session's home or a device's token bucket), got {options.get('--maxmemory-policy')}"
+        )
+    limit = redis.get("resources", {}).get("limits", {}).get("memory")
+    if (
+        "--maxmemory" not in options
+        or limit is None
+        or (_bytes(options["--maxmemory"]) >= _bytes(limit))
+    ):
+        problems.append(f"Redis needs --maxmemory below its memory limit {limit}")
+    config = " ".join(
+        " ".join(map(str, [*c.get("command", []), *c.get("args", [])])) for c in containers
+    )
+    if "user default off" not in config or "~fedge:fleet:*" not in config:
+        problems.append("Redis must turn its default user off and limit the fleet's user's keys")
+    if url.username != "fedge":
+        problems.append(f"the ingress must log in as ACL user fedge, got {url.username!r}")
     if policy is None:
         return [*problems, "no NetworkPolicy fedge-redis: every pod could read the fleet's state"]
     selected = policy["spec"]["podSelector"].get("matchLabels", {})
@@ -834,6 +878,26 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "no NetworkPolicy for Redis": (
         lambda o: o.pop(6),
         "no NetworkPolicy fedge-redis",
+    ),
+    "Serve's HTTP proxy on": (
+        _serve(lambda c: c.update(proxy_location="HeadOnly")),
+        "proxy_location must be Disabled",
+    ),
+    "Redis may evict live sessions": (
+        lambda o: o[4]["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(
+            -1, "allkeys-lru"
+        ),
+        "--maxmemory-policy noeviction",
+    ),
+    "Redis without maxmemory": (
+        lambda o: o[4]["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(-3, "2gb"),
+        "--maxmemory below its memory limit",
+    ),
+    "Redis's default user on": (
+        lambda o: o[4]["spec"]["template"]["spec"]["initContainers"][0]["command"].__setitem__(
+            -1, "printf 'requirepass x' > /conf/redis.conf"
+        ),
+        "default user off",
     ),
     "two ingress replicas, room for one on the head": (
         lambda o: _cluster(o)["headGroupSpec"]["rayStartParams"].update(

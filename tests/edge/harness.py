@@ -135,7 +135,7 @@ class LocalReplicas:
     call to its home, any other round robin. Every relay is recorded in `relayed`.
     """
 
-    def __init__(self, model_dir: Path, count: int) -> None:
+    def __init__(self, model_dir: Path, count: int, fleet_key_file: Path | None = None) -> None:
         self.relayed: list[Relay] = []
         self.replicas: dict[str, VerifierReplica] = {}
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}
@@ -145,7 +145,8 @@ class LocalReplicas:
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, daemon=True).start()
             self._loops[name] = loop
-            self.replicas[name] = VerifierReplica(ReplicaSpec(model_dir), name, index)
+            spec = ReplicaSpec(model_dir, fleet_key_file=fleet_key_file)
+            self.replicas[name] = VerifierReplica(spec, name, index)
 
     def handle(self, ingress: str) -> ReplicaHandle:
         """The deployment handle of the ingress named `ingress` (its relays are recorded so)."""

@@ -8,8 +8,8 @@ simulation run in between had already shut its Ray down (its teardown then faile
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +130,13 @@ def as_started(fleet: Any) -> None:
         fleet.ingress.set_canary.remote(None).result()
         serve.delete(described["canary"])
     baseline = fleet.started_with
-    current = pickle.loads(fleet.ingress.fleet_config.remote().result())
+    current = fleet.stored_config()
     shape = ("adapter_dir", "replicas", "min_replicas", "max_replicas")
     if any(getattr(current, k) != getattr(baseline, k) for k in shape):
         stable = described["stable"]
         serve.run(replica_application(baseline), name=stable, route_prefix=None)
-        fleet.ingress.promote.remote(stable, pickle.dumps(baseline)).result()
-        fleet.config = baseline
+        fleet.promote(stable, baseline)
+        fleet.config = replace(baseline, fleet_key_file=fleet.config.fleet_key_file)
     wait_for(lambda: settled(fleet), 180, "the fleet's two replicas, none starting or stopping")
 
 

@@ -11,7 +11,6 @@ Each test starts on the fleet as started (`as_started`), so any order or selecti
 
 from __future__ import annotations
 
-import pickle
 import threading
 import uuid
 from collections.abc import Iterator
@@ -245,7 +244,11 @@ def secure_front(
     cert, key = self_signed_cert(directory)
     credentials, tokens = write_credentials(directory, ["alice", "mallory"])
     spec = IngressSpec(
-        fleet.describe()["stable"], credentials_file=credentials, tls_cert=cert, tls_key=key
+        fleet.describe()["stable"],
+        credentials_file=credentials,
+        tls_cert=cert,
+        tls_key=key,
+        fleet_key_file=fleet.config.fleet_key_file,  # the replicas believe identities it signs
     )
     handle = serve.run(ingress_application(spec), name=AUTH_INGRESS, route_prefix=None)
     port = int(handle.port.remote().result())
@@ -367,7 +370,7 @@ def test_an_ingress_killed_after_a_promotion_comes_back_with_the_fleets_state(
     stable = fleet.describe()["stable"]
     promoted = replace(fleet.started_with, target_queue=7.0)
     limits = RateLimitConfig(verify_rate=1000.0, verify_burst=9)
-    fleet.ingress.promote.remote(stable, pickle.dumps(promoted)).result()
+    fleet.promote(stable, promoted)
     fleet.ingress.set_rate_limits.remote(limits).result()
 
     def ingress_actors() -> set[str]:
@@ -384,7 +387,7 @@ def test_an_ingress_killed_after_a_promotion_comes_back_with_the_fleets_state(
         wait_for(lambda: ingress_actors() - {killed} != set(), 60, "Serve to rebuild the ingress")
         assert int(fleet.ingress.port.remote().result()) == fleet.port
         assert fleet.describe()["stable"] == stable
-        config = pickle.loads(fleet.ingress.fleet_config.remote().result())
+        config = fleet.stored_config()
         assert config.target_queue == 7.0
         stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{fleet.port}"))
         too_long = pb.VerifyRequest(session_id="k", committed_ids=[3, 4], draft_ids=[5] * 9)
@@ -396,7 +399,7 @@ def test_an_ingress_killed_after_a_promotion_comes_back_with_the_fleets_state(
             tokens, _ = decode_with_reopen(client, draft, prompts[0], NEW_TOKENS)
         assert tokens == greedy(target, prompts[0], NEW_TOKENS)
     finally:
-        fleet.ingress.promote.remote(stable, pickle.dumps(fleet.started_with)).result()
+        fleet.promote(stable, fleet.started_with)
 
 
 def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
@@ -408,7 +411,7 @@ def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
 
     _, draft = models
     stable = fleet.describe()["stable"]
-    current = pickle.loads(fleet.ingress.fleet_config.remote().result())
+    current = fleet.stored_config()
     scaling = replace(
         current,
         replicas=2,  # starts at the fleet's two: the autoscaler must take one away when idle
@@ -423,7 +426,7 @@ def test_autoscaling_removes_a_replica_when_idle_and_adds_one_under_queue_depth(
     serve.run(replica_application(scaling), name=stable, route_prefix=None)
     # the fleet's config says so, so `as_started` puts the fixed two back for the next test
     # (else that test raced the autoscaler's idle downscale while its fixtures were set up)
-    fleet.ingress.promote.remote(stable, pickle.dumps(scaling)).result()
+    fleet.promote(stable, scaling)
     seen: list[tuple[int, int]] = []  # (running, running + starting) at every look
 
     def replicas() -> int:

@@ -119,12 +119,13 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
             min_sessions=6,
             max_window_s=60.0,
             poll_s=0.2,
-            # Acceptance decides here; a canary replica that just started on two shared cores
-            # can be several times slower than the warm stable one (the latency rule has its
-            # own tests in test_policies.py).
-            max_latency_ratio=5.0,
+            warmup_s=2.0,
+            # latency is judged per work token on each replica's own measure, after the
+            # canary's warm-up (`rollout.speed_ratio`): the default 1.5x holds under load. With
+            # the ingress's p50 judged at 5x, a good canary was rolled back under the suite's
+            # load (315.9 > 207.8 ms, stable 40.6): its one replica took half the sessions.
         )
-        return run_rollout(fleet.ingress, config)
+        return run_rollout(fleet.ingress, fleet.config.key(), config)
 
     before = fleet.describe()
     with Load(fleet.port, work, threads=3, pause_s=1.0) as load:

@@ -17,7 +17,7 @@ from fedge.edge.fleet import routers
 from fedge.edge.fleet.adapters import AdapterMismatch, check_adapter
 from fedge.edge.fleet.relay import session_key
 from fedge.edge.fleet.replica import ReplicaSpec, VerifierReplica
-from fedge.edge.fleet.rollout import RolloutConfig, decide
+from fedge.edge.fleet.rollout import RolloutConfig, decide, speed_ratio
 from fedge.edge.fleet.routers import (
     EARLY_COMPLETIONS_KEPT,
     ROUTE_MOVE_TOKENS,
@@ -36,7 +36,13 @@ from fedge.edge.fleet.routers import (
     relative_slowness,
     should_spill,
 )
-from fedge.edge.fleet.speed import SPEED_MAX_AGE_S, SPEED_MIN_SAMPLES, ReplicaSpeed
+from fedge.edge.fleet.speed import (
+    SPEED_MAX_AGE_S,
+    SPEED_MIN_SAMPLES,
+    ReplicaSpeed,
+    SpeedMeter,
+    work_tokens,
+)
 from fedge.edge.fleet.stats import ArmStats, CallOutcome
 from fedge.edge.fleet.wire import ROUTE_PIN, SERVING, SPEEDS
 from fedge.edge.proto import verifier_pb2 as pb
@@ -352,6 +358,71 @@ def test_a_call_completed_before_its_routing_is_heard_is_not_counted_outstanding
     assert len(router._completed_early) == EARLY_COMPLETIONS_KEPT
 
 
+def burst(router: FleetRouter, candidates: list[Replica], sessions: int) -> list[str]:
+    """`sessions` new sessions' first calls placed at once, as Serve's routing tasks do: each
+    task ranks, probes the queue lengths (an await: the others rank meanwhile), gives its
+    first choice to a waiting call; Serve hears them routed only a replica round trip later,
+    after the whole burst was placed. Returns the replica each session got."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    async def place() -> list[str]:
+        pending = []
+        for i in range(sessions):
+            kwargs = {ROUTE_TOKENS: 6, ROUTE_REPLICA: "", ROUTE_MOVE_TOKENS: 0}
+            kwargs[ROUTE_SESSION] = f"burst{i}"
+            pr = PendingRequest(["Verify"], kwargs, RequestMetadata(f"r{i}", f"burst-r{i}"))
+            router._pending_requests_to_fulfill.append(pr)
+            router._add_pending_request_to_indices(pr)
+            pending.append(pr)
+
+        async def routing_task(own: PendingRequest) -> None:
+            ranks = await router.choose_replicas(candidates, own)  # type: ignore[arg-type]
+            for _ in range(3):  # probing the queue lengths (the clock is frozen: no timed sleep)
+                await asyncio.sleep(0)
+            router._fulfill_next_pending_request(ranks[0][0], own.metadata)  # type: ignore[arg-type]
+
+        await asyncio.gather(*(routing_task(pr) for pr in pending))
+        placed = [pr.future.result().replica_id.unique_id for pr in pending]
+        for pr, name in zip(pending, placed, strict=True):  # routed, after the burst
+            router.on_request_routed(pr, ReplicaID(name, DEPLOYMENT), None)  # type: ignore[arg-type]
+        return placed
+
+    return asyncio.run(place())
+
+
+@pytest.mark.parametrize("cls", [TokenAwareRouter, LeastOutstandingRouter])
+def test_a_burst_of_sessions_placed_in_one_instant_spreads_over_equal_replicas(
+    monkeypatch: pytest.MonkeyPatch, cls: type[FleetRouter]
+) -> None:
+    """Eight sessions open at once on two equal replicas, one measured 5% slower (load and
+    noise): they are placed four and four, each placement seeing those made before it in the
+    same instant (ranked, or given a replica, not yet heard routed).
+
+    Before, placement had no memory of calls placed in the same instant: every routing task
+    ranked the oldest waiting call on the same state, and no call counted until Serve heard it
+    routed (after the replica's accept, a round trip), so all 8 went to the replica measured
+    faster (run: token-aware [8, 0]; least-outstanding by its random tie-break). In the fleet
+    test (`test_edge_client_decodes_through_the_fleet_as_through_one_verifier`) all 8
+    sessions opened on one of two equal replicas under the suite's load, and a fleet's first
+    burst after a start or a promotion landed on one replica.
+    """
+    clock = frozen_clock(monkeypatch)
+    router, fast, slow = slowed(1.05)
+    if cls is not TokenAwareRouter:
+        router = make_router(cls, affinity=True)
+    for i in range(4):  # earlier sessions, long quiet: a session makes 32 calls on average
+        run_session(router, fast if i % 2 else slow, f"old{i}")
+    clock[0] += 2 * SESSION_ACTIVE_S
+    placed = burst(router, [fast, slow], 8)
+    assert sorted(placed.count(name) for name in ("fast", "slow")) == [4, 4], placed
+    assert router.active_sessions(fast.replica_id) == 4  # routed: the placements became sessions
+    assert router.placing() == []
+    clock[0] += 2 * SESSION_ACTIVE_S
+    again = burst(router, [fast, slow], 8)
+    assert sorted(again.count(name) for name in ("fast", "slow")) == [4, 4], again
+
+
 def test_affinity_sends_a_session_home_and_new_sessions_by_policy() -> None:
     router = make_router(RoundRobinRouter, affinity=True)
     pool = replicas("a", "b")
@@ -662,6 +733,47 @@ def test_decide_promotes_an_equal_canary_and_rolls_back_a_worse_one(tmp_path: Pa
     assert decide(FIGURES, dict(FIGURES, verifies=3), config)[0] == "rollback"
     decision, reasons = decide(FIGURES, dict(FIGURES, sessions=3), config)
     assert decision == "rollback" and "3 canary and 40 stable sessions" in reasons[0]
+
+
+def replica_speeds(per_token_s: float, ahead: int, calls: int = 15) -> dict[str, float]:
+    """A replica's own report (`SpeedMeter`) after `calls` 9-token verifies, each behind
+    `ahead` tokens of other calls, at `per_token_s` seconds per work token."""
+    meter: SpeedMeter[str] = SpeedMeter()
+    for _ in range(calls):
+        work = work_tokens(ahead, 9)
+        meter.record(call_kind("Verify", 9), per_token_s * work, work)
+    return meter.current()
+
+
+@pytest.mark.parametrize(
+    ("slower", "decision"), [(1.0, "promote"), (1.2, "promote"), (3.0, "rollback")]
+)
+def test_a_canary_is_judged_on_its_service_time_not_on_the_queue_its_replica_got(
+    tmp_path: Path, slower: float, decision: str
+) -> None:
+    """One canary replica takes half the sessions beside two stable ones, on a CPU the rest
+    of the suite shares: its calls wait behind far more work, and the ingress measures p50
+    315.9 ms against the stable's 40.6 (the figures with which `make test` rolled back a good
+    adapter: 315.9 > 40.6 x 5 + 5 = 207.8). Per work token, each replica's own measure of the
+    calls it served (`ReplicaSpeed`), an adapter of the same cost is as fast as the stable:
+    promoted; one 3x slower per work token is rolled back whatever its queue.
+
+    Before, the p50/p99 rule alone decided (run: the good canary rolled back on
+    `latency_p50_ms 315.9 > 207.8`, as `decide` without speeds still does here)."""
+    config = RolloutConfig(adapter_dir=tmp_path, run_dir=tmp_path, min_verifies=50)
+    stable_figures = dict(FIGURES, latency_p50_ms=40.6, latency_p99_ms=90.0)
+    canary_figures = dict(FIGURES, latency_p50_ms=315.9, latency_p99_ms=700.0)
+    stable = replica_speeds(0.004, ahead=0)
+    canary = replica_speeds(0.004 * slower, ahead=60)
+    assert decide(stable_figures, canary_figures, config)[0] == "rollback"  # the p50 rule
+    got, reasons = decide(stable_figures, canary_figures, config, (stable, canary))
+    assert got == decision, reasons
+    if decision == "rollback":
+        assert reasons == [
+            "service time 3.00x the stable's per work token > 1.5 (p50 315.9 vs 40.6 ms)"
+        ]
+    assert speed_ratio(stable, {}) is None  # no kind in common: the p50/p99 rule decides
+    assert decide(FIGURES, FIGURES, config, (stable, {}))[0] == "promote"
 
 
 def test_a_few_long_lucky_sessions_cannot_promote_a_canary(tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from transformers import PreTrainedModel
 
@@ -510,3 +512,218 @@ def test_a_close_lost_with_its_ingress_is_sent_again_and_frees_the_session(
             closes = [r for r in fleet.replicas.relayed if r.method == "CloseSession"]
             assert [(r.ingress, r.replica) for r in closes] == [("B", home)]
             assert client.closes_resent == 1
+
+
+class _Payload:
+    """A value whose unpickling runs code: it writes `marker` (what a pickle in Redis did)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.write_text, (self.marker, "pwned"))
+
+
+def test_a_fleet_config_written_into_redis_by_another_hand_is_refused_never_run(
+    fresh_redis: RedisServer, tmp_path: Path
+) -> None:
+    """Anyone who can write the fleet's Redis replaces its `fleet` key (the stable config the
+    rollout controller and a restart read back) with a pickle that runs code, or flips a byte
+    of the sealed config (another adapter). The ingress refuses both (`SealError`), as does the
+    controller's `FleetConfig.unseal`, and promote refuses a config not sealed with the fleet
+    key; the code never runs. No module of fedge.edge imports pickle.
+
+    Before, the config was stored pickled and `pickle.loads`-ed by the controller (app.py,
+    rollout.py): write access to Redis was code execution on the controller (the payload
+    wrote its marker file)."""
+    import pickle
+
+    from fedge.edge.fleet.app import FleetConfig
+    from fedge.edge.fleet.sealed import SealError, load_key, write_key
+
+    key = load_key(write_key(tmp_path / "fleet.key"))
+    config = FleetConfig(tmp_path / "model", fleet_key_file=tmp_path / "fleet.key")
+    sealed = config.seal(key)
+    assert FleetConfig.unseal(sealed, key) == config  # typed: paths, nested configs come back
+    store = RedisState.connect(fresh_redis.url, fresh_redis.password_file)
+    state = IngressState(store, Routing("fedge-v1"), sealed, "deploy-1", key=key)
+    marker = tmp_path / "marker"
+    evil = pickle.dumps(_Payload(marker))
+    flipped = sealed.replace(b"model", b"modem")
+    other_key = load_key(write_key(tmp_path / "other.key"))
+
+    async def scenario() -> None:
+        await state.start()
+        assert await state.fleet_config() == sealed
+        for forged in (evil, flipped, config.seal(other_key)):
+            await store.client.set(store.key("fleet"), forged)  # another hand writes Redis
+            with pytest.raises(SealError):
+                await state.fleet_config()
+            with pytest.raises(SealError):
+                FleetConfig.unseal(forged, key)
+            with pytest.raises(SealError):
+                await state.promote("fedge-v2", forged)
+        assert (await state.describe())["stable"] == "fedge-v1"  # no forged promotion took
+        await store.close()
+
+    asyncio.run(scenario())
+    assert not marker.exists()
+    edge = Path(__file__).resolve().parents[2] / "edge"
+    users = [p for p in edge.rglob("*.py") if "import pickle" in p.read_text()]
+    assert users == []
+
+
+def test_a_devices_session_keys_die_with_its_sessions_and_stay_under_its_cap(
+    fresh_redis: RedisServer,
+) -> None:
+    """One device with a quota of 4 sessions per replica on 2 replicas opens 12 sessions one
+    after another (the replicas evict its oldest to honour the quota): the fleet's Redis keeps
+    at most 8 of its session keys (its least recently called go), each expiring the verifier's
+    idle timeout after its last call, renewed by each call; a close or a NOT_FOUND deletes the
+    key at once, and once the device is idle for the timeout nothing of it is left.
+
+    Before, every session's key lived 24 h after it last moved whatever happened to the
+    session: such a device left 11 keys (measured in issue 31) and grew the store at its
+    prefill rate."""
+    ttl_s = 2.0
+    store = RedisState.connect(
+        fresh_redis.url, fresh_redis.password_file, session_ttl_s=ttl_s, max_sessions_per_owner=8
+    )
+    state = IngressState(store, Routing("fedge-v1"), b"", "deploy-1")
+    ok = [CallResult("OK", replica=f"r{i % 2}") for i in range(2)]
+
+    async def keys(owner: str = "") -> list[bytes]:
+        found = [k async for k in store.client.scan_iter(match=store.key("session", "*"))]
+        return [k for k in found if not owner or store._owner_digest(owner).encode() in k]
+
+    async def scenario() -> None:
+        await state.start()
+        for i in range(12):
+            await state.remember("Verify", f"s{i}", "fedge-v1", ok[i % 2], "device-a")
+        await state.remember("Verify", "b0", "fedge-v1", ok[0], "device-b")
+        assert len(await keys("device-a")) == 8
+        assert await state.target("s0", "device-a") == ("fedge-v1", "")  # dropped: oldest
+        assert await state.target("s11", "device-a") == ("fedge-v1", "r1")
+        ttl_ms = await store.client.pttl(store._session_key("device-a", "s11"))
+        assert 0 < ttl_ms <= ttl_s * 1000
+        await state.remember("CloseSession", "s11", "fedge-v1", ok[1], "device-a", "r1")
+        await state.remember("Verify", "s10", "fedge-v1", CallResult("NOT_FOUND"), "device-a")
+        assert len(await keys("device-a")) == 6
+        assert len(await keys("device-b")) == 1  # another device's keys are its own
+        for _ in range(3):  # s4 keeps calling: its key outlives the others
+            await asyncio.sleep(ttl_s / 2)
+            await state.target("s4", "device-a")
+        assert [k.rsplit(b":", 1)[1] for k in await keys("device-a")] == [b"s4"]
+        await asyncio.sleep(ttl_s + 0.5)
+        assert await keys() == []
+        owners = [k async for k in store.client.scan_iter(match=store.key("owner", "*"))]
+        assert owners == []
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_believes_only_the_identity_the_ingress_signed(
+    micro_zoo: ZooPaths, tmp_path: Path
+) -> None:
+    """Device A decodes through the ingress (credentials, fleet key) to real replicas. A process
+    that reaches a replica's relay without the ingress (as a token-less process that joined
+    Ray's open control plane did) calls it naming `device-a`: unsigned, with A's signature of
+    another call replayed (another session, another method), or signed with another key. Every
+    call is refused UNAUTHENTICATED and A's session is neither read nor advanced; A's own calls,
+    signed by the ingress, go on.
+
+    Before, the relay trusted the plain `fedge-identity` name: the joined process read and
+    advanced A's session (issue 31, finding 6)."""
+    from fedge.edge.fleet.relay import IDENTITY_SIG_KEY, sign_identity
+    from fedge.edge.fleet.sealed import load_key, write_key
+    from fedge.edge.proto import verifier_pb2 as pb
+    from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+    from fedge.edge.verifier.auth import IDENTITY_KEY
+    from tests.edge.harness import write_credentials
+
+    key_file = write_key(tmp_path / "fleet.key")
+    key = load_key(key_file)
+    credentials, tokens = write_credentials(tmp_path, ["device-a"])
+    spec = IngressSpec("fedge-v1", credentials_file=credentials, fleet_key_file=key_file)
+    auth = (("authorization", f"Bearer {tokens['device-a']}"),)
+    with contextlib.ExitStack() as stack:
+        replicas = stack.enter_context(LocalReplicas(micro_zoo.target_dir, 1, key_file))
+        front, _ = stack.enter_context(running_ingress(spec, replicas.handle("ingress")))
+        stub = pb_grpc.VerifierStub(
+            stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{front.port()}"))
+        )
+        opened = stub.Verify(
+            pb.VerifyRequest(session_id="a1", committed_ids=[3, 4, 5], draft_ids=[6]),
+            metadata=auth,
+        )
+        length = opened.session_length
+        (replica,) = replicas.replicas.values()
+        loop = replicas._loops["replica-0"]
+
+        def direct(method: str, request: Any, signature: str | None) -> CallResult:
+            metadata = [(IDENTITY_KEY, "device-a")]
+            if signature is not None:
+                metadata.append((IDENTITY_SIG_KEY, signature))
+            call = replica.unary(method, request.SerializeToString(), tuple(metadata), 10.0)
+            return asyncio.run_coroutine_threadsafe(call, loop).result()
+
+        advance = pb.VerifyRequest(session_id="a1", draft_ids=[7], expected_length=length)
+        other_key = load_key(write_key(tmp_path / "other.key"))
+        forged = {
+            "unsigned": None,
+            "another session": sign_identity(key, "device-a", "Verify", "a2"),
+            "another method": sign_identity(key, "device-a", "CloseSession", "a1"),
+            "another key": sign_identity(other_key, "device-a", "Verify", "a1"),
+            "stale": sign_identity(key, "device-a", "Verify", "a1", now=time.time() - 3600),
+        }
+        for what, signature in forged.items():
+            result = direct("Verify", advance, signature)
+            assert result.code == "UNAUTHENTICATED", (what, result)
+        closed = direct("CloseSession", pb.CloseSessionRequest(session_id="a1"), None)
+        assert closed.code == "UNAUTHENTICATED"
+        again = stub.Verify(advance, metadata=auth)  # A's session is where A left it
+        assert again.session_length == length + again.accepted + 1  # not advanced meanwhile
+
+
+def test_one_credential_can_neither_pick_its_canary_arm_nor_outweigh_other_owners(
+    fresh_redis: RedisServer,
+) -> None:
+    """A canary takes half of new sessions. Mallory (one credential) opens 40 sessions naming
+    the canary's version: the ingress keeps her on the arm it assigned her (by a hash of her
+    identity and the canary), every time; 200 owners split about evenly. Then she drives 30
+    sessions of perfect acceptance through the canary beside 5 honest owners at 0.2 each: the
+    canary's acceptance counts each owner once, (1.0 + 5 x 0.2) / 6 = 0.333 over 6 observations.
+
+    Before, a device picked its arm (`VerifyRequest.version` naming the canary's version put
+    every one of her sessions on the canary), and every session weighed one: 31 / 35 = 0.886,
+    which promoted a canary the other owners found poor."""
+    store = RedisState.connect(fresh_redis.url, fresh_redis.password_file)
+    state = IngressState(store, Routing("fedge-v1"), b"", "deploy-1")
+    canary_version = "m1/a2"
+
+    async def scenario() -> None:
+        await state.start()
+        await store.learn_version(canary_version, "fedge-v2")
+        await state.set_canary("fedge-v2", 0.5)
+        owners = [f"device-{i}" for i in range(200)]
+        arms = [(await state.target(f"new-{o}", o))[0] for o in owners]
+        assert 70 <= arms.count("fedge-v2") <= 130
+        stable_owner = owners[arms.index("fedge-v1")]
+        canary_owner = owners[arms.index("fedge-v2")]
+        for i in range(40):
+            picked = await state.target(f"m{i}", stable_owner, canary_version)
+            assert picked == ("fedge-v1", "")
+            assert await state.target(f"n{i}", canary_owner) == ("fedge-v2", "")
+        for i in range(30):
+            outcome = CallOutcome("Verify", "OK", 0.01, 10, 10, f"s{i}", owner=canary_owner)
+            await state.observe("fedge-v2", outcome)
+        for i in range(5):
+            outcome = CallOutcome("Verify", "OK", 0.01, 10, 2, f"h{i}", owner=f"honest-{i}")
+            await state.observe("fedge-v2", outcome)
+        figures = (await state.arm_stats())["fedge-v2"]
+        assert figures["sessions"] == 6
+        assert figures["session_acceptance"] == pytest.approx((1.0 + 5 * 0.2) / 6)
+        await store.close()
+
+    asyncio.run(scenario())
