@@ -145,7 +145,7 @@ class FleetConfig:
     def sessions_per_owner(self) -> int:
         """Session homes the shared state keeps per owner: the per-device quota on every
         replica the fleet may run (1024 without a quota)."""
-        quota = self.engine.max_sessions_per_token
+        quota = self.engine.sessions_per_owner  # the quota in force (16 when none was set)
         return quota * (self.max_replicas or self.replicas) if quota > 0 else 1024
 
     def replica_spec(self, adapter_dir: Path | None = None) -> ReplicaSpec:
