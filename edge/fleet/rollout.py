@@ -107,8 +107,11 @@ def decide(
     Latency: with the replicas' speeds (`speeds`: stable's, canary's) in common kinds, the
     canary's service time per work token (`speed_ratio`) may be `max_latency_ratio` times the
     stable's; the ingress's p50/p99, which count queueing behind other calls on a replica
-    that got more of the load (one canary replica beside N stable ones), are recorded but do
-    not decide. Without speeds in common, p50 and p99 decide (`max_latency_ratio` + a floor).
+    that got more of the load (one canary replica beside N stable ones), do not decide alone:
+    a canary is rolled back on latency only when it is also slower at the p50 the devices see
+    (a fresh replica's few calls on a shared CPU measured a good adapter 2.63x slower per work
+    token while its p50 was lower, 162.9 vs 179.2 ms). Without speeds in common, p50 and p99
+    decide (`max_latency_ratio` + a floor).
 
     Acceptance is compared per session (`ArmStats`: each session's accepted / drafted is
     one observation, its noise the standard error over sessions), not per drafted token:
@@ -138,7 +141,8 @@ def decide(
         )
     ratio = None if speeds is None else speed_ratio(*speeds)
     if ratio is not None:
-        if ratio > config.max_latency_ratio:
+        slower_end_to_end = canary["latency_p50_ms"] > stable["latency_p50_ms"]
+        if ratio > config.max_latency_ratio and slower_end_to_end:
             reasons.append(
                 f"service time {ratio:.2f}x the stable's per work token > "
                 f"{config.max_latency_ratio} (p50 {canary['latency_p50_ms']:.1f} vs "

@@ -776,6 +776,23 @@ def test_a_canary_is_judged_on_its_service_time_not_on_the_queue_its_replica_got
     assert decide(FIGURES, FIGURES, config, (stable, {}))[0] == "promote"
 
 
+def test_a_canary_faster_end_to_end_is_not_rolled_back_on_a_noisy_speed(tmp_path: Path) -> None:
+    """A fresh-clone `make test` rolled back the good adapter on "service time 2.63x the
+    stable's per work token > 1.5 (p50 162.9 vs 179.2 ms)": the canary replica's own measure
+    of a few cold calls, while the devices saw the canary faster. Slower per work token but
+    not at the p50: promoted; slower on both: rolled back."""
+    config = RolloutConfig(adapter_dir=tmp_path, run_dir=tmp_path, min_verifies=50)
+    stable = replica_speeds(0.004, ahead=0)
+    canary = replica_speeds(0.004 * 2.63, ahead=0)
+    faster = dict(FIGURES, latency_p50_ms=162.9)
+    assert decide(dict(FIGURES, latency_p50_ms=179.2), faster, config, (stable, canary))[0] == (
+        "promote"
+    )
+    slower = dict(FIGURES, latency_p50_ms=200.0)
+    got, reasons = decide(dict(FIGURES, latency_p50_ms=179.2), slower, config, (stable, canary))
+    assert got == "rollback" and reasons[0].startswith("service time 2.63x")
+
+
 def test_a_few_long_lucky_sessions_cannot_promote_a_canary(tmp_path: Path) -> None:
     """Stable: 20 sessions, each 60 of 100 drafted tokens accepted. Canary: 2 long lucky
     sessions (700 of 1000) and 18 short poor ones (4 of 20).
