@@ -154,7 +154,12 @@ def test_ring_worker_killed_mid_prefill_fails_cleanly_and_sessions_reopen_exactl
             call.result(timeout=120)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
         details = caught.value.details()  # type: ignore[attr-defined]
-        assert f"ring worker 1 (pid {pids[1]}) died during prefill" in details
+        # the rank is named either way; whether its exit or its closed pipe is seen first is a
+        # race (a fresh-clone run saw the pipe: "ring worker 1 failed during prefill: closed its pipe")
+        assert (
+            f"ring worker 1 (pid {pids[1]}) died during prefill" in details
+            or "ring worker 1 failed during prefill: closed its pipe" in details
+        ), details
         assert "reopen" in details
         _wait(lambda: not _alive(pids[0]), 30.0)  # rank 0 was ended too, not left blocked
         # the older sharded session is gone: NOT_FOUND, then a reopen from committed tokens
