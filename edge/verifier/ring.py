@@ -326,6 +326,9 @@ class RingPool:
                 try:
                     status, payload = self._ranks[rank].conn.recv()
                 except (EOFError, OSError):
+                    # a closed pipe is a rank dying: name its death (pid, exit code) once seen
+                    if wait([self._ranks[rank].process.sentinel], 2.0):
+                        self._fail_dead(rank, what)
                     status, payload = "error", "closed its pipe"
                 if status != "ok":
                     # a peer's death makes the survivors' ring exchange fail: name the death
