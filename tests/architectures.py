@@ -72,6 +72,24 @@ def model_dir(name: str, root: Path, micro_zoo, seed: int = 0) -> Path:  # type:
     return path
 
 
+def random_gqa(
+    arch: str, seed: int, *, heads: int, kv_heads: int, positions: int = 64, **shape: Any
+) -> transformers.PreTrainedModel:
+    """A random-weight decoder of `arch` ("llama", "qwen2") whose query heads share key heads
+    (grouped-query attention), vocabulary 1024, 128 wide and 2 layers unless `shape` says."""
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    sizes = {"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256}
+    sizes |= {"num_hidden_layers": 2, **shape}
+    config = config_class(
+        **sizes,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 def write_text(root: Path, clients: int = 2) -> Path:
     """A few KB of text per client (numpy's source) as a federation's data source."""
     source = Path(np.__file__).read_text()

@@ -13,16 +13,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from fedge.edge.verifier.batching import KVGeometry
 from fedge.edge.verifier.ring import RingConfig, RingPool
+from tests.architectures import random_gqa
 
 pytestmark = pytest.mark.ring
 LENGTH = 4096
@@ -55,32 +50,13 @@ def default_zoo_target() -> PreTrainedModel:
 
 
 def llama_gqa() -> PreTrainedModel:
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=LENGTH + 64,
-    )
-    return LlamaForCausalLM(config).eval()
+    return random_gqa("llama", 1, heads=8, kv_heads=2, positions=LENGTH + 64)
 
 
 def qwen2_gqa() -> PreTrainedModel:
-    torch.manual_seed(2)
-    config = Qwen2Config(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=LENGTH + 64,
-        use_sliding_window=False,
+    return random_gqa(
+        "qwen2", 2, heads=4, kv_heads=2, positions=LENGTH + 64, use_sliding_window=False
     )
-    return Qwen2ForCausalLM(config).eval()
 
 
 MODELS: dict[str, Callable[[], PreTrainedModel]] = {

@@ -13,7 +13,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedge.lm.ring import (
     RingShard,
@@ -23,6 +22,7 @@ from fedge.lm.ring import (
     merge_into,
     ring_session,
 )
+from tests.architectures import random_gqa
 
 
 @pytest.mark.parametrize(("length", "world"), [(256, 2), (4096, 4), (37, 4), (8, 4)])
@@ -82,16 +82,7 @@ def test_a_query_that_sees_no_key_yet_stays_zero_until_one_arrives() -> None:
 
 def test_patched_llama_through_a_ring_of_one_equals_its_own_forward() -> None:
     """The attention-interface patch on a GQA Llama, prefill then a decode step, world of 1."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = random_gqa("llama", 0, heads=4, kv_heads=2, vocab_size=128, hidden_size=64)
     tokens = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(input_ids=tokens).logits
