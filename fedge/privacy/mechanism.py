@@ -59,3 +59,16 @@ def add_gaussian_noise(summed: Arrays, std: float, skip: frozenset[str] = frozen
         else v
         for k, v in summed.items()
     }
+
+
+def noised_loss(value: float, clip: float, std: float) -> float:
+    """One client's loss through the Gaussian mechanism: clipped into [0, ``clip``] (a
+    non-finite loss counts as ``clip``), plus N(0, std^2) from the OS CSPRNG.
+
+    Any change of the client's data moves the clipped loss by at most ``clip``, so
+    ``std / clip`` is the release's noise multiplier, accounted like an update's.
+    """
+    if not (clip > 0 and math.isfinite(clip)):
+        raise ValueError(f"loss clip must be finite and > 0, got {clip}")
+    clipped = min(clip, max(0.0, value)) if math.isfinite(value) else clip
+    return float(clipped + secure_normal((1,), std)[0])
