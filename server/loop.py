@@ -50,6 +50,7 @@ from fedge.server.aggregation import (
     Aggregator,
     PlainAggregator,
     build_aggregator,
+    rejected_rounds_message,
 )
 from fedge.server.budget import PrivacyBudget
 from fedge.server.checkpoint import (
@@ -368,13 +369,7 @@ def rejected_rounds_reached(fed: Federation, result: AggregateResult) -> str | N
     rejected = sum(1 for row in fed.metrics.rows() if row.get("status") == "out-of-bounds")
     if rejected < limit:
         return None
-    return (
-        f"stopped: {rejected} rounds' SecAgg+ sums broke the per-client bounds "
-        f"(max-rejected-rounds={limit}); the last: {result.out_of_bounds}. A client sends more "
-        "than the bounds allow (a poisoned or misconfigured client, or max-update-norm / "
-        "max-client-weight set below honest clients' values); the global model is the last "
-        "accepted one"
-    )
+    return rejected_rounds_message(rejected, limit, result.out_of_bounds)
 
 
 def plateau_reached(fed: Federation) -> bool:
