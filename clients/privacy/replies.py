@@ -17,6 +17,10 @@ asks for DP-SGD or distributed DP):
   (:func:`fixed_failure`); the node's log keeps the cause. Every refusal the client
   writes itself (policy, SecAgg+, DP, budget) names its rule only, never a count or value.
 
+An evaluate reply to a message asking for DP (a DP-SGD run, even on a node without a policy)
+keeps only the public metrics too (:func:`public_evaluate_reply`): its held-out loss is
+outside every DP accounting, so it stays on the node, said once in its log.
+
 A node without a policy file promises nothing, and says so (:func:`announce_promise`):
 once per run in its log, and in every train and evaluate reply as the ConfigRecord
 :data:`PROMISE_RECORD` (``promise`` = ``"none"`` or the rules it holds).
@@ -120,6 +124,25 @@ def public_reply(reply: Message) -> Message:
         return reply
     for name in list(reply.content.metric_records):
         reply.content[name] = public_metrics(reply.content.metric_records[name])
+    return reply
+
+
+def public_evaluate_reply(reply: Message) -> Message:
+    """An evaluate reply under DP cut to :data:`PUBLIC_METRICS`: the held-out loss and example
+    count stay on the node (no mechanism noises or accounts them), said once in its log."""
+    if reply.has_error() or not reply.has_content():
+        return reply
+    for name in list(reply.content.metric_records):
+        metrics = reply.content.metric_records[name]
+        warn_once(
+            "privacy: the run asks for DP, and an evaluate reply's held-out loss is outside its "
+            "accounting: these evaluate metrics stay on this node (evaluate on the server: "
+            "client-eval = false)",
+            [k for k in metrics if k not in PUBLIC_METRICS],
+        )
+        reply.content[name] = MetricRecord(
+            {k: v for k, v in metrics.items() if k in PUBLIC_METRICS}
+        )
     return reply
 
 
