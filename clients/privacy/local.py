@@ -5,7 +5,8 @@ Config keys (plug-in keys of ``RunConfig.extra``, sent with every message):
 * ``dp-sgd-noise-multiplier``: > 0 turns sample-level DP-SGD on (0, the default, is off);
 * ``dp-sgd-max-grad-norm`` (1.0), ``dp-sgd-delta`` (1e-5);
 * ``dp-metric-clip`` (12.0): L of the noised training-loss release (0: the loss stays on
-  the node and costs nothing; ``fedge.clients.privacy.dpsgd``);
+  the node and costs nothing; ``fedge.clients.privacy.dpsgd``), and
+  ``dp-metric-noise-scale`` (3.0): k, the loss's noise multiplier is k z;
 * ``dp-ffa-lora``: ``auto`` (default: on whenever DP-SGD or a DP aggregator is active),
   ``on`` or ``off``.
 """
@@ -29,9 +30,8 @@ from fedge.clients.privacy.dpsgd import (
 from fedge.clients.privacy.ledger import DPSGD, Ledger
 from fedge.errors import FedgeError
 from fedge.privacy.ffa import KEY_FFA, ffa_enabled
+from fedge.privacy.mechanism import loss_release_settings
 from fedge.privacy.wire import (
-    DEFAULT_METRIC_CLIP,
-    KEY_DP_METRIC_CLIP,
     KEY_DPSGD_CLIP,
     KEY_DPSGD_DELTA,
     KEY_DPSGD_NOISE,
@@ -51,12 +51,14 @@ def dpsgd_config(config: Mapping[str, ConfigValue]) -> DPSGDConfig | None:
     noise = float(config.get(KEY_DPSGD_NOISE, 0.0))
     if noise <= 0:
         return None
+    clip, scale = loss_release_settings(config)
     return DPSGDConfig(
         noise_multiplier=noise,
         max_grad_norm=float(config.get(KEY_DPSGD_CLIP, 1.0)),
         target_delta=float(config.get(KEY_DPSGD_DELTA, 1e-5)),
         ffa_lora=ffa_enabled(config),
-        metric_clip=float(config.get(KEY_DP_METRIC_CLIP, DEFAULT_METRIC_CLIP)),
+        metric_clip=clip,
+        metric_noise_scale=scale,
     )
 
 

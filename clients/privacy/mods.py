@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType, MetricRecord
@@ -12,14 +11,13 @@ from fedge import keys
 from fedge.clients.privacy.ledger import node_ledger
 from fedge.clients.privacy.policy import PolicyRefusal, requested_dp
 from fedge.privacy.ffa import ffa_enabled, frozen_keys, zero_frozen
-from fedge.privacy.mechanism import add_gaussian_noise, clip_contribution, noised_loss
-from fedge.privacy.wire import (
-    DEFAULT_METRIC_CLIP,
-    KEY_DP_CLIP,
-    KEY_DP_METRIC_CLIP,
-    KEY_DP_NOISE_STD,
-    MET_DP_TRAIN_LOSS,
+from fedge.privacy.mechanism import (
+    add_gaussian_noise,
+    clip_contribution,
+    loss_release_settings,
+    noised_loss,
 )
+from fedge.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD, MET_DP_TRAIN_LOSS
 from fedge.secagg.wire import SECAGG_RECORD
 
 # Error code of a refused distributed-DP message (Flower reserves the small codes).
@@ -37,8 +35,9 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
 
     The training loss, when the reply carries one, is released the same way (never in clear):
     clipped into [0, L] (``dp-metric-clip``, default 12; 0 keeps it home) with noise std
-    ``std L / C``, so it has this node's multiplier z, as ``dp-train-loss``; the SecAgg+ mod
-    sums it inside the masked vector and the ledger records it as a second release at z.
+    ``k std L / C`` (``dp-metric-noise-scale`` k, default 3), so its multiplier is k z, as
+    ``dp-train-loss``; the SecAgg+ mod sums it inside the masked vector and the ledger
+    records it as a second release, at k z.
     """
     if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
         return call_next(msg, context)
@@ -68,37 +67,28 @@ def distributed_dp_mod(msg: Message, context: Context, call_next: ClientAppCalla
     clipped, _ = clip_contribution(arrays, clip)
     noised = add_gaussian_noise(clipped, std, skip)
     reply.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in noised.items()})
-    loss_released = release_loss(reply, config, clip, std)
+    loss_scale = release_loss(reply, config, clip, std)
     if (
         dp is not None and dp.noise_multiplier > 0
     ):  # this node released a noised update (and loss): its own ledger counts each
         ledger = node_ledger(context)
-        for _ in range(2 if loss_released else 1):
-            ledger.record_release(dp.noise_multiplier)
+        ledger.record_release(dp.noise_multiplier)
+        if loss_scale > 0:
+            ledger.record_release(loss_scale * dp.noise_multiplier)
     return reply
 
 
-def metric_clip(config: Mapping[str, object]) -> float:
-    """L of the loss release (``dp-metric-clip``); 0 keeps the loss home. A bad number is
-    treated as 0: the loss then stays on the node (nothing is released on a bad number)."""
-    try:
-        value = float(str(config.get(KEY_DP_METRIC_CLIP, DEFAULT_METRIC_CLIP)))
-    except ValueError:
-        return 0.0
-    return value if math.isfinite(value) and value > 0 else 0.0
-
-
-def release_loss(reply: Message, config: Mapping[str, object], clip: float, std: float) -> bool:
-    """Replace the reply's ``train-loss`` by its Gaussian release ``dp-train-loss`` (std scaled
-    from the update's by L / C: the same multiplier); return whether one was released.
-    Without a loss, or with ``dp-metric-clip = 0``, the loss stays home and nothing is spent."""
+def release_loss(reply: Message, config: Mapping[str, object], clip: float, std: float) -> float:
+    """Replace the reply's ``train-loss`` by its Gaussian release ``dp-train-loss`` (std k std
+    L / C: multiplier k z); return k, or 0 when nothing was released (no loss in the reply,
+    or ``dp-metric-clip = 0``: the loss then stays home and nothing is spent)."""
     metrics = reply.content.metric_records.get(keys.REC_METRICS)
     if metrics is None or keys.MET_TRAIN_LOSS not in metrics:
-        return False
-    bound = metric_clip(config)
+        return 0.0
+    bound, scale = loss_release_settings(config)
     kept = {k: v for k, v in metrics.items() if k != keys.MET_TRAIN_LOSS}
     if bound > 0:
         loss = float(metrics[keys.MET_TRAIN_LOSS])  # type: ignore[arg-type]
-        kept[MET_DP_TRAIN_LOSS] = noised_loss(loss, bound, std * bound / clip)
+        kept[MET_DP_TRAIN_LOSS] = noised_loss(loss, bound, scale * std * bound / clip)
     reply.content[keys.REC_METRICS] = MetricRecord(kept)
-    return bound > 0
+    return scale if bound > 0 else 0.0

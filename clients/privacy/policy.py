@@ -41,10 +41,9 @@ from fedge import keys
 from fedge.clients.privacy.ledger import node_ledger
 from fedge.errors import FedgeError
 from fedge.privacy.accounting import gaussian_epsilon
+from fedge.privacy.mechanism import loss_release_settings
 from fedge.privacy.wire import (
-    DEFAULT_METRIC_CLIP,
     KEY_DP_CLIP,
-    KEY_DP_METRIC_CLIP,
     KEY_DP_MIN_CLIENTS,
     KEY_DP_NOISE_STD,
     KEY_DPSGD_CLIP,
@@ -300,24 +299,17 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
         node_ledger(context).claim_model(model_digest(content))
     if policy.max_epsilon > 0 and dp is not None and dp.mechanism == "distributed DP":
         ledger = node_ledger(context)
-        # the update, and the training loss unless dp-metric-clip = 0 (clients.privacy.mods)
-        round_releases = [dp.noise_multiplier] * (2 if _releases_loss(config) else 1)
+        # the update, and the training loss at k z unless dp-metric-clip = 0 (privacy.mods)
+        loss_clip, loss_scale = loss_release_settings(config)
+        round_releases = [dp.noise_multiplier]
+        if loss_clip > 0:
+            round_releases.append(loss_scale * dp.noise_multiplier)
         projected = gaussian_epsilon([*ledger.releases(), *round_releases], policy.delta, "rdp")
         if projected > policy.max_epsilon:
             raise PolicyRefusal(
                 f"{REFUSAL_BUDGET}: one more distributed-DP round would take this node's "
                 "epsilon above its max-epsilon"
             )
-
-
-def _releases_loss(config: Mapping[str, object]) -> bool:
-    """Whether a distributed-DP round releases the loss too (``dp-metric-clip`` > 0)."""
-    raw = config.get(KEY_DP_METRIC_CLIP, DEFAULT_METRIC_CLIP)
-    try:
-        value = float(str(raw))
-    except ValueError:
-        return False
-    return math.isfinite(value) and value > 0
 
 
 # The ArrayRecords a train message may carry under once-per-model: fedge's global model and

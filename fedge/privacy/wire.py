@@ -21,5 +21,7 @@ KEY_DP_METRIC_CLIP: Final = (
     "dp-metric-clip"  # float: L, each loss clipped into [0, L]; 0: kept home
 )
 DEFAULT_METRIC_CLIP: Final = 12.0  # ln of a 50k-token vocabulary is 10.8: a guessing model fits
+KEY_DP_METRIC_NOISE: Final = "dp-metric-noise-scale"  # float >= 1: the loss's noise is k x z's
+DEFAULT_METRIC_NOISE_SCALE: Final = 3.0  # k = 3: the loss costs ~10% more epsilon, not ~90%
 MET_DP_TRAIN_LOSS: Final = "dp-train-loss"  # metric: the training loss, DP-noised and accounted
 REFUSAL_BUDGET: Final = "privacy budget exhausted"  # opens a client's refusal to overspend

@@ -62,8 +62,8 @@ def test_the_dpsgd_loss_is_noised_and_its_cost_is_in_the_ledger(tmp_path: Path) 
     client holding a canary (a stream it fits at once: one repeated token) had the lower
     loss in every round. Here too the node-local losses show it (so the oracle is real);
     the reply now carries only ``dp-train-loss``, the noised per-step sums of clipped record
-    losses, and the ledger's epsilon is Opacus' RDP over (z / sqrt(2), q, steps) per round,
-    above what the gradient steps alone cost."""
+    losses (noise k z L, k = 3), and the ledger's epsilon is Opacus' RDP over
+    (z / sqrt(1 + 1/k^2), q, steps) per round, above what the gradient steps alone cost."""
     canary = np.full(40 * (SEQ + 1), 7)  # the canary: one token repeated
     other = np.random.default_rng(0).integers(0, 64, size=40 * (SEQ + 1))
     dp = DPSGDConfig(noise_multiplier=1.0, max_grad_norm=0.5)
@@ -83,9 +83,9 @@ def test_the_dpsgd_loss_is_noised_and_its_cost_is_in_the_ledger(tmp_path: Path) 
             local[name].append(float(np.nanmean(losses)))
             assert set(metrics) == {MET_DP_TRAIN_LOSS, "dp-sgd-epsilon", *_LOCAL}
             released.append(metrics[MET_DP_TRAIN_LOSS])
-        # the ledger's epsilon counts the loss release: Opacus' RDP at z / sqrt(2), q = 1/5
+        # the ledger's epsilon counts the loss release: Opacus' RDP at z / sqrt(1 + 1/9), q = 1/5
         ref = RDPAccountant()
-        ref.history = [(1.0 / math.sqrt(2), 0.2, STEPS)] * 2
+        ref.history = [(1.0 / math.sqrt(1 + 1 / 9), 0.2, STEPS)] * 2
         spent = cumulative_epsilon(ledger.load()["dp-sgd"], 1e-5)
         assert spent == pytest.approx(ref.get_epsilon(1e-5), rel=1e-9)
         assert metrics["dp-sgd-epsilon"] == pytest.approx(spent)
@@ -127,9 +127,9 @@ def test_distributed_dp_sums_the_noised_loss_and_records_it(
 ) -> None:
     """Three nodes under require-dp, SecAgg+ with distributed DP. On main the loss stayed
     home (dropped; the server had no loss at all). Now each node releases its loss clipped
-    to [0, 12] with std 0.2 x 12 / 0.1 (its own multiplier z), summed inside the masked
-    vector, and its ledger records two releases at z (update and loss); the summed loss is
-    off the clear sum by that noise (std 24 sqrt(3), never exactly the clear sum)."""
+    to [0, 12] with std 3 x 0.2 x 12 / 0.1 (multiplier 3 z), summed inside the masked
+    vector, and its ledger records two releases, z and 3 z (update and loss); the summed
+    loss is off the clear sum by that noise (std 72 sqrt(3), never exactly the clear sum)."""
     grid = make_grid("require-dp = true\nmin-noise = 0.5\n", 3)
 
     def script(g: Grid) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def test_distributed_dp_sums_the_noised_loss_and_records_it(
     assert result.summed_metrics[MET_DP_TRAIN_LOSS] != pytest.approx(clear, abs=1e-3)
     z = 0.2 * math.sqrt(1 + 2 * 2 - 2) / 0.1  # n = 2 neighbours, t = 2: 3 verified
     for ledger in ledgers(tmp_path / "node-state"):
-        assert ledger["user-level"] == pytest.approx([z, z])
+        assert ledger["user-level"] == pytest.approx([z, 3 * z])
 
 
 def test_no_metric_leaves_in_clear_under_any_policy_seeded(
