@@ -42,6 +42,7 @@ from fedge.clients.privacy.replies import (
     announce_promise,
     fixed_failure,
     private_train,
+    public_evaluate_reply,
     public_reply,
 )
 from fedge.clients.secagg.mod import secaggplus_mod
@@ -143,6 +144,8 @@ def dispatch_mods(msg: Message, context: Context, call_next: ClientAppCallable) 
         return fixed_failure(msg, exc)
     if private and kind == MessageType.TRAIN:
         reply = public_reply(reply)
+    elif private and kind == MessageType.EVALUATE:  # DP asked for, no strict policy
+        reply = public_evaluate_reply(reply)
     return announce_promise(policy, msg, reply)
 
 

@@ -208,7 +208,8 @@ def train_reply(msg: Message, context: Context) -> Message:
         state_store(config, context, pid).save(server_round, new_state)
     metrics = MetricRecord(
         {
-            keys.MET_TRAIN_LOSS: float(np.mean(losses)),
+            # under DP-SGD the loss leaves only noised and accounted (privacy_metrics)
+            **({keys.MET_TRAIN_LOSS: float(np.mean(losses))} if dp is None else {}),
             keys.MET_NUM_EXAMPLES: num_examples,
             keys.MET_LOCAL_STEPS: steps,
             keys.MET_COMPLETED: completed,

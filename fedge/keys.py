@@ -135,4 +135,5 @@ CFG_NORM_MULTIPLE: Final = "norm-bound-multiple"  # refuse updates above x media
 CFG_WEIGHT_MULTIPLE: Final = "weight-cap-multiple"  # cap weights at x median weight (0: off)
 CFG_ROBUST_STRICT: Final = "robust-strict"  # refuse a round whose robust rule is too small
 CFG_MAX_REJECTED_ROUNDS: Final = "max-rejected-rounds"  # stop after this many rejected sums
+DEFAULT_MAX_REJECTED_ROUNDS: Final = 3  # its default, for fedge's loop and SecAggPlus (0: never)
 CFG_PRIVACY_BUDGET: Final = "privacy-budget"  # "" or "package.module:factory" (fedge.server.budget)

@@ -87,6 +87,18 @@ class Aggregator(Protocol):
         ...
 
 
+def rejected_rounds_message(rejected: int, limit: int, last: str) -> str:
+    """Why a run stops after ``max-rejected-rounds`` SecAgg+ sums broke the per-client bounds
+    (fedge's round loop and the Flower-app ``SecAggPlus`` say the same), naming the last bound."""
+    return (
+        f"stopped: {rejected} rounds' SecAgg+ sums broke the per-client bounds "
+        f"(max-rejected-rounds={limit}); the last: {last}. A client sends more "
+        "than the bounds allow (a poisoned or misconfigured client, or max-update-norm / "
+        "max-client-weight set below honest clients' values); the global model is the last "
+        "accepted one"
+    )
+
+
 def validate_contribution(record: ArrayRecord | None, spec: ContributionSpec) -> str | None:
     """Return why a contribution record is unacceptable (None when it is fine).
 

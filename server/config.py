@@ -68,7 +68,9 @@ class RunConfig:
     norm_bound_multiple: float = 3.0  # plain: refuse updates above x the round's median norm
     weight_cap_multiple: float = 3.0  # plain: cap weights at x the round's median weight
     robust_strict: bool = False  # refuse a round whose robust rule is too small for it
-    max_rejected_rounds: int = 3  # stop after this many rejected SecAgg+ sums (0: never)
+    max_rejected_rounds: int = (
+        keys.DEFAULT_MAX_REJECTED_ROUNDS
+    )  # stop after this many rejected SecAgg+ sums (0: never)
     privacy_budget: str = ""
     max_epsilon: float = 0.0  # 0: no budget stop
     plateau_patience: int = 0  # stop after this many rounds without improving (server/plateau.py)

@@ -44,12 +44,13 @@ from fedge import keys
 from fedge.data.shards import device_pools
 from fedge.lm import holder
 from fedge.plugins import load_dotted
-from fedge.privacy.wire import REFUSAL_BUDGET
+from fedge.privacy.wire import KEY_DPSGD_NOISE, REFUSAL_BUDGET
 from fedge.server.aggregation import (
     AggregateResult,
     Aggregator,
     PlainAggregator,
     build_aggregator,
+    rejected_rounds_message,
 )
 from fedge.server.budget import PrivacyBudget
 from fedge.server.checkpoint import (
@@ -368,13 +369,7 @@ def rejected_rounds_reached(fed: Federation, result: AggregateResult) -> str | N
     rejected = sum(1 for row in fed.metrics.rows() if row.get("status") == "out-of-bounds")
     if rejected < limit:
         return None
-    return (
-        f"stopped: {rejected} rounds' SecAgg+ sums broke the per-client bounds "
-        f"(max-rejected-rounds={limit}); the last: {result.out_of_bounds}. A client sends more "
-        "than the bounds allow (a poisoned or misconfigured client, or max-update-norm / "
-        "max-client-weight set below honest clients' values); the global model is the last "
-        "accepted one"
-    )
+    return rejected_rounds_message(rejected, limit, result.out_of_bounds)
 
 
 def plateau_reached(fed: Federation) -> bool:
@@ -524,10 +519,30 @@ def evaluate_round(fed: Federation, cohort: Cohort, server_round: int) -> Losses
     part_loss = fed.server_model.evaluate(fed.state.adapter, fed.participants)
     client_loss = (
         client_evaluate(fed.grid, cohort.sampled, fed.state, fed.cfg, server_round)
-        if fed.cfg.client_eval
+        if fed.cfg.client_eval and not _client_eval_withheld(fed.cfg)
         else math.nan
     )
     return Losses(loss, part_loss, client_loss)
+
+
+_WITHHELD_SAID: set[str] = set()  # runs (by run dir) told that client-eval is withheld
+
+
+def _client_eval_withheld(cfg: RunConfig) -> bool:
+    """Under DP-SGD clients keep their held-out loss (no mechanism accounts it,
+    ``fedge.clients.privacy.replies``): the round asks them nothing and says so once."""
+    try:
+        dpsgd = float(str(cfg.client_config().get(KEY_DPSGD_NOISE, 0.0))) > 0
+    except ValueError:
+        dpsgd = False
+    if dpsgd and cfg.run_dir not in _WITHHELD_SAID:
+        _WITHHELD_SAID.add(cfg.run_dir)
+        log.warning(
+            "client-eval under DP-SGD: the clients keep their held-out loss (outside the DP "
+            "accounting), so none is asked and client_eval_loss stays empty; the server's own "
+            "evaluation is unchanged (set client-eval = false to silence this)"
+        )
+    return dpsgd
 
 
 def checkpoint_and_report(fed: Federation, row: Mapping[str, Any]) -> None:

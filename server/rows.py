@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from fedge import keys
+from fedge.privacy.wire import MET_DP_TRAIN_LOSS
 from fedge.server.aggregation import AggregateResult
 from fedge.server.budget import PrivacyBudget
 from fedge.server.privacy.plots import dpsgd_epsilon
@@ -34,7 +35,13 @@ def round_row(
     """One metrics row (NaN becomes null in JSON)."""
     per_client = _per_client_metrics(result)
     counted = float(result.summed[keys.KEY_COUNT][0]) if result and result.summed else 0.0
-    train_losses = [m[keys.MET_TRAIN_LOSS] for m in per_client if keys.MET_TRAIN_LOSS in m]
+    # under DP the clients send only the noised loss (``dp-train-loss``), never the clear one
+    train_losses = [
+        m[name]
+        for m in per_client
+        for name in (keys.MET_TRAIN_LOSS, MET_DP_TRAIN_LOSS)
+        if name in m
+    ]
     train_secs = [m.get(keys.MET_TRAIN_SECONDS, 0.0) for m in per_client]
     return {
         "round": server_round,

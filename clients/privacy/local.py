@@ -4,6 +4,9 @@ Config keys (plug-in keys of ``RunConfig.extra``, sent with every message):
 
 * ``dp-sgd-noise-multiplier``: > 0 turns sample-level DP-SGD on (0, the default, is off);
 * ``dp-sgd-max-grad-norm`` (1.0), ``dp-sgd-delta`` (1e-5);
+* ``dp-metric-clip`` (12.0): L of the noised training-loss release (0: the loss stays on
+  the node and costs nothing; ``fedge.clients.privacy.dpsgd``), and
+  ``dp-metric-noise-scale`` (3.0): k, the loss's noise multiplier is k z;
 * ``dp-ffa-lora``: ``auto`` (default: on whenever DP-SGD or a DP aggregator is active),
   ``on`` or ``off``.
 """
@@ -27,10 +30,12 @@ from fedge.clients.privacy.dpsgd import (
 from fedge.clients.privacy.ledger import DPSGD, Ledger
 from fedge.errors import FedgeError
 from fedge.privacy.ffa import KEY_FFA, ffa_enabled
+from fedge.privacy.mechanism import loss_release_settings
 from fedge.privacy.wire import (
     KEY_DPSGD_CLIP,
     KEY_DPSGD_DELTA,
     KEY_DPSGD_NOISE,
+    MET_DP_TRAIN_LOSS,
     MET_DPSGD_EPSILON,
     REFUSAL_BUDGET,
 )
@@ -46,11 +51,14 @@ def dpsgd_config(config: Mapping[str, ConfigValue]) -> DPSGDConfig | None:
     noise = float(config.get(KEY_DPSGD_NOISE, 0.0))
     if noise <= 0:
         return None
+    clip, scale = loss_release_settings(config)
     return DPSGDConfig(
         noise_multiplier=noise,
         max_grad_norm=float(config.get(KEY_DPSGD_CLIP, 1.0)),
         target_delta=float(config.get(KEY_DPSGD_DELTA, 1e-5)),
         ffa_lora=ffa_enabled(config),
+        metric_clip=clip,
+        metric_noise_scale=scale,
     )
 
 
@@ -82,7 +90,9 @@ def train_dpsgd_round(
     max_epsilon: float = 0.0,
     bos: int | None = None,
 ) -> tuple[list[float], dict[str, float]]:
-    """Run one round of DP-SGD; return the step losses and the metrics to report.
+    """Run one round of DP-SGD; return the step losses (they stay on the node) and the
+    metrics to report: the noised loss ``dp-train-loss`` (unless ``dp-metric-clip`` is 0)
+    and ``dp-sgd-epsilon``, which counts that release.
 
     The accountant history lives in this node's ledger on disk, so the reported
     ``dp-sgd-epsilon`` is cumulative across rounds and restarts. With ``max_epsilon`` > 0
@@ -122,6 +132,7 @@ def train_dpsgd_round(
     ledger.save({**data, DPSGD: state})
     losses = [x for x in outcome.losses if math.isfinite(x)] or [math.nan]
     metrics = {
+        **({MET_DP_TRAIN_LOSS: outcome.loss_release} if dp.metric_clip > 0 else {}),
         MET_DPSGD_EPSILON: outcome.epsilon,
         "dp-sgd-sample-rate": outcome.sample_rate,
         "dp-sgd-records": float(outcome.records),

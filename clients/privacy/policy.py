@@ -41,6 +41,7 @@ from fedge import keys
 from fedge.clients.privacy.ledger import node_ledger
 from fedge.errors import FedgeError
 from fedge.privacy.accounting import gaussian_epsilon
+from fedge.privacy.mechanism import loss_release_settings
 from fedge.privacy.wire import (
     KEY_DP_CLIP,
     KEY_DP_MIN_CLIENTS,
@@ -298,7 +299,12 @@ def check_train(policy: PrivacyPolicy, msg: Message, context: Context) -> None:
         node_ledger(context).claim_model(model_digest(content))
     if policy.max_epsilon > 0 and dp is not None and dp.mechanism == "distributed DP":
         ledger = node_ledger(context)
-        projected = gaussian_epsilon([*ledger.releases(), dp.noise_multiplier], policy.delta, "rdp")
+        # the update, and the training loss at k z unless dp-metric-clip = 0 (privacy.mods)
+        loss_clip, loss_scale = loss_release_settings(config)
+        round_releases = [dp.noise_multiplier]
+        if loss_clip > 0:
+            round_releases.append(loss_scale * dp.noise_multiplier)
+        projected = gaussian_epsilon([*ledger.releases(), *round_releases], policy.delta, "rdp")
         if projected > policy.max_epsilon:
             raise PolicyRefusal(
                 f"{REFUSAL_BUDGET}: one more distributed-DP round would take this node's "

@@ -125,7 +125,7 @@ def make_private(
     ``steps`` (default: one pass, ``len(data_loader)`` batches) is what the budget check
     counts when ``max_epsilon`` > 0.
     """
-    dp = DPSGDConfig(noise_multiplier, max_grad_norm, target_delta, ffa_lora=False)
+    dp = DPSGDConfig(noise_multiplier, max_grad_norm, target_delta, ffa_lora=False, metric_clip=0.0)
     if max_epsilon < 0:
         raise ValueError(f"max_epsilon={max_epsilon}: must be >= 0 (0: no cap)")
     ledger = node_ledger(context) if context is not None else None

@@ -10,11 +10,16 @@ asks for DP-SGD or distributed DP):
 * a train reply's clear metrics keep only :data:`PUBLIC_METRICS`, numbers fixed by the
   config or the accountant (:func:`public_metrics`); the rest stay on the node, named once
   per process in its log. Under SecAgg+ the metrics travel inside the masked sum instead
-  (``fedge.clients.secagg.mod``), and under DP only the public ones do (a sum of losses
-  carries none of the DP noise);
+  (``fedge.clients.secagg.mod``), and under DP only the public ones do: the loss goes as
+  ``dp-train-loss``, noised by the DP mechanism and counted in the node's ledger
+  (``fedge.clients.privacy.dpsgd``, ``fedge.clients.privacy.mods``), never in clear;
 * an exception while training becomes :data:`ERROR_TRAINING` with a fixed reason
   (:func:`fixed_failure`); the node's log keeps the cause. Every refusal the client
   writes itself (policy, SecAgg+, DP, budget) names its rule only, never a count or value.
+
+An evaluate reply to a message asking for DP (a DP-SGD run, even on a node without a policy)
+keeps only the public metrics too (:func:`public_evaluate_reply`): its held-out loss is
+outside every DP accounting, so it stays on the node, said once in its log.
 
 A node without a policy file promises nothing, and says so (:func:`announce_promise`):
 once per run in its log, and in every train and evaluate reply as the ConfigRecord
@@ -30,7 +35,12 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord
 
 from fedge import keys
 from fedge.clients.privacy.policy import PrivacyPolicy
-from fedge.privacy.wire import KEY_DP_NOISE_STD, KEY_DPSGD_NOISE, MET_DPSGD_EPSILON
+from fedge.privacy.wire import (
+    KEY_DP_NOISE_STD,
+    KEY_DPSGD_NOISE,
+    MET_DP_TRAIN_LOSS,
+    MET_DPSGD_EPSILON,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +53,9 @@ PROMISE_RECORD = "fedge.privacy"  # ConfigRecord of every train/evaluate reply: 
 KEY_PROMISE = "promise"
 # Metrics a private reply keeps in clear: fixed by the config (steps, completed fraction), the
 # node's public partition id, the accountant's epsilon (a function of public DP parameters and
-# the sampling rate), and process counters that do not read the data.
+# the sampling rate), the training loss as a DP mechanism released it (noised, and counted in
+# the node's ledger: DP-SGD's loss sums, distributed DP's loss release), and process counters
+# that do not read the data.
 PUBLIC_METRICS = frozenset(
     {
         keys.MET_LOCAL_STEPS,
@@ -52,6 +64,7 @@ PUBLIC_METRICS = frozenset(
         keys.MET_MODEL_LOADS,
         keys.MET_CALLS,
         MET_DPSGD_EPSILON,
+        MET_DP_TRAIN_LOSS,
     }
 )
 # fedge's own per-node diagnostics: they stay home under SecAgg+ (a sum of them means nothing).
@@ -111,6 +124,25 @@ def public_reply(reply: Message) -> Message:
         return reply
     for name in list(reply.content.metric_records):
         reply.content[name] = public_metrics(reply.content.metric_records[name])
+    return reply
+
+
+def public_evaluate_reply(reply: Message) -> Message:
+    """An evaluate reply under DP cut to :data:`PUBLIC_METRICS`: the held-out loss and example
+    count stay on the node (no mechanism noises or accounts them), said once in its log."""
+    if reply.has_error() or not reply.has_content():
+        return reply
+    for name in list(reply.content.metric_records):
+        metrics = reply.content.metric_records[name]
+        warn_once(
+            "privacy: the run asks for DP, and an evaluate reply's held-out loss is outside its "
+            "accounting: these evaluate metrics stay on this node (evaluate on the server: "
+            "client-eval = false)",
+            [k for k in metrics if k not in PUBLIC_METRICS],
+        )
+        reply.content[name] = MetricRecord(
+            {k: v for k, v in metrics.items() if k in PUBLIC_METRICS}
+        )
     return reply
 
 

@@ -67,8 +67,9 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
     one: a value-dependent refusal is an oracle), then replaces the reply by the masked
     form of its ``contribution`` with the reply's numeric metrics folded into the same
     masked vector (:func:`_metric_arrays`), so neither the plain contribution nor any
-    client's own metrics leave the client. Under distributed DP the metrics stay home:
-    their sum would carry no noise. A refused stage becomes an error reply naming the rule
+    client's own metrics leave the client. Under DP only the public ones and the loss the DP
+    mechanism noised and accounted (``dp-train-loss``) are summed: a sum of clear losses
+    would carry no noise. A refused stage becomes an error reply naming the rule
     (never a count or value of the node's data); the server counts that node as dropped. The server half is ``fedge.server.secagg.aggregator``.
     """
     if not msg.has_content() or wire.SECAGG_RECORD not in msg.content.config_records:
@@ -98,13 +99,11 @@ def secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable)
             raise SecAggProtocolError(f"the train reply has no {keys.REC_CONTRIB!r} record to mask")
         arrays = {k: a.numpy() for k, a in record.items()}
         config = msg.content.config_records.get(keys.REC_CONFIG, ConfigRecord())
-        if KEY_DP_NOISE_STD in config:  # the metrics' sum would carry none of the DP noise
-            metrics = reply.content.metric_records.get(keys.REC_METRICS, MetricRecord())
-            warn_once(
-                "SecAgg+ with distributed DP: these train metrics stay on this node",
-                [k for k in metrics if k not in LOCAL_METRICS],
-            )
-            return _clip_to_range(arrays, rec)  # (clipped to C before its noise)
+        if KEY_DP_NOISE_STD in config:  # only the public and the DP-noised metrics are summed
+            return {  # (the update clipped to C before its noise; the loss noised by its mod)
+                **_clip_to_range(arrays, rec),
+                **_metric_arrays(reply.content, rec, True),
+            }
         arrays = clip_contribution(arrays, robust_config(dict(config)))  # type: ignore[arg-type]
         dp = dp_requested(config)
         return {**_clip_to_range(arrays, rec), **_metric_arrays(reply.content, rec, dp)}
@@ -210,7 +209,7 @@ def _metric_arrays(content: RecordDict, rec: ConfigRecord, dp: bool) -> dict[str
     ]
     if dp:
         warn_once(
-            "SecAgg+ with DP-SGD: these train metrics depend on this node's data and stay on it",
+            "SecAgg+ with DP: these train metrics depend on this node's data and stay on it",
             [k for k in metrics if k not in LOCAL_METRICS and k not in kept],
         )
     out, clipped = {}, []

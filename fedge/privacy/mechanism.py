@@ -8,6 +8,12 @@ import numpy as np
 
 from fedge import keys
 from fedge.privacy.randomness import secure_normal
+from fedge.privacy.wire import (
+    DEFAULT_METRIC_CLIP,
+    DEFAULT_METRIC_NOISE_SCALE,
+    KEY_DP_METRIC_CLIP,
+    KEY_DP_METRIC_NOISE,
+)
 from fedge.types import Arrays
 
 
@@ -59,3 +65,38 @@ def add_gaussian_noise(summed: Arrays, std: float, skip: frozenset[str] = frozen
         else v
         for k, v in summed.items()
     }
+
+
+def loss_release_settings(config: object) -> tuple[float, float]:
+    """(L, k) of the training-loss release from a message config: L = ``dp-metric-clip``
+    (0, the loss kept home, when it is not a finite positive number) and k =
+    ``dp-metric-noise-scale`` (the loss's noise multiplier is k z; below 1 or not a
+    number it is raised to 1, more noise than asked, never less)."""
+    get = getattr(config, "get", None)
+    values = []
+    for key, default in (
+        (KEY_DP_METRIC_CLIP, DEFAULT_METRIC_CLIP),
+        (KEY_DP_METRIC_NOISE, DEFAULT_METRIC_NOISE_SCALE),
+    ):
+        raw = get(key, default) if get is not None else default
+        try:
+            values.append(float(str(raw)) if not isinstance(raw, bool) else math.nan)
+        except ValueError:
+            values.append(math.nan)
+    clip, scale = values
+    clip = clip if math.isfinite(clip) and clip > 0 else 0.0
+    scale = scale if math.isfinite(scale) and scale >= 1 else 1.0
+    return clip, scale
+
+
+def noised_loss(value: float, clip: float, std: float) -> float:
+    """One client's loss through the Gaussian mechanism: clipped into [0, ``clip``] (a
+    non-finite loss counts as ``clip``), plus N(0, std^2) from the OS CSPRNG.
+
+    Any change of the client's data moves the clipped loss by at most ``clip``, so
+    ``std / clip`` is the release's noise multiplier, accounted like an update's.
+    """
+    if not (clip > 0 and math.isfinite(clip)):
+        raise ValueError(f"loss clip must be finite and > 0, got {clip}")
+    clipped = min(clip, max(0.0, value)) if math.isfinite(value) else clip
+    return float(clipped + secure_normal((1,), std)[0])

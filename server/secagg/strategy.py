@@ -26,12 +26,19 @@ refuses a round that would pass ``max_epsilon`` before sending it, and each roun
 is logged and returned in its train metrics (so in Flower's ``Result``)::
 
     strategy = SecAggPlus(Scaffold(), dp=DistributedDP(noise_multiplier=1.0, clip_norm=0.5))
+
+A round whose unmasked sum breaks the per-client bounds (summed weight, count, update norm:
+``SecAggPlusAggregator.check_bounds``) is not applied and logged with the bound that failed;
+after ``max_rejected_rounds`` such rounds (default 3, run-config key ``max-rejected-rounds``
+through :func:`rejected_rounds_limit`, as fedge's own loop reads it; 0: never) ``start``
+raises :class:`RejectedRoundsExceeded` naming the last failed bound, instead of running to
+its last round at the initial model.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
 
@@ -43,16 +50,33 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.secagg.config import SecAggConfig, weight_scales
-from fedge.server.aggregation import AggregateResult
+from fedge.server.aggregation import AggregateResult, rejected_rounds_message
 from fedge.server.privacy.aggregators import DistributedDPAggregator
 from fedge.server.privacy.release import DistributedDP, Metrics, ReleaseAccount
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
-from fedge.strategies.base import Strategy, UniformWeighting
+from fedge.strategies.base import AggregationError, Strategy, UniformWeighting
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
 
-__all__ = ["DistributedDP", "SecAggPlus", "round_failure", "summed_metrics"]
+__all__ = [
+    "DistributedDP",
+    "RejectedRoundsExceeded",
+    "SecAggPlus",
+    "rejected_rounds_limit",
+    "round_failure",
+    "summed_metrics",
+]
 
 log = logging.getLogger(__name__)
+
+
+class RejectedRoundsExceeded(AggregationError):
+    """``max_rejected_rounds`` SecAgg+ sums broke the per-client bounds: the run stops."""
+
+
+def rejected_rounds_limit(run_config: Mapping[str, object]) -> int:
+    """``max-rejected-rounds`` of a Flower app's run config (default 3, as fedge's loop)."""
+    raw = run_config.get(keys.CFG_MAX_REJECTED_ROUNDS, keys.DEFAULT_MAX_REJECTED_ROUNDS)
+    return int(str(raw))
 
 
 @dataclass(frozen=True)
@@ -72,7 +96,9 @@ class SecAggPlus(FlowerStrategy):
     (training) in seconds, beside ``cfg.stage_timeout_s`` for the other stages. ``dp`` adds
     distributed DP (:class:`DistributedDP`; weighting then uniform: a strategy with example
     weighting is wrapped in :class:`UniformWeighting`). A round that yields no sum logs its
-    cause and keeps it in ``last_failure``; the model stays as it was.
+    cause and keeps it in ``last_failure``; the model stays as it was. After
+    ``max_rejected_rounds`` sums that broke the per-client bounds (0: never) the run stops
+    with :class:`RejectedRoundsExceeded` naming the last bound that failed.
     """
 
     def __init__(
@@ -82,7 +108,10 @@ class SecAggPlus(FlowerStrategy):
         timeout: float | None = None,
         *,
         dp: DistributedDP | None = None,
+        max_rejected_rounds: int = keys.DEFAULT_MAX_REJECTED_ROUNDS,
     ) -> None:
+        if max_rejected_rounds < 0:
+            raise ValueError(f"max_rejected_rounds must be >= 0, got {max_rejected_rounds}")
         if not isinstance(inner, Strategy):
             raise ValueError(
                 f"SecAggPlus wraps a fedge strategy (strategies.fedavg/fedprox/scaffold), got "
@@ -113,6 +142,8 @@ class SecAggPlus(FlowerStrategy):
         self._pending: _Pending | None = None
         self._refused = False
         self._last_rejected: dict[int, str] = {}  # node -> why, in the latest round
+        self.max_rejected_rounds = max_rejected_rounds
+        self.rejected_rounds = 0  # sums that broke the bounds in this run
 
     @property
     def epsilon(self) -> float:
@@ -181,6 +212,12 @@ class SecAggPlus(FlowerStrategy):
         if result.out_of_bounds is not None:
             self.last_failure = f"round {server_round}: sum rejected: {result.out_of_bounds}"
             log.error("round %d: no aggregate applied: %s", server_round, self.last_failure)
+            self.rejected_rounds += 1
+            limit = self.max_rejected_rounds
+            if 0 < limit <= self.rejected_rounds:
+                stop = rejected_rounds_message(self.rejected_rounds, limit, result.out_of_bounds)
+                log.error("round %d: %s", server_round, stop)
+                raise RejectedRoundsExceeded(stop)
             return None, MetricRecord(released) if released else None
         # the contributors' client state (SCAFFOLD's c_i) commits; drop-outs' does not
         arrays = self.inner.aggregate_sum(server_round, result.summed, result.accepted)
@@ -203,6 +240,7 @@ class SecAggPlus(FlowerStrategy):
         """Flower's ``start``; a run in which no round's sum was applied raises
         :class:`~fedge.strategies.base.NoReplyAccepted` instead of returning the initial model."""
         self.inner.reset_run()
+        self.rejected_rounds = 0
         result = super().start(
             grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
         )

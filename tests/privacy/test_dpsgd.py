@@ -40,7 +40,8 @@ def test_epsilon_accumulates_across_rounds_like_the_library(lora_model: torch.nn
     # Prepare: 40 records of 17 tokens, batch 8 -> sample rate 1/5
     tokens = np.random.default_rng(0).integers(0, 256, size=40 * 17)
     state: dict[str, object] = {}
-    dp = DPSGDConfig(noise_multiplier=1.1, max_grad_norm=0.5)
+    # the gradient steps alone (no loss release): Opacus' own accounting, step for step
+    dp = DPSGDConfig(noise_multiplier=1.1, max_grad_norm=0.5, metric_clip=0.0)
     a_before = lora_tensors(lora_model, "lora_A")
     b_before = lora_tensors(lora_model, "lora_B")
     # Execute: two rounds, the second on a fresh call with only `state` carried over
@@ -104,10 +105,11 @@ def test_the_accountant_survives_a_restart_and_stops_at_the_budget(
     # Prepare: a ledger on disk; a budget that admits one round of 3 steps but not two
     tokens = np.random.default_rng(0).integers(0, 256, size=40 * 17)
     dp = DPSGDConfig(noise_multiplier=1.1, max_grad_norm=0.5)
+    z = dp.accounted_multiplier  # each step also releases the noised loss sum: z / sqrt(2)
     ref = RDPAccountant()
-    ref.history = [(1.1, 0.2, 3)]
+    ref.history = [(z, 0.2, 3)]
     one_round = ref.get_epsilon(1e-5)
-    ref.history = [(1.1, 0.2, 3), (1.1, 0.2, 3)]
+    ref.history = [(z, 0.2, 3), (z, 0.2, 3)]
     budget = (one_round + ref.get_epsilon(1e-5)) / 2
     path = tmp_path / "ledger.json"
     hook = ClientHook()

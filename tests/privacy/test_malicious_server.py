@@ -22,6 +22,7 @@ from flwr.serverapp import Grid
 from fedge import keys
 from fedge.clients.privacy.ledger import STATE_DIR_ENV
 from fedge.clients.privacy.policy import POLICY_ENV
+from fedge.privacy.wire import MET_DP_TRAIN_LOSS
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from fedge.server.aggregation import PlainAggregator
@@ -194,4 +195,5 @@ def test_an_honest_round_under_the_same_policy_succeeds_and_hides_metrics(
     result = results["honest"]
     assert result.summed is not None and len(result.accepted) == NUM_NODES
     assert result.metrics == {}  # no client's own metrics reach the server
-    assert result.summed_metrics == {}  # under distributed DP not even their un-noised sum
+    # under distributed DP not even their un-noised sum: only the loss each mod noised
+    assert set(result.summed_metrics) == {MET_DP_TRAIN_LOSS}

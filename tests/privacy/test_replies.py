@@ -88,6 +88,19 @@ def app() -> ClientApp:
         content = RecordDict({keys.REC_CONTRIB: record, keys.REC_METRICS: metrics})
         return Message(content, reply_to=msg)
 
+    @client.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        data = private_data(pid)  # its held-out split, as fedge's evaluate_reply reports it
+        metrics = MetricRecord(
+            {
+                keys.MET_EVAL_LOSS: float(np.mean(data**2)),
+                keys.MET_NUM_EXAMPLES: len(data),
+                keys.MET_PARTITION: pid,
+            }
+        )
+        return Message(RecordDict({keys.REC_METRICS: metrics}), reply_to=msg)
+
     return client
 
 
@@ -134,8 +147,13 @@ def clear_fields(reply: Message) -> dict[str, Any]:
     }
 
 
-def replies_over_trials(grid: InProcessGrid, config: dict[str, Any], trials: int) -> list[Any]:
-    """One train message per trial, each trial with freshly drawn private data."""
+def replies_over_trials(
+    grid: InProcessGrid,
+    config: dict[str, Any],
+    trials: int,
+    kind: str = MessageType.TRAIN,
+) -> list[Any]:
+    """One ``kind`` message per trial, each trial with freshly drawn private data."""
 
     def script(g: Grid) -> dict[str, Any]:
         node = sorted(g.get_node_ids())[0]
@@ -143,7 +161,7 @@ def replies_over_trials(grid: InProcessGrid, config: dict[str, Any], trials: int
         for trial in range(trials):
             DATA["seed"] = 1000 + trial
             content = RecordDict({keys.REC_CONFIG: ConfigRecord(config)})
-            msg = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+            msg = Message(content, dst_node_id=node, message_type=kind)
             (reply,) = list(g.send_and_receive([msg], timeout=60))
             seen.append(clear_fields(reply))
         return {"seen": seen}
@@ -178,6 +196,28 @@ def test_a_private_reply_is_the_same_whatever_the_data(
         assert private[0]["configs"][PROMISE_RECORD][KEY_PROMISE] == "require-dp"
     if not fail:  # without privacy the data shows (and a raise is Flower's own error)
         assert len({str(seen) for seen in plain}) == 6
+
+
+def test_evaluate_under_dpsgd_without_a_policy_keeps_the_loss_home(
+    make_grid: Callable[..., InProcessGrid],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 30, evaluate loss under DP-SGD without a policy file: on main the node answered
+    a DP-SGD run's evaluate messages with its held-out loss and example count in clear (the
+    loss of any adapter the server sends, outside every DP accounting; here it varies with
+    the data in every one of 6 draws). Now the reply keeps only the public metrics, identical
+    across draws, and the node's log says once why; without DP the loss still shows."""
+    monkeypatch.setattr(replies, "_warned", set())  # a fresh node process
+    with caplog.at_level(logging.WARNING, logger="fedge.clients.privacy.replies"):
+        private = replies_over_trials(make_grid(None), DPSGD, 6, MessageType.EVALUATE)
+    plain = replies_over_trials(make_grid(None), {"weighting": "uniform"}, 6, MessageType.EVALUATE)
+    assert all(seen == private[0] for seen in private)
+    assert set(private[0]["metrics"][keys.REC_METRICS]) == {keys.MET_PARTITION}
+    assert private[0]["configs"][PROMISE_RECORD][KEY_PROMISE] == "none"
+    assert any("held-out loss is outside" in r.message for r in caplog.records)
+    assert len({str(seen) for seen in plain}) == 6
+    assert keys.MET_EVAL_LOSS in plain[0]["metrics"][keys.REC_METRICS]
 
 
 def test_the_default_node_says_it_promises_nothing_once_per_run(

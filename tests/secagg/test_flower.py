@@ -19,6 +19,7 @@ from flwr.serverapp import Grid
 
 from fedge import keys
 from fedge.clients.privacy.ledger import STATE_DIR_ENV
+from fedge.privacy.wire import MET_DP_TRAIN_LOSS
 from fedge.secagg.config import SecAggConfig
 from fedge.server.aggregation import PlainAggregator
 from fedge.server.grid import ReplyHookGrid
@@ -200,7 +201,8 @@ def test_distributed_dp_sum_carries_the_full_noise() -> None:
     values = np.concatenate([summed["delta/w.lora_B"], summed["ctrl/w.lora_B"]])
     assert math.isclose(float(values.std()), 0.01 * math.sqrt(5 / 3), rel_tol=0.1)
     assert abs(float(summed["meta/count"][0]) - 5.0) < bound(5)
-    assert res["ddp"].summed_metrics == {}  # metric sums would carry none of the noise
+    # clear metric sums would carry none of the noise: only the loss the DP mod noised (k z)
+    assert set(res["ddp"].summed_metrics) == {MET_DP_TRAIN_LOSS}
     # FFA-LoRA is on under DP: the frozen lora_A is neither noised nor uploaded
     assert not np.any(summed["delta/w.lora_A"])
     per_client_ddp = res["ddp"].bytes_up / len(res["ddp"].accepted)

@@ -6,6 +6,9 @@ tests/strategies/test_flower_app_example.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
@@ -46,3 +49,60 @@ def test_summed_metrics_are_the_total_count_and_plain_means() -> None:
     assert metrics is not None
     assert metrics["num-examples"] == 1024 and metrics["train-loss"] == pytest.approx(0.5)
     assert summed_metrics({}, 4) is None
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-scaffold-secagg"
+
+
+def test_the_flower_app_stops_after_max_rejected_rounds_naming_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/flower-scaffold-secagg's own ServerApp (``SecAggPlus`` around SCAFFOLD) on the
+    in-process engine, 4 nodes, 6 rounds, ``max-rejected-rounds = 2``; node 0 claims
+    ``meta/count`` 8 (inside the quantizer's range, so its mod masks it), every round's sum
+    breaks the count bound. Before, the Flower-app path rejected every sum and ran all 6
+    rounds at the initial model, saying only at the end that no round was applied. Now the
+    run stops after the second rejected round with an error naming the bound and the key."""
+    from flwr.app import Array, ArrayRecord, Context, Message
+    from flwr.clientapp import ClientApp
+
+    from fedge import keys
+    from fedge.clients.mods import dispatch_mods
+    from fedge.clients.privacy.ledger import STATE_DIR_ENV
+    from fedge.server.secagg.strategy import RejectedRoundsExceeded
+    from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "keys"))
+    from scaffoldsecagg import client_app, server_app
+
+    calls = {"poisoned": 0}
+    poisoned = ClientApp(mods=[dispatch_mods])
+
+    @poisoned.train()
+    def train(msg: Message, context: Context) -> Message:
+        reply = client_app.train_fn(msg, context)
+        if int(context.node_config["partition-id"]) == 0:
+            calls["poisoned"] += 1
+            record = reply.content.array_records[keys.REC_CONTRIB]
+            arrays = {k: a.numpy() for k, a in record.items()}
+            arrays[keys.KEY_COUNT] = np.full_like(arrays[keys.KEY_COUNT], 8.0)
+            reply.content[keys.REC_CONTRIB] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        return reply
+
+    config = {
+        "num-server-rounds": 6,
+        "num-nodes": 4,
+        "local-steps": 2,
+        "lr": 0.05,
+        "final-model": str(tmp_path / "final.pt"),
+        keys.CFG_MAX_REJECTED_ROUNDS: 2,
+    }
+    grid = InProcessGrid(poisoned, DeviceTable(4), tmp_path / "state")
+    with pytest.raises(RejectedRoundsExceeded) as info:
+        run_inprocess(server_app.app, grid, run_config=config)  # type: ignore[arg-type]
+    text = str(info.value)
+    assert "max-rejected-rounds=2" in text and "stopped: 2 rounds" in text
+    assert "meta/count" in text  # the bound that failed
+    assert calls["poisoned"] == 2  # rounds 3 to 6 never ran
+    assert not (tmp_path / "final.pt").exists()

@@ -12,14 +12,16 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from fedge.server.privacy.strategy import AdaptiveClip, CentralDP
-from fedge.server.secagg.strategy import DistributedDP, SecAggPlus
+from fedge.server.secagg.strategy import DistributedDP, SecAggPlus, rejected_rounds_limit
 from fedge.strategies.fedavg import FedAvg
 from flowerdp.task import Net
 
 app = ServerApp()
 
 
-def make_strategy(privacy: str, nodes: int, z: float, clip: float, max_eps: float) -> Strategy:
+def make_strategy(
+    privacy: str, nodes: int, z: float, clip: float, max_eps: float, max_rejected: int
+) -> Strategy:
     """The one line that differs per DP variant (evaluation is the server's, below)."""
     fedavg = FedAvg(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0)
     if privacy == "central":
@@ -28,7 +30,8 @@ def make_strategy(privacy: str, nodes: int, z: float, clip: float, max_eps: floa
         adaptive = AdaptiveClip(initial_norm=clip, count_stddev=1.0)
         return CentralDP(fedavg, noise_multiplier=z, clip=adaptive, max_epsilon=max_eps)
     if privacy == "distributed":  # clients clip and noise, SecAgg+ shows the server the sum
-        return SecAggPlus(fedavg, dp=DistributedDP(z, clip_norm=clip, max_epsilon=max_eps))
+        dp = DistributedDP(z, clip_norm=clip, max_epsilon=max_eps)
+        return SecAggPlus(fedavg, dp=dp, max_rejected_rounds=max_rejected)
     return fedavg  # "dp-sgd": the clients' own loops are private
 
 
@@ -38,7 +41,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     strategy = make_strategy(str(cfg["privacy"]), int(cfg["num-nodes"]),
                              float(cfg["noise-multiplier"]), float(cfg["clip"]),
-                             float(cfg["max-epsilon"]))  # fmt: skip
+                             float(cfg["max-epsilon"]), rejected_rounds_limit(cfg))  # fmt: skip
     torch.manual_seed(int(cfg["seed"]))
     rounds = int(cfg["num-server-rounds"])
     result = strategy.start(

@@ -4,7 +4,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedge.server.secagg.strategy import SecAggPlus
+from fedge.server.secagg.strategy import SecAggPlus, rejected_rounds_limit
 from fedge.strategies.scaffold import Scaffold
 from scaffoldsecagg.task import make_net
 
@@ -16,8 +16,9 @@ def main(grid: Grid, context: Context) -> None:
     """Run the rounds; the server only ever sees the sum of the masked contributions."""
     cfg = context.run_config
     nodes = int(cfg["num-nodes"])
-    strategy = SecAggPlus(
-        Scaffold(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0)
+    strategy = SecAggPlus(  # stops after max-rejected-rounds sums that broke the bounds
+        Scaffold(min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0),
+        max_rejected_rounds=rejected_rounds_limit(cfg),
     )
     torch.manual_seed(0)
     result = strategy.start(

@@ -24,7 +24,14 @@ client accepts against its policy floor and ``once-per-model`` against re-encodi
 
 Clients are fedge's real ClientApp stack (:func:`fedge.clients.mods.dispatch_mods`, the
 SecAgg+ mod, pins and identity keys on disk, a trust list of every node, a policy), called
-in-process: no transport, tiny vectors, so thousands of deviations run in a minute.
+in-process: no transport, tiny vectors, so thousands of deviations run in a minute. Each
+key session draws one of two client stacks (:data:`STACKS`): ``secagg`` (SecAgg+ alone) or
+``distributed-dp`` (SecAgg+ with the distributed-DP mod under a strict DP policy: every
+honest collect carries the clip and noise numbers). On the DP stack the harness records
+what each client's mod actually clipped and noised (:func:`released_by_clients`), judges
+recoveries against those noised inputs, reports any recovery equal to a sum of un-noised
+ones, and checks every accepted round's real noise against the client's policy:
+std x sqrt(m) >= min-noise x C with m the contributors it verified and C <= max-clip.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedge import keys
 from fedge.clients.mods import dispatch_mods
+from fedge.clients.privacy import mods as dp_mods
 from fedge.clients.privacy.ledger import NODE_STATE_DIR_KEY
 from fedge.clients.privacy.policy import (
     NODE_POLICY_KEY,
@@ -91,11 +99,18 @@ COLLECT_CLASSES = (
     "keys",
     "run-id",
     "masked-record",
+    "dp-config",
 )
 UNMASK_CLASSES = ("dropout-lists", "forward", "order")
 POLICY_CLASSES = ("dp-numbers", "model-encoding")
 CLASSES = (*COLLECT_CLASSES, *UNMASK_CLASSES, "cohort-difference", *POLICY_CLASSES)
 POLICY = 'require-secagg = true\nsecagg-min-neighbours = 2\ntrusted-keys = "trust.txt"\n'
+STACK_SECAGG, STACK_DP = "secagg", "distributed-dp"
+STACKS = (STACK_SECAGG, STACK_DP)
+MIN_NOISE, MAX_CLIP = 1.0, 1.0  # the DP stack's policy floor and ceiling
+DP_POLICY = POLICY + f"require-dp = true\nmin-noise = {MIN_NOISE}\nmax-clip = {MAX_CLIP}\n"
+# The honest distributed-DP numbers: C = 1 and per-client std 1, so z >= 1 for any m >= 1.
+DP_CONFIG = {KEY_DP_CLIP: 1.0, KEY_DP_NOISE_STD: 1.0, KEY_DP_MIN_CLIENTS: 1, "weighting": "uniform"}
 
 
 @dataclass
@@ -103,6 +118,7 @@ class Report:
     """What a run did: deviations per class, outcomes, and every broken promise found."""
 
     deviations: Counter[str] = field(default_factory=Counter)
+    stacks: Counter[str] = field(default_factory=Counter)  # deviations per client stack
     outcomes: Counter[str] = field(default_factory=Counter)
     recoveries_tried: int = 0
     breaches: list[str] = field(default_factory=list)
@@ -115,6 +131,7 @@ class Report:
         return {
             "deviations": self.total,
             "by_class": dict(sorted(self.deviations.items())),
+            "by_stack": dict(sorted(self.stacks.items())),
             "outcomes": dict(sorted(self.outcomes.items())),
             "recoveries_tried": self.recoveries_tried,
             "breaches": self.breaches,
@@ -132,14 +149,57 @@ def server_identity() -> Iterator[None]:
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved  # type: ignore[attr-defined]
 
 
-class Federation:
-    """``n`` client nodes on disk (identity keys, pins, trust list, policy) and their inputs."""
+@dataclass
+class Release:
+    """What one client's distributed-DP mod did this round: its clipped input, the noised
+    one it masked, and the clip and std it used (recorded by :func:`released_by_clients`)."""
 
-    def __init__(self, root: Path, n: int, rng: random.Random) -> None:
+    clipped: dict[str, np.ndarray]
+    noised: dict[str, np.ndarray]
+    clip: float
+    std: float
+
+
+_RECORDING: list[Federation] = []  # the federation whose clients are being asked
+
+
+@contextmanager
+def released_by_clients() -> Iterator[None]:
+    """Record every client's distributed-DP release (``clip_contribution`` and
+    ``add_gaussian_noise`` as the client's mod calls them) into the asking federation."""
+    clip_fn, noise_fn = dp_mods.clip_contribution, dp_mods.add_gaussian_noise
+    pending: dict[str, Any] = {}
+
+    def clip(arrays: Any, clip_norm: float) -> Any:
+        pending["clip"] = clip_norm
+        return clip_fn(arrays, clip_norm)
+
+    def noise(summed: Any, std: float, skip: frozenset[str] = frozenset()) -> Any:
+        out = noise_fn(summed, std, skip)
+        if _RECORDING:
+            fed = _RECORDING[-1]
+            fed.released[fed.asking] = Release(dict(summed), dict(out), pending["clip"], std)
+        return out
+
+    dp_mods.clip_contribution, dp_mods.add_gaussian_noise = clip, noise  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dp_mods.clip_contribution, dp_mods.add_gaussian_noise = clip_fn, noise_fn  # type: ignore[assignment]
+
+
+class Federation:
+    """``n`` client nodes on disk (identity keys, pins, trust list, policy) and their inputs,
+    on one client stack (:data:`STACKS`)."""
+
+    def __init__(self, root: Path, n: int, rng: random.Random, stack: str = STACK_SECAGG) -> None:
         self.root = root
+        self.stack = stack
         self.nodes = [1000 + 7 * i + rng.randrange(7) for i in range(n)]
         self.partition = {u: i for i, u in enumerate(self.nodes)}
-        (root / "policy.toml").write_text(POLICY)
+        self.released: dict[int, Release] = {}  # this round's distributed-DP releases
+        self.asking = 0
+        (root / "policy.toml").write_text(DP_POLICY if stack == STACK_DP else POLICY)
         write_trust_list(root / "state", range(n), root / "trust.txt")
         self.contexts = {u: self.context(u, 1) for u in self.nodes}
         self.inputs: dict[int, dict[str, np.ndarray]] = {}
@@ -164,6 +224,17 @@ class Federation:
                 keys.KEY_WEIGHT: np.ones(1, np.float32),
             }
             self.losses[u] = float(round(self.np_rng.uniform(1.0, 9.0), 6))
+        self.released = {}
+
+    def honest_config(self) -> ConfigRecord:
+        """The train config an honest server sends on this stack."""
+        return ConfigRecord({"lr": 0.1, **(DP_CONFIG if self.stack == STACK_DP else {})})
+
+    def truth(self, node: int) -> np.ndarray:
+        """``node``'s input as it entered the masks: noised on the DP stack (float64)."""
+        if self.stack == STACK_DP and node in self.released:
+            return self.released[node].noised["delta/w"].astype(np.float64)
+        return self.inputs[node]["delta/w"].astype(np.float64)
 
     def ask(self, node: int, content: RecordDict, run_id: int = 1) -> Message:
         """Deliver ``content`` to ``node`` through fedge's client stack; return its reply."""
@@ -189,7 +260,12 @@ class Federation:
             msg = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
         finally:
             TaskIdentity._run_id = saved  # type: ignore[attr-defined]
-        return dispatch_mods(msg, self.contexts[node], train)
+        self.asking = node
+        _RECORDING.append(self)
+        try:
+            return dispatch_mods(msg, self.contexts[node], train)
+        finally:
+            _RECORDING.pop()
 
 
 # ---------------------------------------------------------------------- deviations
@@ -342,6 +418,15 @@ def deviate_collect(
         run_id = rng.choice([2, 3, 2**40])
     elif kind == "masked-record":
         rec[wire.KEY_MASKED_RECORD] = rng.choice(["m2", keys.REC_CONTRIB, wire.SECAGG_RECORD])
+    elif kind == "dp-config":  # this client's clip, noise or contributor count, alone
+        cfg = req[keys.REC_CONFIG]
+        assert isinstance(cfg, ConfigRecord)
+        key = rng.choice([KEY_DP_CLIP, KEY_DP_NOISE_STD, KEY_DP_MIN_CLIENTS])
+        if key in cfg and rng.random() < 0.2:
+            del cfg[key]
+        else:
+            base = float(str(cfg.get(key, 1.0)))
+            cfg[key] = rng.choice([_mutate_number(rng, base), 0.5, 0.0, 1e-9, 2.0, "0.5"])
     return run_id
 
 
@@ -444,7 +529,9 @@ def solve(seen: Seen, victim: int) -> list[dict[str, np.ndarray]]:
 def judge(
     report: Report, fed: Federation, seen: Seen, value: Mapping[str, np.ndarray], how: str
 ) -> None:
-    """Record a breach when ``value`` is the input sum of a set smaller than a member allows."""
+    """Record a breach when ``value`` is the input sum of a set smaller than a member allows
+    (on the DP stack: of the noised inputs), or, on the DP stack, the sum of any set's
+    un-noised (clipped) inputs."""
     report.recoveries_tried += 1
     got = value.get("delta/w")
     if got is None or got.shape != (SIZE,) or not np.all(np.isfinite(got)):
@@ -453,11 +540,33 @@ def judge(
     for size in range(1, len(clients) + 1):
         for group in itertools.combinations(clients, size):
             need = max(seen.accepted[v] for v in group)
-            if size >= need:
-                continue
-            want = sum(fed.inputs[v]["delta/w"].astype(np.float64) for v in group)
-            if np.max(np.abs(got - want)) <= TOLERANCE:
-                report.breaches.append(f"{how}: recovered the input sum of {group} (< {need})")
+            if size < need:
+                want = sum(fed.truth(v) for v in group)
+                if np.max(np.abs(got - want)) <= TOLERANCE:
+                    report.breaches.append(f"{how}: recovered the input sum of {group} (< {need})")
+            if fed.stack == STACK_DP and all(v in fed.released for v in group):
+                clean = sum(fed.released[v].clipped["delta/w"].astype(np.float64) for v in group)
+                if np.max(np.abs(got - clean)) <= TOLERANCE:
+                    report.breaches.append(f"{how}: recovered the un-noised sum of {group}")
+
+
+def check_noise(report: Report, fed: Federation, node: int, verified: int, how: str) -> None:
+    """On the DP stack, a client that accepted a collect must have noised its input at its
+    policy's floor: std sqrt(m) >= min-noise C, C <= max-clip, its input's norm <= C."""
+    if fed.stack != STACK_DP:
+        return
+    release = fed.released.get(node)
+    report.outcomes["dp noise checked"] += 1
+    if release is None:
+        report.breaches.append(f"{how}: node {node} accepted a round and added no DP noise")
+        return
+    norm = float(np.linalg.norm(release.clipped["delta/w"].astype(np.float64)))
+    z = release.std * math.sqrt(verified) / release.clip
+    if not (z >= MIN_NOISE and release.clip <= MAX_CLIP and norm <= release.clip * (1 + 1e-5)):
+        report.breaches.append(
+            f"{how}: node {node} released noise std {release.std} at clip {release.clip} "
+            f"(norm {norm:.4g}, {verified} verified: z {z:.4g} < min-noise {MIN_NOISE})"
+        )
 
 
 def oracle(report: Report, fed: Federation, seen: Seen, how: str) -> None:
@@ -487,10 +596,12 @@ def run_session(
     root: Path,
     budget: int,
     classes: tuple[str, ...] = (*COLLECT_CLASSES, *UNMASK_CLASSES, "cohort-difference"),
+    stacks: tuple[str, ...] = STACKS,
 ) -> int:
-    """One key session of a few rounds on a fresh federation; return the deviations spent."""
+    """One key session of a few rounds on a fresh federation of one client stack (drawn from
+    ``stacks``); return the deviations spent."""
     n = rng.randrange(3, 6)
-    fed = Federation(root, n, rng)
+    fed = Federation(root, n, rng, rng.choice(stacks))
     cfg = SecAggConfig(
         num_shares=rng.randrange(3, n + 1), reconstruction_threshold=rng.choice([0.51, 0.75, 1.0])
     )
@@ -527,7 +638,7 @@ def run_session(
         replies = {}
         for u, req in requests.items():
             req[keys.REC_GLOBAL] = model
-            req[keys.REC_CONFIG] = ConfigRecord({"lr": 0.1})
+            req[keys.REC_CONFIG] = fed.honest_config()
             run_id = 1
             if u in targets and kind in COLLECT_CLASSES:
                 run_id = deviate_collect(kind, rng, fed, u, req, past)
@@ -554,6 +665,7 @@ def run_session(
             state = fed.contexts[u].state.config_records[wire.SECAGG_STATE_RECORD]
             if state.get("round") == str(req[wire.SECAGG_RECORD][wire.KEY_ROUND]):  # type: ignore[index]
                 seen.accepted[u] = verified_contributors(req[wire.SECAGG_RECORD])  # type: ignore[arg-type]
+                check_noise(report, fed, u, seen.accepted[u], kind)
             masked = msg.content.array_records.get(
                 str(req[wire.SECAGG_RECORD][wire.KEY_MASKED_RECORD])
             )  # type: ignore[index]
@@ -561,6 +673,7 @@ def run_session(
                 seen.masked[u] = {k: a.numpy() for k, a in masked.items()}
         past += [requests[u] for u in list(requests)[:1]]
         report.deviations[kind] += 1
+        report.stacks[fed.stack] += 1
         spent += 1
         summed = None
         try:
@@ -699,8 +812,15 @@ def model_encoding(report: Report, rng: random.Random, root: Path) -> None:
 
 
 # ---------------------------------------------------------------------- entry point
-def run(deviations: int, seed: int = 0, classes: tuple[str, ...] = CLASSES) -> Report:
-    """Run at least ``deviations`` seeded deviations of ``classes``; return what happened.
+def run(
+    deviations: int,
+    seed: int = 0,
+    classes: tuple[str, ...] = CLASSES,
+    stacks: tuple[str, ...] = STACKS,
+) -> Report:
+    """Run at least ``deviations`` seeded deviations of ``classes``, each key session on a
+    client stack drawn from ``stacks`` (the deviations split between them); return what
+    happened.
 
     State files go to a RAM disk where there is one (the clients fsync their pins)."""
     report = Report()
@@ -713,15 +833,24 @@ def run(deviations: int, seed: int = 0, classes: tuple[str, ...] = CLASSES) -> R
     for q in quiet:
         q.setLevel(logging.ERROR)  # every refused message is logged: thousands of lines
     try:
-        with server_identity(), tempfile.TemporaryDirectory(dir=ram) as tmp:
-            _run(report, rng, Path(tmp), deviations, round_classes, policy_classes)
+        with (
+            server_identity(),
+            released_by_clients(),
+            tempfile.TemporaryDirectory(dir=ram) as tmp,
+        ):
+            _run(report, rng, Path(tmp), deviations, round_classes, policy_classes, stacks)
     finally:
         for q, level in zip(quiet, levels, strict=True):
             q.setLevel(level)
     return report
 
 
-_NOISY = ("fedge.server.secagg.engine", "fedge.clients.secagg.mod")
+_NOISY = (
+    "fedge.server.secagg.engine",
+    "fedge.clients.secagg.mod",
+    "fedge.clients.mods",
+    "fedge.clients.privacy.replies",
+)
 
 
 def _run(
@@ -731,6 +860,7 @@ def _run(
     deviations: int,
     round_classes: tuple[str, ...],
     policy_classes: tuple[str, ...],
+    stacks: tuple[str, ...],
 ) -> None:
     """Sessions of rounds (and batches of policy checks) until ``deviations`` are spent."""
     session = 0
@@ -743,4 +873,4 @@ def _run(
                 kind = rng.choice(policy_classes)
                 (dp_numbers if kind == "dp-numbers" else model_encoding)(report, rng, root)
             continue
-        run_session(report, rng, root, deviations - report.total, round_classes)
+        run_session(report, rng, root, deviations - report.total, round_classes, stacks)

@@ -1,9 +1,11 @@
 """The random malicious server (:mod:`tests.privacy.adversary.malicious`) against fedge's client stack.
 
-At least 500 seeded deviations per run of the suite; more from
+At least 500 seeded deviations per run of the suite, split between the two client stacks
+(SecAgg+ alone, and SecAgg+ with distributed DP under a strict DP policy); more from
 ``python -m tests.privacy.adversary.run --n 10000``. None may recover an input sum of fewer
 clients than a member accepts, leak a private value in clear, accept distributed-DP noise
-below the policy's floor, or train twice on one re-encoded model.
+below the policy's floor (the DP stack's real noise is checked on every accepted round),
+recover an un-noised sum on the DP stack, or train twice on one re-encoded model.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from pathlib import Path
 import pytest
 from flwr.app import Error, Message, MessageType, RecordDict
 
+import fedge.clients.mods as client_mods
 import fedge.clients.secagg.engine as client_engine
 from fedge.secagg.binding import ContributionDigest
 from tests.privacy.adversary.malicious import (
     CLASSES,
+    STACK_DP,
+    STACKS,
     Federation,
     Report,
     Seen,
@@ -38,6 +43,8 @@ def test_500_seeded_deviations_recover_nothing() -> None:
     print(json.dumps(report.as_dict(), indent=1))  # the classes and counts, for the log
     assert report.total >= DEVIATIONS
     assert set(report.deviations) == set(CLASSES)
+    assert set(report.stacks) == set(STACKS) and min(report.stacks.values()) > 100
+    assert report.outcomes["dp noise checked"] > 0
     assert report.outcomes["sum returned"] > 0 and report.recoveries_tried > 0
     assert report.outcomes["collect refused"] > 0 and report.outcomes["round failed"] > 0
     assert report.breaches == []
@@ -54,6 +61,16 @@ def test_the_harness_finds_the_attack_the_digest_closes(monkeypatch: pytest.Monk
     )
     report = run(40, 3, ("config",))
     assert any("recovered the input sum" in b for b in report.breaches)
+
+
+def test_the_harness_finds_noise_below_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noise check can fail: with the clients' policy check taken out of
+    ``dispatch_mods``, a server that sends one client of the distributed-DP stack a lower
+    noise std (``dp-config``, e.g. 1e-9) gets it accepted and released, and the harness
+    reports the client's real noise below its min-noise."""
+    monkeypatch.setattr(client_mods, "check_train", lambda policy, msg, context: None)
+    report = run(60, 5, ("dp-config",), (STACK_DP,))
+    assert any("min-noise" in b for b in report.breaches)
 
 
 def test_the_oracle_check_finds_a_private_value_in_a_refusal(tmp_path: Path) -> None:
