@@ -155,7 +155,7 @@ def run_block(
     """
     import ray
 
-    from fedge.edge.fleet.app import free_port
+    from fedge.ports import free_port
 
     endpoint = replace(endpoint, port=free_port("127.0.0.1"))  # never a stopped fleet's port
     fleet = start_fleet(replace(config, port=endpoint.port))

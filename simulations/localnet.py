@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -26,35 +25,7 @@ from typing import Any
 
 import psutil
 
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (outgoing connections take ports from it)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    return 32768  # Linux's default
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports on 127.0.0.1, free now, chosen below the ephemeral range.
-
-    A child process binds them after this probe closes. An ephemeral port could meanwhile go to
-    any outgoing connection; one below the range only to another explicit bind, which
-    `start_listening` detects and retries.
-    """
-    high = _ephemeral_low()
-    low = 10_000 if high > 11_000 else 1024
-    rng = random.SystemRandom()
-    ports: list[int] = []
-    while len(ports) < n:
-        port = rng.randrange(low, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
+from fedge.ports import free_ports
 
 
 def listens(proc: subprocess.Popen[bytes], port: int) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import tempfile
 import time
 import uuid
@@ -31,6 +30,7 @@ from fedge.edge.fleet.wire import ROUTE_PIN
 from fedge.edge.tracing import TracingConfig
 from fedge.edge.verifier.engine import EngineConfig
 from fedge.edge.verifier.limits import RateLimitConfig
+from fedge.ports import free_port
 
 LOG = logging.getLogger("fedge.fleet")
 INGRESS_APP = "fedge-ingress"
@@ -179,6 +179,7 @@ class FleetConfig:
             redis_password_file=self.redis_password_file,
             rate_limits=self.rate_limits,
             tracing=replace(self.tracing, service_name=INGRESS_SERVICE),
+            share_port=self.ingress_replicas > 1,
         )
 
     def autoscaling(self) -> dict[str, Any] | None:
@@ -454,13 +455,6 @@ def ingress_application(spec: IngressSpec, replicas: int = 1) -> Any:
     return serve.deployment(
         name="ingress", num_replicas=replicas, ray_actor_options={"num_cpus": 0}
     )(FleetIngress).bind(spec)
-
-
-def free_port(host: str) -> int:
-    """A port free on `host` now (several ingresses must bind one known port, not each any)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def start_fleet(config: FleetConfig) -> Fleet:

@@ -108,7 +108,7 @@ class FleetIngress:
         limits = [
             ("grpc.max_receive_message_length", spec.max_message_bytes),
             ("grpc.max_send_message_length", spec.max_message_bytes),
-            ("grpc.so_reuseport", 1),  # several ingress replicas on one node share the port
+            ("grpc.so_reuseport", int(spec.share_port)),
         ]
         self.server = grpc.aio.server(interceptors=interceptors, options=limits)
         self.server.add_generic_rpc_handlers((self._handlers(),))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,9 @@ class IngressSpec:
     tracing: TracingConfig = field(
         default_factory=lambda: TracingConfig(service_name=INGRESS_SERVICE)
     )
+    # several ingress replicas on one node listen on `port` together (SO_REUSEPORT); alone the
+    # bind is exclusive, so a port another process holds fails instead of splitting the calls
+    share_port: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -128,9 +132,15 @@ class IngressSpec:
         address = f"{self.host}:{self.port}"
         if self.tls_cert is not None and self.tls_key is not None:
             credentials = server_credentials(self.tls_cert, self.tls_key, self.tls_client_ca)
-            port = server.add_secure_port(address, credentials)
+            bind = partial(server.add_secure_port, address, credentials)
         else:
-            port = server.add_insecure_port(address)
+            bind = partial(server.add_insecure_port, address)
+        try:
+            port = bind()
+        except RuntimeError:  # gRPC's "Failed to bind": the port is held (or the host unknown)
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind the fleet ingress to {address}")
+            raise OSError(
+                f"cannot bind the fleet ingress to {address} (in use?); pick another port"
+            )
         return port

@@ -18,6 +18,7 @@ import signal
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,6 +40,9 @@ from fedge.edge.verifier.service import VerifierService
 T = TypeVar("T")
 LOG = logging.getLogger("fedge.verifier")
 SERVICE_NAME = "fedge.edge.v1.Verifier"
+# the port is this server's alone: gRPC's default (SO_REUSEPORT) lets a second process bind
+# the same port and take part of the connections, another model's answers included
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 EXIT_ENGINE_DIED = 3  # `serve` exits with this when the engine's worker dies, for a supervisor
 
 
@@ -158,6 +162,7 @@ class VerifierServer:
         limits = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            EXCLUSIVE_PORT,
         ]
         self.grpc = grpc.aio.server(interceptors=interceptors, options=limits)
         self.health_grpc: grpc.aio.Server | None = None  # the plaintext health-only listener
@@ -182,11 +187,15 @@ class VerifierServer:
             credentials = server_credentials(
                 self.config.tls_cert, self.config.tls_key, self.config.tls_client_ca
             )
-            port = self.grpc.add_secure_port(address, credentials)
+            bind = partial(self.grpc.add_secure_port, address, credentials)
         else:
-            port = self.grpc.add_insecure_port(address)
+            bind = partial(self.grpc.add_insecure_port, address)
+        try:
+            port = bind()
+        except RuntimeError:  # gRPC's "Failed to bind": the port is held (or the host unknown)
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind the verifier to {address}; pick another port")
+            raise OSError(f"cannot bind the verifier to {address} (in use?); pick another port")
         return port
 
     async def _set_health(
@@ -202,10 +211,13 @@ class VerifierServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
         if self.config.health_port is not None:
-            self.health_grpc = grpc.aio.server()
+            self.health_grpc = grpc.aio.server(options=[EXCLUSIVE_PORT])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
             address = f"{self.config.host}:{self.config.health_port}"
-            self.health_port = self.health_grpc.add_insecure_port(address)
+            try:
+                self.health_port = self.health_grpc.add_insecure_port(address)
+            except RuntimeError:  # gRPC's "Failed to bind"
+                self.health_port = 0
             if self.health_port == 0:
                 raise OSError(f"cannot bind the verifier's health port to {address}")
             await self.health_grpc.start()

@@ -86,8 +86,9 @@ def fleet(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Iter
     Ray and Redis stop after."""
     import ray
 
-    from fedge.edge.fleet.app import FleetConfig, free_port, start_fleet
+    from fedge.edge.fleet.app import FleetConfig, start_fleet
     from fedge.edge.verifier.engine import EngineConfig
+    from fedge.ports import free_port
 
     with redis_server(tmp_path_factory.mktemp("fleet-redis")) as redis:
         config = FleetConfig(
