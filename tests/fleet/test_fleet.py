@@ -325,7 +325,8 @@ def test_a_process_without_the_fleets_ray_token_cannot_join_its_ray(
     InvalidAuthToken before it can name an actor: no `describe()`, no relay of another device.
 
     Before token auth was on by default (issue 31, finding 6) a token-less process joined and
-    called the ingress's admin methods and a replica's relay. Binding the GCS to loopback is not
+    called the ingress's admin methods and a replica's relay (checked again on a Ray started
+    without the token: the same command joined, exit 0, and listed the cluster's resources). Binding the GCS to loopback is not
     offered by Ray 2.55.1: its servers listen on every interface whatever the node address
     (`ray.init(_node_ip_address="127.0.0.1")` is resolved to the host's address; measured here:
     gcs_server and raylet on `::`, the dashboard agent on 0.0.0.0), so the token is the guard
