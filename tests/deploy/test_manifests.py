@@ -766,10 +766,14 @@ def fleet_problems(objects: list[Obj]) -> list[str]:
     problems = crd_problems(rayservice) + schema_problems(service) + schema_problems(policy)
     others = [o for o in objects if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
     others += [o for o in objects if "ValidatingAdmissionPolicy" in o["kind"]]
-    others += [o for o in objects if o["kind"] == "NetworkPolicy" and o is not policy]
-    problems += [
-        p for o in others if "fedge-redis" not in o["metadata"]["name"] for p in schema_problems(o)
+    others += [  # fedge-redis's policy: redis_problems checks it
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        and o is not policy
+        and o["metadata"]["name"] != "fedge-redis"
     ]
+    problems += [p for o in others for p in schema_problems(o)]
     if problems:
         return problems
     cluster = rayservice["spec"]["rayClusterConfig"]
@@ -1266,6 +1270,18 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
             -1, "printf 'requirepass x' > /conf/redis.conf"
         ),
         "default user off",
+    ),
+    "misspelt field in the admission binding": (
+        lambda o: named(o, "ValidatingAdmissionPolicyBinding", "fedge-identity-labels")[
+            "spec"
+        ].update(validationAction=["Deny"]),
+        "'validationAction' was unexpected",
+    ),
+    "misspelt field in Redis's service account": (
+        lambda o: named(o, "ServiceAccount", "fedge-redis").update(
+            automountServiceAccountTokens=False
+        ),
+        "'automountServiceAccountTokens' was unexpected",
     ),
     "the fleet's label free for any pod": (
         lambda o: o.remove(named(o, "ValidatingAdmissionPolicyBinding", "fedge-identity-labels")),
