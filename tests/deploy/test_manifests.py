@@ -1377,6 +1377,14 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         ),
         "must dial Redis over TLS checking its certificate",
     ),
+    "ingress turning Redis's certificate check off": (
+        _serve(
+            lambda c: c["applications"][1]["args"].update(
+                redis_url=c["applications"][1]["args"]["redis_url"] + "&ssl_cert_reqs=none"
+            )
+        ),
+        "turns off the check of Redis's TLS certificate",
+    ),
     "two ingress replicas, room for one on the head": (
         lambda o: _cluster(o)["headGroupSpec"]["rayStartParams"].update(
             resources='"{\\"fedge_ingress\\": 1}"'
