@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install demo test test-cluster test-archs test-pretrained test-install test-ring lint typecheck unit proto clean
+.PHONY: install demo test test-cluster test-archs test-pretrained test-install test-ring test-fuzz lint typecheck unit proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,12 @@ test-install: $(STAMP)
 # with GQA, random weights), logits within 1e-4. Minutes: spawned rings and 4k-token references.
 test-ring: $(STAMP)
 	FEDGE_HOME=$(CURDIR)/.fedge-cache OMP_NUM_THREADS=1 $(BIN)/pytest -m ring tests/edge/test_ring_long.py -n 0 -s --durations=6
+
+# Fair shares against a random noisy device over FEDGE_FUZZ_SEEDS seeds (default 25) of 80 rounds
+# each (`make test` runs two short seeds): minutes, so not part of `make test`.
+test-fuzz: $(STAMP)
+	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/python -c "from fedge.zoo import ensure_zoo; ensure_zoo('micro')"
+	FEDGE_HOME=$(CURDIR)/.fedge-cache OMP_NUM_THREADS=1 $(BIN)/pytest -m fuzz tests/edge/test_fair_share_random.py -n 0 --durations=5
 
 proto: $(STAMP)
 	$(BIN)/python -m fedge.edge.proto.codegen

@@ -23,7 +23,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from fedge.edge.fleet.state import ROUTING, Routing
 from fedge.edge.fleet.stats import ArmStats, CallOutcome
@@ -140,6 +140,15 @@ def check_redis_url(url: str) -> str:
         raise ValueError(
             "the redis URL carries a password; drop it from the URL and put it in the "
             "Redis password file (--redis-password-file)"
+        )
+    checks = {k.lower(): v.lower() for k, v in parse_qsl(parts.query)}
+    if checks.get("ssl_cert_reqs", "required") != "required" or checks.get(
+        "ssl_check_hostname"
+    ) in ("false", "0", "no"):
+        raise ValueError(
+            f"redis URL {url!r} turns off the check of Redis's TLS certificate (the password "
+            "would go to whoever answers); drop ssl_cert_reqs/ssl_check_hostname and give the "
+            "CA that signed it: rediss://...?ssl_ca_certs=/path/ca.crt"
         )
     return url
 

@@ -8,9 +8,14 @@ match no pod, mounts of undeclared volumes, a listen address a pod cannot be
 reached on, arguments `fedge verifier serve` would reject, a Secret other than
 the one docs/fleet.md tells you to create, a secret in an environment variable
 rather than a mounted file, a listener without TLS or per-device credentials, Ray
-without token authentication, Ray's ports open beyond the fleet's own pods. Every
-check has a test that breaks the manifest on purpose and expects the check to name
-the fault.
+without token authentication, Ray's ports open beyond the fleet's own pods. Then the
+network's identities (`peer_problems`, `egress_problems`): a NetworkPolicy peer must be
+something a pod cannot assert, a namespace by the name the API server sets or a label
+the admission policy of fedge-admission.yaml refuses to a stranger's pod (its CEL rules
+run here, on pods, with cel-python); every pod's egress is denied but for what it needs;
+Redis speaks TLS only; the verifier's metrics have their own port, Service and peer.
+Every check has a test that breaks the manifest on purpose and expects the check to
+name the fault.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import click
 import jsonschema
@@ -36,6 +41,7 @@ import pytest
 import ray
 import typer
 import yaml
+from celpy import Environment, celtypes, json_to_cel
 
 from fedge.edge.cli import verifier_app
 from fedge.edge.proto import verifier_pb2
@@ -44,10 +50,14 @@ from fedge.edge.verifier.server import ServerConfig
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 DOCS = REPO / "docs" / "fleet.md"
-K8S_VERSIONS = ("1.29", "1.37")  # gRPC probes are GA from 1.27; 1.37 is the newest schema shipped
+# ValidatingAdmissionPolicy (fedge-admission.yaml) is v1 from 1.30; 1.37 is the newest schema shipped
+K8S_VERSIONS = ("1.30", "1.37")
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 HEALTH_SERVICES = ("", SERVICE_NAME)  # what the verifier's grpc.health.v1 servicer reports
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # the API server sets it: no namespace picks it
+STRANGER = "system:serviceaccount:fedge:intruder"  # anyone allowed to create pods somewhere
+ADMISSION = "fedge-admission.yaml"
 Obj = dict[str, Any]
 
 
@@ -251,11 +261,221 @@ def all_problems(objects: list[Obj]) -> list[str]:
     problems += deployment_problems(deployment) + verifier_problems(deployment)
     for service in (o for o in objects if o["kind"] == "Service"):
         problems += service_problems(service, deployment["spec"]["template"])
-    return problems
+    return problems + verifier_network_problems(objects, deployment)
 
 
 def verifier_shape() -> list[Obj]:
     return load("verifier.yaml") + load("models-pvc.yaml")
+
+
+def named(objects: list[Obj], kind: str, name: str) -> Obj:
+    """The object of `kind` called `name` (KeyError naming both when absent)."""
+    for obj in objects:
+        if obj["kind"] == kind and obj["metadata"]["name"] == name:
+            return obj
+    raise KeyError(f"no {kind} {name}")
+
+
+# ----------------------------------------------------------- network identity and egress
+class Admission:
+    """The ValidatingAdmissionPolicies of a manifest set, run on a pod as the API server would:
+    each policy's `variables`, then its `validations` (CEL, by cel-python), for the policies a
+    Deny binding enforces. Only pod CREATE/UPDATE rules are modelled (all fedge-admission has)."""
+
+    def __init__(self, objects: list[Obj]) -> None:
+        bound = {
+            o["spec"]["policyName"]
+            for o in objects
+            if o["kind"] == "ValidatingAdmissionPolicyBinding"
+            and "Deny" in o["spec"].get("validationActions", [])
+        }
+        self.policies = [
+            o["spec"]
+            for o in objects
+            if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"] in bound
+        ]
+        self._env = Environment()
+        # a stranger may name any service account of the namespace in its pod
+        self.accounts = ["default"] + [
+            o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"
+        ]
+
+    def _run(self, expression: str, activation: dict[str, Any]) -> Any:
+        return self._env.program(self._env.compile(expression)).evaluate(activation)
+
+    def refusals(
+        self, pod: Obj, username: str, operation: str = "CREATE", old: Obj | None = None
+    ) -> list[str]:
+        """The messages of the validations that refuse `pod` (empty: admitted)."""
+        messages = []
+        for spec in self.policies:
+            rules = spec.get("matchConstraints", {}).get("resourceRules", [])
+            if not any("pods" in r["resources"] and operation in r["operations"] for r in rules):
+                continue
+            request = {"operation": operation, "userInfo": {"username": username}}
+            activation: dict[str, Any] = {
+                "object": json_to_cel(pod),
+                "oldObject": json_to_cel(old or {}),
+                "request": json_to_cel(request),
+            }
+            variables: dict[Any, Any] = {}
+            for variable in spec.get("variables", []):
+                activation["variables"] = celtypes.MapType(variables)
+                value = self._run(variable["expression"], activation)
+                variables[celtypes.StringType(variable["name"])] = value
+            activation["variables"] = celtypes.MapType(variables)
+            for rule in spec.get("validations", []):
+                verdict = self._run(rule["expression"], activation)
+                if not (isinstance(verdict, celtypes.BoolType) and bool(verdict)):  # or an error
+                    messages.append(str(rule.get("message", rule["expression"])))
+        return messages
+
+    def binds(self, labels: dict[str, str]) -> bool:
+        """Whether a stranger, running its pod under any service account it may name, can
+        neither create a pod carrying `labels` nor add them to a pod of its own."""
+        for account in self.accounts:
+            spec = {"serviceAccountName": account, "containers": []}
+            pod = {"metadata": {"name": "x", "labels": dict(labels)}, "spec": spec}
+            bare = {"metadata": {"name": "x", "labels": {}}, "spec": spec}
+            if not self.refusals(pod, STRANGER) or not self.refusals(pod, STRANGER, "UPDATE", bare):
+                return False
+        return True
+
+
+def _pod(template: Obj) -> Obj:
+    """The pod a template makes (what admission sees)."""
+    return {"metadata": copy.deepcopy(template["metadata"]), "spec": template["spec"]}
+
+
+def peer_problems(
+    policy: Obj, admission: Admission, authenticated: frozenset[str] = frozenset()
+) -> list[str]:
+    """Each peer of a NetworkPolicy names an identity a pod cannot assert: a namespace by
+    `kubernetes.io/metadata.name` (set by the API server), or, in the policy's namespace,
+    pod labels the admission policy refuses to a stranger's pod. An egress destination whose
+    traffic authenticates the server (`authenticated`: app names, e.g. Redis over TLS with its
+    certificate checked) may be named by its app label: a pod standing in for it learns nothing."""
+    name = policy["metadata"]["name"]
+    problems = []
+    spec = policy["spec"]
+    peers = [p for r in spec.get("ingress", []) for p in r.get("from", [])]
+    for peer in (p for r in spec.get("egress", []) for p in r.get("to", [])):
+        app = peer.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name")
+        if app not in authenticated or "namespaceSelector" in peer:
+            peers.append(peer)
+    for peer in peers:
+        if "ipBlock" in peer:
+            problems.append(f"NetworkPolicy {name} peer {peer}: an address, not an identity")
+            continue
+        if "namespaceSelector" in peer:
+            namespaces = peer["namespaceSelector"]
+            if set(namespaces) != {"matchLabels"} or set(namespaces["matchLabels"]) != {
+                NAMESPACE_LABEL
+            }:
+                problems.append(
+                    f"NetworkPolicy {name} namespaceSelector {namespaces} must name one namespace "
+                    f"by {NAMESPACE_LABEL} (any other namespace label is the namespace's to set)"
+                )
+            continue
+        labels = peer.get("podSelector", {}).get("matchLabels", {})
+        if set(peer.get("podSelector", {})) - {"matchLabels"} or not admission.binds(labels):
+            problems.append(
+                f"NetworkPolicy {name} trusts pods labelled {labels}: a label any pod in the "
+                f"namespace may carry (no admission policy binds it to an identity)"
+            )
+    return problems
+
+
+def egress_problems(policy: Obj, ports: dict[str, set[int]]) -> list[str]:
+    """The policy restricts egress and each rule opens a named peer's ports: DNS (port 53 in
+    kube-system), a peer of ours (`ports` by its app name: those ports; the fleet's own pods:
+    any), or, with no peer, the API server's ports from the Ray head alone (its autoscaler)."""
+    name = policy["metadata"]["name"]
+    spec = policy["spec"]
+    if "Egress" not in spec.get("policyTypes", []):
+        return [f"NetworkPolicy {name} must restrict Egress (default deny, then what it needs)"]
+    problems = []
+    for rule in spec.get("egress", []):
+        opened = {p.get("port") for p in rule.get("ports", [])}
+        peers = rule.get("to", [])
+        head_only = spec["podSelector"].get("matchLabels", {}).get("ray.io/node-type") == "head"
+        if not peers:
+            if not (head_only and opened and opened <= {443, 6443}):
+                problems.append(
+                    f"NetworkPolicy {name} opens egress to anywhere on {opened or 'all ports'}"
+                )
+            continue
+        for peer in peers:
+            namespace = (
+                peer.get("namespaceSelector", {}).get("matchLabels", {}).get(NAMESPACE_LABEL)
+            )
+            app = peer.get("podSelector", {}).get("matchLabels", {})
+            if namespace is not None:
+                if namespace != "kube-system" or not opened or opened != {53}:
+                    problems.append(
+                        f"NetworkPolicy {name} opens egress to namespace {namespace} on "
+                        f"{opened or 'all ports'}: only DNS (53 in kube-system) leaves the fleet"
+                    )
+            elif app.get("app.kubernetes.io/name") in ports:
+                wanted = ports[app["app.kubernetes.io/name"]]
+                if not opened or not opened <= wanted:
+                    problems.append(
+                        f"NetworkPolicy {name} opens {app} on {opened or 'all ports'}, "
+                        f"not its ports {wanted}"
+                    )
+            elif "fedge.io/fleet" not in app:
+                problems.append(f"NetworkPolicy {name} opens egress to {peer}")
+    return problems
+
+
+def policies_for(objects: list[Obj], labels: dict[str, str]) -> list[Obj]:
+    """The NetworkPolicies that select pods labelled `labels`."""
+    return [
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        and all(
+            labels.get(k) == v for k, v in o["spec"]["podSelector"].get("matchLabels", {}).items()
+        )
+    ]
+
+
+def verifier_network_problems(objects: list[Obj], deployment: Obj) -> list[str]:
+    """A NetworkPolicy selects the verifier: everyone reaches the gRPC port alone, the metrics
+    port only Prometheus's namespace, egress only DNS; the devices' Service carries no metrics."""
+    template = deployment["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    policies = policies_for(objects, labels)
+    problems = []
+    if not policies:
+        problems.append(
+            "no NetworkPolicy selects the verifier: every pod reaches its metrics and ports"
+        )
+    for policy in policies:
+        problems += peer_problems(policy, Admission(objects)) + egress_problems(policy, {})
+        if "Ingress" not in policy["spec"].get("policyTypes", []):
+            problems.append(f"NetworkPolicy {policy['metadata']['name']} must restrict Ingress")
+        for rule in policy["spec"].get("ingress", []):
+            opened = {p.get("port") for p in rule.get("ports", [])}
+            if not opened:
+                problems.append(f"NetworkPolicy rule {rule} admits peers to every verifier port")
+            if not rule.get("from") and opened - {ports["grpc"]}:
+                problems.append(
+                    f"the verifier's ports {opened - {ports['grpc']}} are open to everyone"
+                )
+            if ports["metrics"] in opened and not all(
+                "namespaceSelector" in p for p in rule.get("from", [{}])
+            ):
+                problems.append("the verifier's metrics port is open beyond Prometheus's namespace")
+    devices = named(objects, "Service", "fedge-verifier")
+    exposed = {str(p.get("targetPort", p["port"])) for p in devices["spec"]["ports"]}
+    if exposed & {"metrics", str(ports["metrics"])}:
+        problems.append("the devices' Service fedge-verifier exposes the metrics port")
+    if ports["metrics"] in (ports["grpc"], ports.get("health")):
+        problems.append("metrics must have their own port")
+    return problems
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -263,14 +483,19 @@ def test_verifier_manifests_pass_every_check() -> None:
     """TLS, per-device credentials and every secret as a mounted file, probes on the health port.
 
     Main's manifest fails it: a plaintext listener, one shared token in the environment, probes
-    on the gRPC port (checked: four problems named)."""
+    on the gRPC port (checked: four problems named). Before issue 31's manifests it failed
+    too: no NetworkPolicy (every pod reached the metrics, whose KV-bytes gauge sized the
+    starvation attack) and the metrics port in the devices' Service (two problems named)."""
     objects = verifier_shape()
-    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PersistentVolumeClaim"]
+    assert [o["kind"] for o in objects] == [
+        *("Deployment", "Service", "Service", "NetworkPolicy", "PersistentVolumeClaim")
+    ]
     assert all_problems(objects) == []
 
 
 def test_model_volume_is_the_documented_claim() -> None:
-    (deployment, _, claim) = verifier_shape()
+    objects = verifier_shape()
+    deployment, claim = objects[0], named(objects, "PersistentVolumeClaim", "fedge-models")
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
     claims = [
         v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v
@@ -383,6 +608,38 @@ BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "termination grace shorter than the drain": (
         lambda o: o[0]["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=10),
         "must exceed the 21 s drain",
+    ),
+    "no NetworkPolicy for the verifier": (
+        lambda o: o.remove(named(o, "NetworkPolicy", "fedge-verifier")),
+        "no NetworkPolicy selects the verifier",
+    ),
+    "metrics open to everyone": (
+        lambda o: named(o, "NetworkPolicy", "fedge-verifier")["spec"]["ingress"][0]["ports"].append(
+            {"port": 9090, "protocol": "TCP"}
+        ),
+        "ports {9090} are open to everyone",
+    ),
+    "metrics in the devices' Service": (
+        lambda o: o[1]["spec"]["ports"].append(
+            {"name": "metrics", "port": 9090, "targetPort": "metrics"}
+        ),
+        "exposes the metrics port",
+    ),
+    "metrics admitted from a namespace by a label it sets": (
+        lambda o: named(o, "NetworkPolicy", "fedge-verifier")["spec"]["ingress"][1]["from"][
+            0
+        ].update(namespaceSelector={"matchLabels": {"team": "monitoring"}}),
+        "must name one namespace by kubernetes.io/metadata.name",
+    ),
+    "verifier egress open": (
+        lambda o: named(o, "NetworkPolicy", "fedge-verifier")["spec"]["egress"].append({}),
+        "opens egress to anywhere",
+    ),
+    "verifier egress not restricted": (
+        lambda o: named(o, "NetworkPolicy", "fedge-verifier")["spec"].update(
+            policyTypes=["Ingress"]
+        ),
+        "must restrict Egress",
     ),
     "Deployment selector does not match its pods": (
         lambda o: o[0]["spec"]["selector"]["matchLabels"].update({"app.kubernetes.io/name": "x"}),
@@ -507,6 +764,16 @@ def fleet_problems(objects: list[Obj]) -> list[str]:
         return ["no NetworkPolicy: Ray's ports are open to every pod in the cluster"]
     rayservice, service, policy = kinds["RayService"], kinds["Service"], kinds["NetworkPolicy"]
     problems = crd_problems(rayservice) + schema_problems(service) + schema_problems(policy)
+    others = [o for o in objects if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
+    others += [o for o in objects if "ValidatingAdmissionPolicy" in o["kind"]]
+    others += [  # fedge-redis's policy: redis_problems checks it
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        and o is not policy
+        and o["metadata"]["name"] != "fedge-redis"
+    ]
+    problems += [p for o in others for p in schema_problems(o)]
     if problems:
         return problems
     cluster = rayservice["spec"]["rayClusterConfig"]
@@ -533,6 +800,7 @@ def fleet_problems(objects: list[Obj]) -> list[str]:
     files = {k: ingress_args.get(k) for k in ("credentials_file", "tls_cert", "tls_key")}
     problems += secret_problems(head["template"]["spec"], head_container, files)
     problems += network_policy_problems(policy, templates, int(ingress_args.get("port", 50061)))
+    problems += fleet_identity_problems(objects, templates)
     head_template = {
         "metadata": {"labels": {**head["template"]["metadata"]["labels"], **KUBERAY_HEAD_LABELS}},
         "spec": head["template"]["spec"],
@@ -608,6 +876,7 @@ def redis_problems(objects: list[Obj], ingress_args: Obj, head: Obj) -> list[str
     template = deployment["spec"]["template"]
     problems += deployment_problems(deployment) + service_problems(service, template)
     url = urlsplit(str(ingress_args.get("redis_url") or ""))
+    problems += redis_tls_problems(url, template, head)
     if (url.hostname, url.port) != ("fedge-redis", service["spec"]["ports"][0]["port"]):
         problems.append(
             f"the ingress must keep its state in the fedge-redis Service (redis_url), "
@@ -664,6 +933,77 @@ def redis_problems(objects: list[Obj], ingress_args: Obj, head: Obj) -> list[str
     return problems
 
 
+def redis_tls_problems(url: Any, template: Obj, head: Obj) -> list[str]:
+    """Redis listens on TLS alone, its key and certificate from a documented Secret's files,
+    and the ingress dials rediss:// checking the certificate against a CA from such a file."""
+    problems = []
+    (redis,) = template["spec"]["containers"]
+    args = [str(a) for a in redis.get("args", [])]
+    options = dict(zip(args[1::2], args[2::2], strict=False))
+    port = next(p["containerPort"] for p in redis["ports"] if p.get("name") == "redis")
+    if options.get("--port") != "0" or options.get("--tls-port") != str(port):
+        problems.append(
+            f"Redis must listen on TLS alone (--port 0, --tls-port {port}): its password and the "
+            f"fleet's state would cross the network in clear"
+        )
+    files = {f: options.get(f) for f in ("--tls-cert-file", "--tls-key-file")}
+    if None in files.values():
+        problems.append("Redis needs --tls-cert-file and --tls-key-file")
+    problems += secret_problems(template["spec"], redis, files)
+    query = dict(parse_qsl(url.query))
+    if url.scheme != "rediss" or "ssl_ca_certs" not in query:
+        problems.append(
+            "the ingress must dial Redis over TLS checking its certificate "
+            f"(rediss://...?ssl_ca_certs=FILE), got {url.geturl()!r}"
+        )
+    (head_container,) = head["spec"]["containers"]
+    problems += secret_problems(
+        head["spec"], head_container, {"ssl_ca_certs": query.get("ssl_ca_certs")}
+    )
+    return problems
+
+
+def fleet_identity_problems(objects: list[Obj], templates: list[Obj]) -> list[str]:
+    """Every NetworkPolicy of the fleet and its Redis names identities a pod cannot assert and
+    restricts egress to what the fleet needs; the admission policy lets the KubeRay operator
+    (as the policies name it) create the fleet's pods and the ReplicaSet controller Redis's."""
+    admission = Admission(objects)
+    deployments = [o for o in objects if o["kind"] == "Deployment"]
+    redis = deployments[0]["spec"]["template"] if deployments else None  # none: redis_problems
+    redis_ports = (
+        {p["containerPort"] for c in redis["spec"]["containers"] for p in c["ports"]}
+        if redis
+        else set()
+    )
+    problems = []
+    for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+        problems += peer_problems(policy, admission, frozenset({"fedge-redis"}))  # TLS checked
+        problems += egress_problems(policy, {"fedge-redis": redis_ports})
+    policy = named(objects, "NetworkPolicy", "fedge-fleet")
+    operator = [
+        p
+        for r in policy["spec"].get("ingress", [])
+        for p in r.get("from", [])
+        if "kuberay-operator" in str(p)
+    ]
+    namespace = operator[0].get("namespaceSelector", {}).get("matchLabels", {}) if operator else {}
+    creator = f"system:serviceaccount:{namespace.get(NAMESPACE_LABEL)}:kuberay-operator"
+    for template in templates:
+        refused = admission.refusals(_pod(template), creator)
+        if refused:
+            problems.append(f"the admission policy refuses the fleet's pods ({creator}): {refused}")
+    controller = "system:serviceaccount:kube-system:replicaset-controller"
+    refused = admission.refusals(_pod(redis), controller) if redis else []
+    if refused:
+        problems.append(f"the admission policy refuses Redis's pods: {refused}")
+    egress = [r for r in policy["spec"].get("egress", []) for p in r.get("to", [])]
+    reached = json.dumps(egress)
+    for needed in ("fedge-fleet", "fedge-redis", "kube-dns"):
+        if needed not in reached:
+            problems.append(f"the fleet's egress misses {needed}: the fleet would not work")
+    return problems
+
+
 def network_policy_problems(policy: Obj, templates: list[Obj], ingress_port: int) -> list[str]:
     """The policy covers every Ray pod; only fleet pods (and the operator, the dashboard) reach
     Ray's ports; everyone else reaches the ingress port alone."""
@@ -694,7 +1034,7 @@ def network_policy_problems(policy: Obj, templates: list[Obj], ingress_port: int
 
 
 def fleet_shape() -> list[Obj]:
-    return load("fleet-rayservice.yaml") + load("fleet-redis.yaml")
+    return load("fleet-rayservice.yaml") + load("fleet-redis.yaml") + load(ADMISSION)
 
 
 def test_fleet_manifests_pass_every_check() -> None:
@@ -702,11 +1042,17 @@ def test_fleet_manifests_pass_every_check() -> None:
     with per-device credentials read from Secret files.
 
     Main's manifest fails it: no NetworkPolicy (any pod could submit a Ray job or call
-    `promote`), no Ray token auth, the shared token in every pod's environment (checked)."""
+    `promote`), no Ray token auth, the shared token in every pod's environment (checked).
+    Before issue 31's manifests it failed too (checked: 11 problems): the policies trusted
+    `fedge.io/fleet`, a label any pod of the namespace could carry (it then reached Ray's GCS,
+    the dashboard's job submission and Redis), admitted the operator's label from every
+    namespace, denied no egress, and Redis spoke plaintext."""
     objects = fleet_shape()
     assert [o["kind"] for o in objects] == [
-        *("RayService", "Service", "NetworkPolicy"),
-        *("PersistentVolumeClaim", "Deployment", "Service", "NetworkPolicy"),  # its Redis
+        *("RayService", "Service", "ServiceAccount", "Role", "RoleBinding"),
+        *("NetworkPolicy", "NetworkPolicy"),
+        *("ServiceAccount", "PersistentVolumeClaim", "Deployment", "Service", "NetworkPolicy"),
+        *("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"),
     ]
     assert fleet_problems(objects) == []
 
@@ -734,6 +1080,28 @@ def _serve(mutate: Callable[[Obj], object]) -> Callable[[list[Obj]], None]:
 
 def _head(objects: list[Obj]) -> Obj:
     return _cluster(objects)["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _policy(objects: list[Obj]) -> Obj:
+    return named(objects, "NetworkPolicy", "fedge-fleet")
+
+
+def _redis(objects: list[Obj]) -> Obj:
+    return named(objects, "Deployment", "fedge-redis")
+
+
+def _redis_arg(flag: str, value: str | None) -> Callable[[list[Obj]], None]:
+    """Set (None: drop) one of Redis's `--flag value` arguments."""
+
+    def mutate(objects: list[Obj]) -> None:
+        args = _redis(objects)["spec"]["template"]["spec"]["containers"][0]["args"]
+        at = args.index(flag)
+        if value is None:
+            del args[at : at + 2]
+        else:
+            args[at + 1] = value
+
+    return mutate
 
 
 def _worker(objects: list[Obj]) -> Obj:
@@ -828,9 +1196,11 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         ),
         "ray-worker: RAY_AUTH_MODE must be token",
     ),
-    "no NetworkPolicy": (lambda o: o.pop(2), "no NetworkPolicy"),
+    "no NetworkPolicy": (lambda o: o.remove(_policy(o)), "no NetworkPolicy"),
     "Ray's GCS open to everyone": (
-        lambda o: o[2]["spec"]["ingress"][2]["ports"].append({"port": 6379, "protocol": "TCP"}),
+        lambda o: _policy(o)["spec"]["ingress"][2]["ports"].append(
+            {"port": 6379, "protocol": "TCP"}
+        ),
         "to Ray ports {6379}",
     ),
     "NetworkPolicy missing the worker pods": (
@@ -844,7 +1214,7 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         "the ingress must serve TLS",
     ),
     "no Redis for the ingresses' state": (
-        lambda o: o.pop(4),
+        lambda o: o.remove(_redis(o)),
         "no Redis Deployment and Service fedge-redis",
     ),
     "ingress without redis_url": (
@@ -866,17 +1236,17 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         "redis_password_file /models/pw is not in a volume of a Secret",
     ),
     "Redis password in its arguments": (
-        lambda o: o[4]["spec"]["template"]["spec"]["containers"][0]["args"].extend(
+        lambda o: _redis(o)["spec"]["template"]["spec"]["containers"][0]["args"].extend(
             ["--requirepass", "pw"]
         ),
         "the Redis password is in its arguments",
     ),
     "Redis open to every pod": (
-        lambda o: o[6]["spec"]["ingress"][0].pop("from"),
+        lambda o: named(o, "NetworkPolicy", "fedge-redis")["spec"]["ingress"][0].pop("from"),
         "NetworkPolicy fedge-redis admits everyone",
     ),
     "no NetworkPolicy for Redis": (
-        lambda o: o.pop(6),
+        lambda o: o.remove(named(o, "NetworkPolicy", "fedge-redis")),
         "no NetworkPolicy fedge-redis",
     ),
     "Serve's HTTP proxy on": (
@@ -884,20 +1254,136 @@ FLEET_BREAKAGES: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
         "proxy_location must be Disabled",
     ),
     "Redis may evict live sessions": (
-        lambda o: o[4]["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(
+        lambda o: _redis(o)["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(
             -1, "allkeys-lru"
         ),
         "--maxmemory-policy noeviction",
     ),
     "Redis without maxmemory": (
-        lambda o: o[4]["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(-3, "2gb"),
+        lambda o: _redis(o)["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(
+            -3, "2gb"
+        ),
         "--maxmemory below its memory limit",
     ),
     "Redis's default user on": (
-        lambda o: o[4]["spec"]["template"]["spec"]["initContainers"][0]["command"].__setitem__(
+        lambda o: _redis(o)["spec"]["template"]["spec"]["initContainers"][0]["command"].__setitem__(
             -1, "printf 'requirepass x' > /conf/redis.conf"
         ),
         "default user off",
+    ),
+    "misspelt field in the admission binding": (
+        lambda o: named(o, "ValidatingAdmissionPolicyBinding", "fedge-identity-labels")[
+            "spec"
+        ].update(validationAction=["Deny"]),
+        "'validationAction' was unexpected",
+    ),
+    "misspelt field in Redis's service account": (
+        lambda o: named(o, "ServiceAccount", "fedge-redis").update(
+            automountServiceAccountTokens=False
+        ),
+        "'automountServiceAccountTokens' was unexpected",
+    ),
+    "the fleet's label free for any pod": (
+        lambda o: o.remove(named(o, "ValidatingAdmissionPolicyBinding", "fedge-identity-labels")),
+        "trusts pods labelled {'fedge.io/fleet': 'fedge-fleet'}: a label any pod",
+    ),
+    "the admission policy checks the account but not the creator": (
+        lambda o: named(o, "ValidatingAdmissionPolicy", "fedge-identity-labels")["spec"][
+            "validations"
+        ].pop(1),
+        "trusts pods labelled {'fedge.io/fleet': 'fedge-fleet'}",
+    ),
+    "a label may be added to a running pod": (
+        lambda o: named(o, "ValidatingAdmissionPolicy", "fedge-identity-labels")["spec"][
+            "validations"
+        ].pop(3),
+        "trusts pods labelled",
+    ),
+    "a peer by an unbound label": (
+        lambda o: _policy(o)["spec"]["ingress"][0]["from"][0]["podSelector"].update(
+            matchLabels={"app.kubernetes.io/part-of": "fedge"}
+        ),
+        "trusts pods labelled {'app.kubernetes.io/part-of': 'fedge'}",
+    ),
+    "the operator admitted from every namespace": (
+        lambda o: _policy(o)["spec"]["ingress"][1]["from"][0].update(namespaceSelector={}),
+        "namespaceSelector {} must name one namespace",
+    ),
+    "the operator in another namespace than the admission policy names": (
+        lambda o: _policy(o)["spec"]["ingress"][1]["from"][0].update(
+            namespaceSelector={"matchLabels": {NAMESPACE_LABEL: "ray-system"}}
+        ),
+        "refuses the fleet's pods (system:serviceaccount:ray-system:kuberay-operator)",
+    ),
+    "a fleet pod under the default account": (
+        lambda o: _cluster(o)["workerGroupSpecs"][0]["template"]["spec"].pop("serviceAccountName"),
+        "must run as service account fedge-fleet",
+    ),
+    "no egress policy for the fleet": (
+        lambda o: _policy(o)["spec"].update(policyTypes=["Ingress"]),
+        "NetworkPolicy fedge-fleet must restrict Egress",
+    ),
+    "fleet egress to anywhere": (
+        lambda o: _policy(o)["spec"]["egress"].append({"ports": [{"port": 443}]}),
+        "fedge-fleet opens egress to anywhere",
+    ),
+    "workers may reach the API server": (
+        lambda o: named(o, "NetworkPolicy", "fedge-fleet-apiserver")["spec"]["podSelector"][
+            "matchLabels"
+        ].pop("ray.io/node-type"),
+        "fedge-fleet-apiserver opens egress to anywhere",
+    ),
+    "fleet egress to Redis on every port": (
+        lambda o: _policy(o)["spec"]["egress"][1].pop("ports"),
+        "on all ports, not its ports {6379}",
+    ),
+    "fleet egress to another namespace": (
+        lambda o: _policy(o)["spec"]["egress"][2]["ports"].append({"port": 443, "protocol": "TCP"}),
+        "only DNS (53 in kube-system)",
+    ),
+    "fleet egress without DNS": (
+        lambda o: _policy(o)["spec"]["egress"].pop(2),
+        "egress misses kube-dns",
+    ),
+    "Redis egress open": (
+        lambda o: named(o, "NetworkPolicy", "fedge-redis")["spec"].update(egress=[{}]),
+        "fedge-redis opens egress to anywhere",
+    ),
+    "Redis egress not restricted": (
+        lambda o: named(o, "NetworkPolicy", "fedge-redis")["spec"].update(policyTypes=["Ingress"]),
+        "NetworkPolicy fedge-redis must restrict Egress",
+    ),
+    "Redis's plaintext port on": (
+        _redis_arg("--port", "6380"),
+        "Redis must listen on TLS alone",
+    ),
+    "Redis TLS key outside a Secret volume": (
+        _redis_arg("--tls-key-file", "/data/tls.key"),
+        "--tls-key-file /data/tls.key is not in a volume of a Secret",
+    ),
+    "ingress dialing Redis in plaintext": (
+        _serve(
+            lambda c: c["applications"][1]["args"].update(
+                redis_url="redis://fedge@fedge-redis:6379/0"
+            )
+        ),
+        "must dial Redis over TLS",
+    ),
+    "ingress not checking Redis's certificate": (
+        _serve(
+            lambda c: c["applications"][1]["args"].update(
+                redis_url="rediss://fedge@fedge-redis:6379/0"
+            )
+        ),
+        "must dial Redis over TLS checking its certificate",
+    ),
+    "ingress turning Redis's certificate check off": (
+        _serve(
+            lambda c: c["applications"][1]["args"].update(
+                redis_url=c["applications"][1]["args"]["redis_url"] + "&ssl_cert_reqs=none"
+            )
+        ),
+        "turns off the check of Redis's TLS certificate",
     ),
     "two ingress replicas, room for one on the head": (
         lambda o: _cluster(o)["headGroupSpec"]["rayStartParams"].update(

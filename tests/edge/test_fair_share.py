@@ -18,6 +18,7 @@ import grpc
 import pytest
 from transformers import PreTrainedModel
 
+from fedge.edge.fleet.ingress_spec import IngressSpec
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
 from fedge.edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
@@ -25,7 +26,7 @@ from fedge.edge.verifier.jobs import NullObserver
 from fedge.edge.verifier.limits import GENERATE, PREFILL, RateLimitConfig
 from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
-from tests.edge.harness import write_credentials
+from tests.edge.harness import running_ingress, write_credentials
 from tests.edge.test_engine import target_greedy
 from tests.edge.test_liveness import poll
 
@@ -264,6 +265,40 @@ def test_generate_prompts_pay_prefill_and_generate_is_metered_by_default(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert "per-device burst" in refused.value.details()  # type: ignore[attr-defined]
         assert generate(stub, bob, prompt[:30], 20) == 20
+
+
+def test_the_fleet_ingress_charges_generate_prompts_as_prefill_as_the_verifier_does(
+    devices: tuple[Path, dict[str, Auth]],
+) -> None:
+    """The same attack as above through the fleet's ingress (its real gRPC server, credentials
+    and limits; no replica behind it, so every relayed call ends UNAVAILABLE): bob's 120-token
+    open leaves his prefill bucket (1 token/s, burst 16) in debt, then each of his 5 Generates
+    of a 120-token prompt is refused RESOURCE_EXHAUSTED before it is relayed, while alice's
+    Generate of that prompt passes the meter (relayed: UNAVAILABLE here). With no limit option
+    the ingress meters Generate and prefill per device, as the single verifier does.
+
+    The ingress and the verifier share `RateLimitInterceptor` (`_generate_costs`), so this held
+    before this test too; it pins the fleet path to the verifier's charge (issue 31, item 4)."""
+    path, auth = devices
+    alice, bob = auth["alice"], auth["bob"]
+    prompt = [3 + i for i in range(120)]
+    limits = RateLimitConfig(prefill_rate=1.0, prefill_burst=16)
+    spec = IngressSpec("fedge-v1", credentials_file=path, rate_limits=limits)
+    with running_ingress(spec) as (front, replicas):
+        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{front.port()}"))
+        first = pb.OpenSessionRequest(prompt_ids=prompt)
+        assert status(lambda: stub.OpenSession(first, metadata=bob)) == grpc.StatusCode.UNAVAILABLE
+        relayed = len(replicas.relayed)
+        assert status(lambda: stub.OpenSession(first, metadata=bob)) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        streamed = [status(lambda: generate(stub, bob, prompt, 2)) for _ in range(5)]
+        assert streamed == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 5
+        assert len(replicas.relayed) == relayed  # nothing of bob's reached a replica
+        assert status(lambda: generate(stub, alice, prompt, 2)) == grpc.StatusCode.UNAVAILABLE
+    with running_ingress(IngressSpec("fedge-v1", credentials_file=path)) as (front, _):
+        assert front.limits.current is not None
+        assert {GENERATE, PREFILL} <= set(front.limits.current._limiter.buckets)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

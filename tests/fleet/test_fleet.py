@@ -11,10 +11,14 @@ Each test starts on the fleet as started (`as_started`), so any order or selecti
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -312,6 +316,36 @@ def test_through_the_fleet_a_device_owns_its_sessions_and_strangers_get_nothing(
     reply = stub.Verify(follow, metadata=auth["alice"], timeout=60)  # no committed_ids: no reopen
     assert (reply.accepted, reply.next_token) == (2, out[5])
     assert stub.CloseSession(close, metadata=auth["alice"], timeout=60).session_length == length + 3
+
+
+def test_a_process_without_the_fleets_ray_token_cannot_join_its_ray(
+    fleet: Any, tmp_path: Path
+) -> None:
+    """A process that reaches the fleet's Ray GCS (`fedge verifier fleet`'s local start; the
+    Ray tests run as a deployer does) without the token the fleet wrote is refused with Ray's
+    InvalidAuthToken before it can name an actor: no `describe()`, no relay of another device.
+
+    Before token auth was on by default (issue 31, finding 6) a token-less process joined and
+    called the ingress's admin methods and a replica's relay (checked again on a Ray started
+    without the token: the same command joined, exit 0, and listed the cluster's resources). Binding the GCS to loopback is not
+    offered by Ray 2.55.1: its servers listen on every interface whatever the node address
+    (`ray.init(_node_ip_address="127.0.0.1")` is resolved to the host's address; measured here:
+    gcs_server and raylet on `::`, the dashboard agent on 0.0.0.0), so the token is the guard
+    and this test is its adversary."""
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    stranger = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    stranger["HOME"] = str(tmp_path)  # nor a token in ~/.ray
+    joined = subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); print('JOINED')"],
+        env=stranger,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert joined.returncode != 0 and "JOINED" not in joined.stdout
+    assert "InvalidAuthToken" in joined.stderr
 
 
 def test_replica_killed_under_load_fails_no_request(

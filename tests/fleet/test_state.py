@@ -215,11 +215,17 @@ def test_the_redis_url_refuses_a_password_and_the_password_file_must_exist(
     tmp_path: Path,
 ) -> None:
     """A password belongs in the password file, not in a URL that shows up in configs and logs;
-    a missing password file is named; several ingresses without a shared store are refused."""
+    a TLS URL may not turn off the check of Redis's certificate (the password would go to a
+    stand-in); a missing password file is named; several ingresses without a shared store are
+    refused."""
     with pytest.raises(ValueError, match="password file"):
         IngressSpec("fedge-v1", redis_url="redis://:hunter2@127.0.0.1:6379/0")
     with pytest.raises(ValueError, match="redis://HOST"):
         IngressSpec("fedge-v1", redis_url="http://127.0.0.1:6379")
+    for unchecked in ("ssl_cert_reqs=none", "ssl_cert_reqs=optional", "ssl_check_hostname=false"):
+        with pytest.raises(ValueError, match="turns off the check of Redis's TLS certificate"):
+            IngressSpec("fedge-v1", redis_url=f"rediss://fedge@redis:6379/0?{unchecked}")
+    IngressSpec("fedge-v1", redis_url="rediss://fedge@redis:6379/0?ssl_ca_certs=/run/ca.crt")
     with pytest.raises(ValueError, match="missing"):
         RedisState.connect("redis://127.0.0.1:1/0", tmp_path / "nope")
     with pytest.raises(ValueError, match="ingress_replicas=2 needs redis_url"):
