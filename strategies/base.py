@@ -61,7 +61,7 @@ Evaluation is Flower's FedAvg unchanged. The client half for any torch ClientApp
 from __future__ import annotations
 
 import logging
-from abc import ABC
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -73,6 +73,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.strategies.arrays import array_numpy
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Arrays",
+    "CheckedStart",
     "ClientHook",
     "ClientResult",
     "ClientStateStore",
@@ -144,7 +146,47 @@ def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     )
 
 
-class Strategy(FlowerFedAvg, ABC):
+class CheckedStart(FlowerStrategy):
+    """Flower's ``start`` between a run's reset and its :class:`NoReplyAccepted` check.
+
+    A fedge strategy and the wrappers around one (``fedge.server.secagg.strategy.SecAggPlus``,
+    ``fedge.server.privacy.strategy.CentralDP``) count a run's rounds in the fedge strategy
+    (:meth:`Strategy.reset_run`, :meth:`Strategy.check_applied`); each says only how it
+    resets a run (``reset_run``) and what it knows of the last round's refusals
+    (``check_run``).
+    """
+
+    @abstractmethod
+    def reset_run(self) -> None:
+        """Forget the previous run's rounds; ``start`` calls it first."""
+
+    @abstractmethod
+    def check_run(self) -> None:
+        """Raise :class:`NoReplyAccepted` when no round of the run just ended applied an
+        accepted update; ``start`` calls it after Flower's ``start`` returned."""
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``; a run in which no reply (or, under a secure aggregator, no
+        round's sum) was ever applied raises :class:`NoReplyAccepted` instead of returning
+        the initial model."""
+        self.reset_run()
+        result = super().start(
+            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+        )
+        self.check_run()
+        return result
+
+
+class Strategy(CheckedStart, FlowerFedAvg, ABC):
     """A federated optimisation algorithm as knobs, a client hook and a ``finalize`` step.
 
     Subclasses set ``name``, ``accepts_partial_work`` and ``local_optimizer`` and override
@@ -378,24 +420,9 @@ class Strategy(FlowerFedAvg, ABC):
                 f"accepted a reply, so the model is the initial one. Last round: {why or 'no replies'}"
             )
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``; a run in which no reply was ever accepted raises
-        :class:`NoReplyAccepted` instead of returning the untrained model."""
-        self.reset_run()
-        result = super().start(
-            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
-        )
+    def check_run(self) -> None:
+        """The run's end (:class:`CheckedStart`): :meth:`check_applied` on what this saw."""
         self.check_applied()
-        return result
 
     def _train_metrics(self, contents: list[RecordDict]) -> MetricRecord | None:
         """Flower's metric aggregation over the replies that report ``weighted_by_key``."""

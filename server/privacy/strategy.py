@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
-from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.privacy.accounting import Method
@@ -43,7 +41,7 @@ from fedge.server.privacy.release import (
     ReleaseAccount,
     finite_positive,
 )
-from fedge.strategies.base import Strategy, UniformWeighting, log_received
+from fedge.strategies.base import CheckedStart, Strategy, UniformWeighting, log_received
 from fedge.strategies.contract import sum_contributions
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
 from fedge.strategies.replies import reply_contribution
@@ -109,7 +107,7 @@ def unit_weight(contribution: Arrays) -> Arrays | None:
     return out
 
 
-class CentralDP(FlowerStrategy):
+class CentralDP(CheckedStart):
     """Train ``strategy`` with central DP: clip each update to C, noise the sum with std z C.
 
     Weighting is uniform (a client's weight, and so its influence, must be bounded): a
@@ -274,25 +272,14 @@ class CentralDP(FlowerStrategy):
         arrays_out = self.inner.aggregate_sum(server_round, noised, nodes)
         return arrays_out, MetricRecord({**self._client_metrics(contents), **metrics})
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``; a run in which no round's sum was applied raises
-        :class:`~fedge.strategies.base.NoReplyAccepted` instead of returning the initial model."""
+    def reset_run(self) -> None:
+        """A new run: the inner strategy's round counts start at 0, no refusal is held."""
         self.inner.reset_run()
         self._last_refusals = {}
-        result = super().start(
-            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
-        )
+
+    def check_run(self) -> None:
+        """The inner strategy's check, naming the last round's refusals seen here."""
         self.inner.check_applied(self._last_refusals)
-        return result
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
