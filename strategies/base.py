@@ -64,7 +64,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -122,6 +122,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_Checked = TypeVar("_Checked")  # what an accepted reply's contribution becomes (accept_replies)
 
 
 def log_received(replies: Sequence[Message]) -> None:
@@ -327,15 +329,44 @@ class Strategy(CheckedStart, FlowerFedAvg, ABC):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Replies -> bounded contributions -> the rule's sum -> ``finalize`` -> next arrays."""
+        accepted = self.accept_replies(
+            server_round, replies, lambda arrays: apply_bounds(arrays, self.robust)
+        )
+        nodes = [node for node, _, _ in accepted]
+        kept_arrays, refused = adaptive_bounds(  # the default defence
+            [arrays for _, arrays, _ in accepted], self.robust
+        )
+        for index, why in sorted(refused.items()):
+            self._refuse(server_round, nodes[index], why)
+        contents = [c for i, (_, _, c) in enumerate(accepted) if i not in refused]
+        nodes = [n for i, n in enumerate(nodes) if i not in refused]
+        if not kept_arrays:
+            log.error("round %d: no reply was accepted; the global model is kept", server_round)
+            return None, None
+        summed, kept = self.combine(kept_arrays)
+        record = self.aggregate_sum(server_round, summed, [nodes[i] for i in kept])
+        return record, self._train_metrics(contents)
+
+    def accept_replies(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        check: Callable[[Arrays], tuple[_Checked | None, str | None]],
+    ) -> list[tuple[int, _Checked, RecordDict]]:
+        """Read the open round's replies as contributions; ``check`` refuses one (a reason) or
+        turns it into what the caller sums (per-client bounds here, unit weight under central DP).
+
+        Logs Flower's "Received" line; every error reply, unreadable reply and reply that
+        ``check`` refuses is logged and kept for :meth:`check_applied` (:meth:`_refuse`).
+        Returns (node, what ``check`` made of its contribution, reply content) per accepted reply.
+        """
         state = self._round_state
         if state is None:
             raise AggregationError("aggregate_train before configure_train: no round is open")
         spec = self.contribution_spec(state)
         replies = list(replies)
         log_received(replies)
-        contributions: list[Arrays] = []
-        contents: list[RecordDict] = []
-        nodes: list[int] = []
+        accepted: list[tuple[int, _Checked, RecordDict]] = []
         self._last_refusals = {}
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -349,29 +380,19 @@ class Strategy(CheckedStart, FlowerFedAvg, ABC):
                 self._last_refusals[node] = f"error reply: {msg.error.reason}"
                 continue
             arrays, why = reply_contribution(msg.content, state.adapter, spec, self.weighted_by_key)
+            checked: _Checked | None = None
             if arrays is not None and why is None:
-                arrays, why = apply_bounds(arrays, self.robust)
-            if arrays is None or why is not None:
-                log.warning("round %d: rejected the reply of node %d: %s", server_round, node, why)
-                self._last_refusals[node] = str(why)
+                checked, why = check(arrays)
+            if checked is None or why is not None:
+                self._refuse(server_round, node, str(why))
                 continue
-            contributions.append(arrays)
-            contents.append(msg.content)
-            nodes.append(node)
-        kept_arrays, refused = adaptive_bounds(contributions, self.robust)  # the default defence
-        for index, why in sorted(refused.items()):
-            log.warning(
-                "round %d: rejected the reply of node %d: %s", server_round, nodes[index], why
-            )
-            self._last_refusals[nodes[index]] = why
-        contents = [c for i, c in enumerate(contents) if i not in refused]
-        nodes = [n for i, n in enumerate(nodes) if i not in refused]
-        if not kept_arrays:
-            log.error("round %d: no reply was accepted; the global model is kept", server_round)
-            return None, None
-        summed, kept = self.combine(kept_arrays)
-        record = self.aggregate_sum(server_round, summed, [nodes[i] for i in kept])
-        return record, self._train_metrics(contents)
+            accepted.append((node, checked, msg.content))
+        return accepted
+
+    def _refuse(self, server_round: int, node: int, why: str) -> None:
+        """Log a refused reply and keep why, for :meth:`check_applied`'s message."""
+        log.warning("round %d: rejected the reply of node %d: %s", server_round, node, why)
+        self._last_refusals[node] = why
 
     def combine(self, contributions: list[Arrays]) -> tuple[Arrays, list[int]]:
         """The round's combination rule over the accepted contributions (in the shape of a
