@@ -61,10 +61,10 @@ Evaluation is Flower's FedAvg unchanged. The client half for any torch ClientApp
 from __future__ import annotations
 
 import logging
-from abc import ABC
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -73,6 +73,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.strategies.arrays import array_numpy
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Arrays",
+    "CheckedStart",
     "ClientHook",
     "ClientResult",
     "ClientStateStore",
@@ -120,6 +122,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_Checked = TypeVar("_Checked")  # what an accepted reply's contribution becomes (accept_replies)
 
 
 def log_received(replies: Sequence[Message]) -> None:
@@ -144,7 +148,47 @@ def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     )
 
 
-class Strategy(FlowerFedAvg, ABC):
+class CheckedStart(FlowerStrategy):
+    """Flower's ``start`` between a run's reset and its :class:`NoReplyAccepted` check.
+
+    A fedge strategy and the wrappers around one (``fedge.server.secagg.strategy.SecAggPlus``,
+    ``fedge.server.privacy.strategy.CentralDP``) count a run's rounds in the fedge strategy
+    (:meth:`Strategy.reset_run`, :meth:`Strategy.check_applied`); each says only how it
+    resets a run (``reset_run``) and what it knows of the last round's refusals
+    (``check_run``).
+    """
+
+    @abstractmethod
+    def reset_run(self) -> None:
+        """Forget the previous run's rounds; ``start`` calls it first."""
+
+    @abstractmethod
+    def check_run(self) -> None:
+        """Raise :class:`NoReplyAccepted` when no round of the run just ended applied an
+        accepted update; ``start`` calls it after Flower's ``start`` returned."""
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``; a run in which no reply (or, under a secure aggregator, no
+        round's sum) was ever applied raises :class:`NoReplyAccepted` instead of returning
+        the initial model."""
+        self.reset_run()
+        result = super().start(
+            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+        )
+        self.check_run()
+        return result
+
+
+class Strategy(CheckedStart, FlowerFedAvg, ABC):
     """A federated optimisation algorithm as knobs, a client hook and a ``finalize`` step.
 
     Subclasses set ``name``, ``accepts_partial_work`` and ``local_optimizer`` and override
@@ -285,15 +329,44 @@ class Strategy(FlowerFedAvg, ABC):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Replies -> bounded contributions -> the rule's sum -> ``finalize`` -> next arrays."""
+        accepted = self.accept_replies(
+            server_round, replies, lambda arrays: apply_bounds(arrays, self.robust)
+        )
+        nodes = [node for node, _, _ in accepted]
+        kept_arrays, refused = adaptive_bounds(  # the default defence
+            [arrays for _, arrays, _ in accepted], self.robust
+        )
+        for index, why in sorted(refused.items()):
+            self._refuse(server_round, nodes[index], why)
+        contents = [c for i, (_, _, c) in enumerate(accepted) if i not in refused]
+        nodes = [n for i, n in enumerate(nodes) if i not in refused]
+        if not kept_arrays:
+            log.error("round %d: no reply was accepted; the global model is kept", server_round)
+            return None, None
+        summed, kept = self.combine(kept_arrays)
+        record = self.aggregate_sum(server_round, summed, [nodes[i] for i in kept])
+        return record, self._train_metrics(contents)
+
+    def accept_replies(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        check: Callable[[Arrays], tuple[_Checked | None, str | None]],
+    ) -> list[tuple[int, _Checked, RecordDict]]:
+        """Read the open round's replies as contributions; ``check`` refuses one (a reason) or
+        turns it into what the caller sums (per-client bounds here, unit weight under central DP).
+
+        Logs Flower's "Received" line; every error reply, unreadable reply and reply that
+        ``check`` refuses is logged and kept for :meth:`check_applied` (:meth:`_refuse`).
+        Returns (node, what ``check`` made of its contribution, reply content) per accepted reply.
+        """
         state = self._round_state
         if state is None:
             raise AggregationError("aggregate_train before configure_train: no round is open")
         spec = self.contribution_spec(state)
         replies = list(replies)
         log_received(replies)
-        contributions: list[Arrays] = []
-        contents: list[RecordDict] = []
-        nodes: list[int] = []
+        accepted: list[tuple[int, _Checked, RecordDict]] = []
         self._last_refusals = {}
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -307,29 +380,19 @@ class Strategy(FlowerFedAvg, ABC):
                 self._last_refusals[node] = f"error reply: {msg.error.reason}"
                 continue
             arrays, why = reply_contribution(msg.content, state.adapter, spec, self.weighted_by_key)
+            checked: _Checked | None = None
             if arrays is not None and why is None:
-                arrays, why = apply_bounds(arrays, self.robust)
-            if arrays is None or why is not None:
-                log.warning("round %d: rejected the reply of node %d: %s", server_round, node, why)
-                self._last_refusals[node] = str(why)
+                checked, why = check(arrays)
+            if checked is None or why is not None:
+                self._refuse(server_round, node, str(why))
                 continue
-            contributions.append(arrays)
-            contents.append(msg.content)
-            nodes.append(node)
-        kept_arrays, refused = adaptive_bounds(contributions, self.robust)  # the default defence
-        for index, why in sorted(refused.items()):
-            log.warning(
-                "round %d: rejected the reply of node %d: %s", server_round, nodes[index], why
-            )
-            self._last_refusals[nodes[index]] = why
-        contents = [c for i, c in enumerate(contents) if i not in refused]
-        nodes = [n for i, n in enumerate(nodes) if i not in refused]
-        if not kept_arrays:
-            log.error("round %d: no reply was accepted; the global model is kept", server_round)
-            return None, None
-        summed, kept = self.combine(kept_arrays)
-        record = self.aggregate_sum(server_round, summed, [nodes[i] for i in kept])
-        return record, self._train_metrics(contents)
+            accepted.append((node, checked, msg.content))
+        return accepted
+
+    def _refuse(self, server_round: int, node: int, why: str) -> None:
+        """Log a refused reply and keep why, for :meth:`check_applied`'s message."""
+        log.warning("round %d: rejected the reply of node %d: %s", server_round, node, why)
+        self._last_refusals[node] = why
 
     def combine(self, contributions: list[Arrays]) -> tuple[Arrays, list[int]]:
         """The round's combination rule over the accepted contributions (in the shape of a
@@ -378,24 +441,9 @@ class Strategy(FlowerFedAvg, ABC):
                 f"accepted a reply, so the model is the initial one. Last round: {why or 'no replies'}"
             )
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``; a run in which no reply was ever accepted raises
-        :class:`NoReplyAccepted` instead of returning the untrained model."""
-        self.reset_run()
-        result = super().start(
-            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
-        )
+    def check_run(self) -> None:
+        """The run's end (:class:`CheckedStart`): :meth:`check_applied` on what this saw."""
         self.check_applied()
-        return result
 
     def _train_metrics(self, contents: list[RecordDict]) -> MetricRecord | None:
         """Flower's metric aggregation over the replies that report ``weighted_by_key``."""

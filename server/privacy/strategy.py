@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
-from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.privacy.accounting import Method
@@ -43,10 +41,9 @@ from fedge.server.privacy.release import (
     ReleaseAccount,
     finite_positive,
 )
-from fedge.strategies.base import Strategy, UniformWeighting, log_received
+from fedge.strategies.base import CheckedStart, Strategy, UniformWeighting
 from fedge.strategies.contract import sum_contributions
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
-from fedge.strategies.replies import reply_contribution
 from fedge.types import Arrays
 
 log = logging.getLogger(__name__)
@@ -109,7 +106,13 @@ def unit_weight(contribution: Arrays) -> Arrays | None:
     return out
 
 
-class CentralDP(FlowerStrategy):
+def _unit_or_why(contribution: Arrays) -> tuple[Arrays | None, str | None]:
+    """(:func:`unit_weight` of the contribution, None), or (None, why it is refused)."""
+    unit = unit_weight(contribution)
+    return unit, (None if unit is not None else "meta/count must be 0 or 1")
+
+
+class CentralDP(CheckedStart):
     """Train ``strategy`` with central DP: clip each update to C, noise the sum with std z C.
 
     Weighting is uniform (a client's weight, and so its influence, must be bounded): a
@@ -172,7 +175,6 @@ class CentralDP(FlowerStrategy):
         self.inner = strategy
         self._sampled = 0
         self._refused = False
-        self._last_refusals: dict[int, str] = {}  # node -> why, in the latest round
 
     @property
     def epsilon(self) -> float:
@@ -213,48 +215,20 @@ class CentralDP(FlowerStrategy):
         """Clip every reply's update to C, sum, noise, then the inner strategy's ``aggregate_sum``."""
         if self._refused:
             return None, self.account.refused()
-        state = self.inner.round_state
-        if state is None:
+        if self.inner.round_state is None:
             return None, None
-        spec = self.inner.contribution_spec(state)
-        replies = list(replies)
-        log_received(replies)  # Flower FedAvg's line, in Flower's log
         clipped: list[Arrays] = []
         contents: list[RecordDict] = []
         nodes: list[int] = []
-        self._last_refusals = {}
         unclipped = 0
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                log.warning(
-                    "round %d: node %d replied with an error: %s",
-                    server_round,
-                    node,
-                    msg.error.reason,
-                )
-                self._last_refusals[node] = f"error reply: {msg.error.reason}"
-                continue
-            arrays, why = reply_contribution(
-                msg.content, state.adapter, spec, self.inner.weighted_by_key
-            )
-            unit = unit_weight(arrays) if arrays is not None else None
-            if unit is None:
-                log.warning(
-                    "round %d: rejected the reply of node %d: %s",
-                    server_round,
-                    node,
-                    why or "meta/count must be 0 or 1",
-                )
-                self._last_refusals[node] = why or "meta/count must be 0 or 1"
-                continue
+        for node, unit, content in self.inner.accept_replies(server_round, replies, _unit_or_why):
             bounded, norm = clip_contribution(unit, self.clip_norm)
             if not math.isfinite(norm):
                 log.warning("round %d: rejected node %d: non-finite update", server_round, node)
                 continue
             unclipped += int(norm <= self.clip_norm)
             clipped.append(bounded)
-            contents.append(msg.content)
+            contents.append(content)
             nodes.append(node)
         if not clipped:
             log.error("round %d: no reply was accepted; nothing is released", server_round)
@@ -274,25 +248,13 @@ class CentralDP(FlowerStrategy):
         arrays_out = self.inner.aggregate_sum(server_round, noised, nodes)
         return arrays_out, MetricRecord({**self._client_metrics(contents), **metrics})
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``; a run in which no round's sum was applied raises
-        :class:`~fedge.strategies.base.NoReplyAccepted` instead of returning the initial model."""
+    def reset_run(self) -> None:
+        """A new run: the inner strategy's round counts start at 0, no refusal is held."""
         self.inner.reset_run()
-        self._last_refusals = {}
-        result = super().start(
-            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
-        )
-        self.inner.check_applied(self._last_refusals)
-        return result
+
+    def check_run(self) -> None:
+        """The inner strategy's check, naming the last round's refusals (it read the replies)."""
+        self.inner.check_applied()
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -38,15 +38,13 @@ its last round at the initial model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log as flower_log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
-from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedge import keys
 from fedge.secagg.config import SecAggConfig, weight_scales
@@ -54,7 +52,7 @@ from fedge.server.aggregation import AggregateResult, rejected_rounds_message
 from fedge.server.privacy.aggregators import DistributedDPAggregator
 from fedge.server.privacy.release import DistributedDP, Metrics, ReleaseAccount
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
-from fedge.strategies.base import AggregationError, Strategy, UniformWeighting
+from fedge.strategies.base import AggregationError, CheckedStart, Strategy, UniformWeighting
 from fedge.strategies.flower_dp import refuse_flower_dp_wrapper
 
 __all__ = [
@@ -88,7 +86,7 @@ class _Pending:
     content: RecordDict
 
 
-class SecAggPlus(FlowerStrategy):
+class SecAggPlus(CheckedStart):
     """Run ``inner``'s training rounds under fedge's SecAgg+; the server sees only their sum.
 
     ``cfg`` defaults to SecAgg+'s defaults with the divisors ``inner``'s weighting needs
@@ -227,25 +225,14 @@ class SecAggPlus(FlowerStrategy):
             metrics = MetricRecord(merged)
         return arrays, metrics
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``; a run in which no round's sum was applied raises
-        :class:`~fedge.strategies.base.NoReplyAccepted` instead of returning the initial model."""
+    def reset_run(self) -> None:
+        """A new run: the inner strategy's round counts and the rejected sums start at 0."""
         self.inner.reset_run()
         self.rejected_rounds = 0
-        result = super().start(
-            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
-        )
+
+    def check_run(self) -> None:
+        """The inner strategy's check, naming the last round's failure and rejected nodes."""
         self.inner.check_applied(self._last_rejected, self.last_failure)
-        return result
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -26,7 +26,7 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 
 from fedge import keys
 from fedge.clients.mods import dispatch_mods
@@ -44,7 +44,8 @@ from fedge.clients.privacy.replies import ERROR_TRAINING, KEY_PROMISE, PROMISE_R
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
-from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid
+from tests.privacy.adversary.attacker import drive
 
 SIZE = 16
 SPEC = {"delta/w": (SIZE,), keys.KEY_WEIGHT: (1,), keys.KEY_COUNT: (1,)}
@@ -120,19 +121,6 @@ def make_grid(
         return InProcessGrid(app(), DeviceTable(n, seed=3), tmp_path / f"context-{n}")
 
     return build
-
-
-def drive(grid: InProcessGrid, script: Callable[[Grid], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``script`` as the ServerApp's main on ``grid``; return what it stashed."""
-    out: dict[str, Any] = {}
-    server = ServerApp()
-
-    @server.main()
-    def main(g: Grid, context: Context) -> None:
-        out.update(script(g))
-
-    run_inprocess(server, grid)
-    return out
 
 
 def clear_fields(reply: Message) -> dict[str, Any]:

@@ -4,17 +4,26 @@ The clients are fedge's real :class:`fedge.clients.secagg.engine.SecAggClientEng
 (or real ClientApps behind a Flower grid); only the server is played. ``recover`` is
 what such a server computes from the replies it collected: the victim's masked input
 minus its self mask minus every pair mask it learnt. It returns the victim's input only
-when the clients handed over both kinds of secret.
+when the clients handed over both kinds of secret. :func:`drive` runs such a script as a
+ServerApp over a Flower grid, and :func:`strictest_round` runs one distributed-DP round of
+fedge's own aggregators there, under :data:`STRICTEST`, through the grid a server hands it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.serverapp import Grid, ServerApp
 
+from fedge import keys
+from fedge.clients.privacy.ledger import STATE_DIR_ENV
+from fedge.clients.privacy.policy import POLICY_ENV
 from fedge.clients.secagg.engine import ClientRules, SecAggClientEngine
 from fedge.secagg import identity, wire
 from fedge.secagg.binding import contribution_digest
@@ -22,9 +31,26 @@ from fedge.secagg.config import SecAggConfig
 from fedge.secagg.crypto import combine_secret, derive, mask_info
 from fedge.secagg.identity import SIGNATURE_BYTES
 from fedge.secagg.vectors import Layout, dequantize_sum, prg_mask
+from fedge.server.aggregation import AggregateResult
+from fedge.server.privacy.aggregators import DistributedDPAggregator
+from fedge.server.privacy.config import DPConfig
+from fedge.server.secagg.aggregator import SecAggPlusAggregator
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from tests.secagg.harness import known_client_app
 
 CFG = SecAggConfig()  # the defaults every attack uses for clipping, quantization and modulus
 MASKED = "masked"
+SPEC = {"delta/w": (64,), "meta/weight": (1,), "meta/count": (1,)}  # what contribution() sends
+STRICTEST = """require-secagg = true
+require-dp = true
+min-noise = 1.0
+max-clip = 0.1
+max-epsilon = 50.0
+secagg-min-neighbours = 4
+secagg-min-threshold = 3
+trusted-keys = "trust.txt"
+once-per-model = true
+"""
 
 
 def secret_input(seed: int, size: int = 64) -> dict[str, np.ndarray]:
@@ -178,3 +204,72 @@ def engine(
 ) -> SecAggClientEngine:
     """The real client engine of ``node`` on its persistent state."""
     return SecAggClientEngine(node, states.setdefault(node, ConfigRecord()), rules=rules)
+
+
+def contribution(pid: int) -> dict[str, np.ndarray]:
+    """Partition ``pid``'s private contribution (:data:`SPEC`), as its ClientApp sends it."""
+    return {
+        **secret_input(pid, 64),
+        "meta/weight": np.ones(1, np.float32),
+        "meta/count": np.ones(1, np.float32),
+    }
+
+
+def drive(grid: InProcessGrid, script: Callable[[Grid], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``script`` as the ServerApp's main on ``grid``; return what it stashed."""
+    out: dict[str, Any] = {}
+    app = ServerApp()
+
+    @app.main()
+    def main(g: Grid, context: Context) -> None:
+        out.update(script(g))
+
+    run_inprocess(app, grid)
+    return out
+
+
+def strictest_round(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    config: Mapping[str, str] | None = None,
+    through: Callable[[Grid], Grid] | None = None,
+) -> AggregateResult:
+    """One round of fedge's SecAgg+ with distributed DP over Flower messages: five nodes
+    running :func:`contribution` behind fedge's ClientApp stack, each under :data:`STRICTEST`
+    with its identity key on disk and a trust list naming them all.
+
+    The train config is ``weighting = uniform`` plus ``config``; ``through`` wraps the grid the
+    server's aggregator sends on (a malicious server's tampering; None: honest). z = 1.2 for 4
+    of 5: each client verifies 1 + 2*3 - 4 = 3 contributors and 1.2 sqrt(3/4) >= min-noise 1.
+    """
+    state = tmp_path / "node-state"
+    keys_ = [
+        identity.load_or_create(state / "secagg-identity" / f"partition-{pid:05d}.key")
+        for pid in range(5)
+    ]
+    (tmp_path / "trust.txt").write_text(
+        identity.format_trust_list(map(identity.public_bytes, keys_))
+    )
+    (tmp_path / "policy.toml").write_text(STRICTEST)
+    monkeypatch.setenv(POLICY_ENV, str(tmp_path / "policy.toml"))
+    monkeypatch.setenv(STATE_DIR_ENV, str(state))
+    app = known_client_app(contribution, lambda pid: 1.0 + pid)
+    grid = InProcessGrid(app, DeviceTable(5, seed=9), tmp_path / "context")
+    dp = DPConfig(mode="distributed", clip_norm=0.05, noise_multiplier=1.2, min_survival=0.8)
+    aggregator = DistributedDPAggregator(
+        SecAggPlusAggregator(SecAggConfig(num_shares=1.0, stage_timeout_s=60)), dp
+    )
+    content = RecordDict(
+        {
+            keys.REC_CONFIG: ConfigRecord({"weighting": "uniform", **(config or {})}),
+            keys.REC_GLOBAL: ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
+        }
+    )
+
+    def script(g: Grid) -> dict[str, Any]:
+        sent = through(g) if through is not None else g
+        nodes = sorted(g.get_node_ids())
+        return {"result": aggregator.aggregate(sent, 1, nodes, content, SPEC, 60)}
+
+    result: AggregateResult = drive(grid, script)["result"]
+    return result

@@ -212,18 +212,6 @@ def test_once_per_model_is_not_bypassed_by_an_encoding(
         check_train(policy, msg, ctx)
 
 
-STRICTEST = """require-secagg = true
-require-dp = true
-min-noise = 1.0
-max-clip = 0.1
-max-epsilon = 50.0
-secagg-min-neighbours = 4
-secagg-min-threshold = 3
-trusted-keys = "trust.txt"
-once-per-model = true
-"""
-
-
 class PerClientNumbers:
     """A Grid that sends every node but ``victim`` ``clipping-range = 1e30`` at collect."""
 
@@ -255,63 +243,9 @@ def test_the_clipping_attack_over_flower_messages_under_the_strictest_policy(
     client's update, where its policy says min-noise 1; measured sum std 0.033, norm 0.26),
     and it passed the aggregate bound, so the server would have applied it. Now the sum is
     noise over the quantizer's whole range and fails the bound."""
-    from flwr.serverapp import Grid, ServerApp
-
-    from fedge.clients.privacy.policy import POLICY_ENV
-    from fedge.secagg import identity
-    from fedge.server.privacy.aggregators import DistributedDPAggregator
-    from fedge.server.privacy.config import DPConfig
-    from fedge.server.secagg.aggregator import SecAggPlusAggregator
-    from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
-    from tests.secagg.harness import known_client_app
-
-    state = tmp_path / "node-state"
-    keys_ = [
-        identity.load_or_create(state / "secagg-identity" / f"partition-{pid:05d}.key")
-        for pid in range(5)
-    ]
-    (tmp_path / "trust.txt").write_text(
-        identity.format_trust_list(map(identity.public_bytes, keys_))
+    result = atk.strictest_round(
+        tmp_path, monkeypatch, through=lambda g: PerClientNumbers(g, lambda nodes: nodes[0])
     )
-    (tmp_path / "policy.toml").write_text(STRICTEST)
-    monkeypatch.setenv(POLICY_ENV, str(tmp_path / "policy.toml"))
-    monkeypatch.setenv(STATE_DIR_ENV, str(state))
-
-    def contribution(pid: int) -> dict[str, np.ndarray]:
-        return {
-            **atk.secret_input(pid, 64),
-            "meta/weight": np.ones(1, np.float32),
-            "meta/count": np.ones(1, np.float32),
-        }
-
-    spec = {"delta/w": (64,), "meta/weight": (1,), "meta/count": (1,)}
-    grid = InProcessGrid(
-        known_client_app(contribution, lambda pid: 1.0 + pid),
-        DeviceTable(5, seed=9),
-        tmp_path / "ctx",
-    )
-    dp = DPConfig(mode="distributed", clip_norm=0.05, noise_multiplier=1.2, min_survival=0.8)
-    aggregator = DistributedDPAggregator(
-        SecAggPlusAggregator(SecAggConfig(num_shares=1.0, stage_timeout_s=60)), dp
-    )
-    content = RecordDict(
-        {
-            keys.REC_CONFIG: ConfigRecord({"weighting": "uniform"}),
-            keys.REC_GLOBAL: ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
-        }
-    )
-    out: dict[str, Any] = {}
-    app = ServerApp()
-
-    @app.main()
-    def main(g: Grid, context: Context) -> None:
-        tampering = PerClientNumbers(g, lambda nodes: nodes[0])
-        out["result"] = aggregator.aggregate(
-            tampering, 1, sorted(g.get_node_ids()), content, spec, 60
-        )  # type: ignore[arg-type]
-
-    run_inprocess(app, grid)
-    result = out["result"]
     assert result.summed is not None and len(result.accepted) == 5, result.rejected
     assert float(np.std(result.summed["delta/w"])) > 1.0  # uniform noise, not one update
     assert result.out_of_bounds is not None

@@ -13,40 +13,26 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.serverapp import Grid, ServerApp
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
 
 from fedge import keys
 from fedge.clients.privacy.ledger import STATE_DIR_ENV
 from fedge.clients.privacy.policy import POLICY_ENV
-from fedge.secagg import identity
 from fedge.secagg.config import SecAggConfig
-from fedge.server.privacy.aggregators import DistributedDPAggregator
-from fedge.server.privacy.config import DPConfig
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
 from fedge.server.secagg.engine import SecAggServerEngine
-from fedge.simulations.inprocess import DeviceTable, InProcessGrid, run_inprocess
+from fedge.simulations.inprocess import DeviceTable, InProcessGrid
 from tests.privacy.adversary import attacker as atk
 from tests.secagg.harness import CRASH_KEY, known_client_app
 
-SIZE = 64
-SPEC = {"delta/w": (SIZE,), "meta/weight": (1,), "meta/count": (1,)}
 POLICY = "require-secagg = true\nrequire-dp = true\nmin-noise = 1.0\nmax-clip = 0.1\nmax-epsilon = 50.0\n"
-
-
-def contribution(pid: int) -> dict[str, np.ndarray]:
-    """Partition ``pid``'s private contribution."""
-    return {
-        **atk.secret_input(pid, SIZE),
-        "meta/weight": np.ones(1, np.float32),
-        "meta/count": np.ones(1, np.float32),
-    }
 
 
 @pytest.fixture
@@ -55,21 +41,8 @@ def grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> InProcessGrid:
     (tmp_path / "policy.toml").write_text(POLICY)
     monkeypatch.setenv(POLICY_ENV, str(tmp_path / "policy.toml"))
     monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "node-state"))
-    app = known_client_app(contribution, lambda pid: 1.0 + pid)
+    app = known_client_app(atk.contribution, lambda pid: 1.0 + pid)
     return InProcessGrid(app, DeviceTable(3, seed=7), tmp_path / "context")
-
-
-def drive(grid: InProcessGrid, script: Callable[[Grid], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``script`` as the ServerApp's main on ``grid``; return what it stashed."""
-    out: dict[str, Any] = {}
-    app = ServerApp()
-
-    @app.main()
-    def main(g: Grid, context: Context) -> None:
-        out.update(script(g))
-
-    run_inprocess(app, grid)
-    return out
 
 
 def send(
@@ -117,14 +90,14 @@ def test_attack3_over_flower_messages_recovers_nothing(grid: InProcessGrid, tmp_
         return {"nodes": nodes, "collected": collected, "replies": replies, "refusals": refusals}
 
     # Execute
-    out = drive(grid, script)
+    out = atk.drive(grid, script)
     v, a, b = out["nodes"]
     collected, refusals = out["collected"], out["refusals"]
     shares, seeds = atk.revealed(list(out["replies"].items()))
     masked = {k: x.numpy() for k, x in collected[v]["masked"].items()}
     recovered = atk.recover(v, masked, [a, b], shares.get(v, []), seeds)
     # Assert: no partition's contribution recovered (to one quantization level)
-    truths = [contribution(pid) for pid in range(3)]
+    truths = [atk.contribution(pid) for pid in range(3)]
     assert not any(atk.matches(recovered, {"delta/w": t["delta/w"]}) for t in truths)
     assert any("live neighbours" in why for why in refusals.values())
 
@@ -143,10 +116,10 @@ def test_attack4_a_nan_clip_norm_is_refused_and_the_ledger_stays_finite(
     def script(g: Grid) -> dict[str, Any]:
         nodes = sorted(g.get_node_ids())
         content = RecordDict({keys.REC_CONFIG: evil})
-        return {"result": aggregator.aggregate(g, 1, nodes, content, SPEC, 60)}
+        return {"result": aggregator.aggregate(g, 1, nodes, content, atk.SPEC, 60)}
 
     # Execute
-    result = drive(grid, script)["result"]
+    result = atk.drive(grid, script)["result"]
     # Assert: no sum; every node refused naming the rule; no ledger holds a NaN
     assert result.summed is None
     reasons = list(result.rejected.values())
@@ -172,65 +145,26 @@ def test_a_refusal_never_reports_a_data_dependent_value(
     content = RecordDict({keys.REC_CONFIG: ConfigRecord({"weighting": "uniform"})})
 
     def script(g: Grid) -> dict[str, Any]:
-        return {"result": aggregator.aggregate(g, 1, sorted(g.get_node_ids()), content, SPEC, 60)}
+        return {
+            "result": aggregator.aggregate(g, 1, sorted(g.get_node_ids()), content, atk.SPEC, 60)
+        }
 
     # Execute
-    result = drive(grid, script)["result"]
+    result = atk.drive(grid, script)["result"]
     # Assert: nothing refused, the sum is of clipped values (3 clients x range + quantization)
     assert result.rejected == {} and len(result.accepted) == 3
     assert result.summed is not None
     assert float(np.max(np.abs(result.summed["delta/w"]))) <= 3 * clip * 1.01
 
 
-STRICTEST = """require-secagg = true
-require-dp = true
-min-noise = 1.0
-max-clip = 0.1
-max-epsilon = 50.0
-secagg-min-neighbours = 4
-secagg-min-threshold = 3
-trusted-keys = "trust.txt"
-once-per-model = true
-"""
-
-
 def test_an_honest_round_under_the_strictest_policy_completes_with_a_dropout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Five nodes holding every rule above and a trust list of their identities; one crashes
-    while training. The honest SecAgg+ round with distributed DP still sums the other four."""
-    # Prepare: each node's identity key exists, the operator's trust list names them all
-    state = tmp_path / "node-state"
-    keys_ = [
-        identity.load_or_create(state / "secagg-identity" / f"partition-{pid:05d}.key")
-        for pid in range(5)
-    ]
-    (tmp_path / "trust.txt").write_text(
-        identity.format_trust_list(map(identity.public_bytes, keys_))
-    )
-    (tmp_path / "policy.toml").write_text(STRICTEST)
-    monkeypatch.setenv(POLICY_ENV, str(tmp_path / "policy.toml"))
-    monkeypatch.setenv(STATE_DIR_ENV, str(state))
-    app = known_client_app(contribution, lambda pid: 1.0 + pid)
-    grid5 = InProcessGrid(app, DeviceTable(5, seed=9), tmp_path / "context")
-    # z = 1.2 for 4 of 5; each client verifies 1 + 2*3 - 4 = 3 contributors: 1.2 sqrt(3/4) >= 1
-    dp = DPConfig(mode="distributed", clip_norm=0.05, noise_multiplier=1.2, min_survival=0.8)
-    aggregator = DistributedDPAggregator(
-        SecAggPlusAggregator(SecAggConfig(num_shares=1.0, stage_timeout_s=60)), dp
-    )
-    config = ConfigRecord({"weighting": "uniform", CRASH_KEY: "2"})
-    content = RecordDict(
-        {
-            keys.REC_CONFIG: config,
-            keys.REC_GLOBAL: ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
-        }
-    )
-
-    def script(g: Grid) -> dict[str, Any]:
-        return {"result": aggregator.aggregate(g, 1, sorted(g.get_node_ids()), content, SPEC, 60)}
-
-    # Execute
-    result = drive(grid5, script)["result"]
+    """Five nodes holding every rule of ``atk.STRICTEST`` and a trust list of their
+    identities; one crashes while training. The honest SecAgg+ round with distributed DP
+    still sums the other four."""
+    # Execute: partition 2 crashes while training
+    result = atk.strictest_round(tmp_path, monkeypatch, config={CRASH_KEY: "2"})
     # Assert: four contributors, a sum (noised), the crashed node the only one rejected
     assert result.summed is not None, result.rejected
     assert len(result.accepted) == 4 and len(result.rejected) == 1
