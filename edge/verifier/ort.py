@@ -163,7 +163,7 @@ class OrtKV:
 class OrtRuntime:
     """The engine's runtime on an ONNX Runtime session over `target_export`'s graph (CPU)."""
 
-    def __init__(self, export: Path, threads: int = 0) -> None:
+    def __init__(self, export: Path, threads: int = 0, passive: bool = True) -> None:
         import onnxruntime as ort
 
         meta = json.loads((Path(export) / META_FILE).read_text())
@@ -176,6 +176,9 @@ class OrtRuntime:
         if threads:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
+        # no busy-waiting between ops: the worker shares the cores with gRPC's threads, which a
+        # spinning pool thread starves (as OMP_WAIT_POLICY=PASSIVE keeps torch's from doing)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0" if passive else "1")
         options.log_severity_level = 3
         self.session = ort.InferenceSession(
             str(Path(export) / TARGET_FILE), options, providers=["CPUExecutionProvider"]
