@@ -304,3 +304,37 @@ def test_a_cropped_cache_counts_the_memory_it_keeps_alive() -> None:
     assert cache.nbytes == 4 * 10 * 2 * 4 * 4
     cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), 0)
     assert cache.arrays[0].shape[2] == 8 and cache.arrays[0][0, 0, -1, 0] == 1.0
+
+
+@pytest.mark.pretrained
+def test_smollm2_on_onnx_runtime_decodes_as_torch_through_the_verifier() -> None:
+    """SmolLM2-135M (converted under FEDGE_HOME by `fedge models fetch smollm2-135m`) exported
+    for the verifier: cloud-only Generate and a speculative session give the torch verifier's
+    tokens, alone and with two streams batched together. Minutes: the first run exports."""
+    from fedge.models import load_causal_lm, load_tokenizer
+    from fedge.paths import fedge_home
+
+    model_dir = fedge_home() / "models" / "smollm2-135m"
+    if not (model_dir / "config.json").is_file():
+        pytest.skip(f"{model_dir} is missing; run `fedge models fetch smollm2-135m`")
+    model = load_causal_lm(model_dir).eval()
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [
+        tokenizer(text)["input_ids"]
+        for text in ("def add(a, b):\n", 'import os\n\ndef list_files(path):\n    """')
+    ]
+    expected = []
+    for prompt in prompts:
+        with torch.inference_mode():
+            expected.append(target_greedy(model, prompt, 12))
+    engine = VerifierEngine(model, EngineConfig(max_draft=8, runtime="onnx")).start()
+    try:
+        assert isinstance(engine.runtime, OrtRuntime)
+        assert [list(engine.submit_generate(p, 12, Sampling())) for p in prompts] == expected
+        channels = [engine.submit_generate(p, 12, Sampling()) for p in prompts]
+        assert [list(channel) for channel in channels] == expected
+        info = engine.open(prompts[0])
+        result = engine.verify(info.session_id, [*expected[0][:3], 0])
+        assert (result.accepted, result.next_token) == (3, expected[0][3])
+    finally:
+        engine.stop()
