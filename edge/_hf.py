@@ -92,7 +92,13 @@ def cache_length(cache: DynamicCache) -> int:
 
 
 def cache_nbytes(cache: DynamicCache) -> int:
-    """Memory held by a cache object's key and value tensors, in bytes."""
+    """Memory held by a cache object's key and value tensors, in bytes.
+
+    A cache object that knows what it keeps alive says so by an `nbytes` attribute.
+    """
+    held = getattr(cache, "nbytes", None)
+    if held is not None:
+        return int(held)
     return sum(
         key.numel() * key.element_size() + value.numel() * value.element_size()
         for key, value in cache_to_kv(cache)

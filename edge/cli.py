@@ -243,7 +243,10 @@ def serve_command(
     ] = 0,
     grace_s: Annotated[float, typer.Option(help="Drain time on SIGTERM, seconds.")] = 5.0,
     torch_threads: Annotated[
-        int, typer.Option(help="torch intra-op threads; 0 = torch's default.")
+        int,
+        typer.Option(
+            help="Intra-op threads of the target (torch or ONNX Runtime); 0 = torch's default."
+        ),
     ] = 0,
     verify_rate: VerifyRateOption = None,
     verify_burst: VerifyBurstOption = VERIFY_BURST,
@@ -264,12 +267,30 @@ def serve_command(
         int, typer.Option(help="Key positions per attention score block in a ring worker.")
     ] = 256,
     ring_kv_cap_mb: Annotated[int, typer.Option(help="KV cap of each ring worker, MiB.")] = 1024,
+    runtime: Annotated[
+        str,
+        typer.Option(
+            help="The target's runtime: torch, onnx (ONNX Runtime on an export of MODEL with "
+            "ADAPTER merged, cached under FEDGE_HOME by the weights' digest) or auto (time both "
+            "at start, serve the faster). A ring (--ring-size) runs torch."
+        ),
+    ] = "auto",
 ) -> None:
     """Serve MODEL (plus ADAPTER) over gRPC until SIGINT/SIGTERM; health is NOT_SERVING while loading and draining."""
     from fedge.edge.tracing import TracingConfig, shutdown, tracer_provider
     from fedge.edge.verifier.engine import EngineConfig
     from fedge.edge.verifier.server import ServerConfig, serve
 
+    if runtime not in ("auto", "torch", "onnx"):
+        raise typer.BadParameter(
+            f"unknown runtime {runtime!r}; choose auto, torch or onnx", param_hint="--runtime"
+        )
+    if runtime == "onnx" and ring_size:
+        raise typer.BadParameter(
+            f"--runtime onnx cannot serve a ring (--ring-size {ring_size}): ring attention's "
+            "workers run torch; use --runtime torch or auto with --ring-*, or drop --ring-size",
+            param_hint="--runtime",
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = ServerConfig(
         model_dir=model,
@@ -298,6 +319,7 @@ def serve_command(
             ring_threshold=ring_threshold,
             ring_block=ring_block,
             ring_kv_cap_bytes=ring_kv_cap_mb << 20,
+            runtime=runtime,
         ),
         rate_limits=rate_limits(
             verify_rate, verify_burst, generate_rate, generate_burst, prefill_rate, prefill_burst

@@ -87,10 +87,36 @@ class _KVWrapper(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """past = (key_0, value_0, key_1, value_1, ...), each [B, kv_heads, P, head_dim]."""
+        return self._run(input_ids, past)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        past: Sequence[torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         kv = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
-        logits, present = _hf.forward(self.model, input_ids, kv)  # type: ignore[arg-type]
+        logits, present = _hf.forward(self.model, input_ids, kv, attention_mask, position_ids)  # type: ignore[arg-type]
         flat = [t for pair in present for t in pair]
         return (logits, *flat)
+
+
+class _MaskedKVWrapper(_KVWrapper):
+    """(input_ids, attention_mask, position_ids, *past) -> (logits, *present): a padded batch.
+
+    attention_mask [B, P + T] hides each row's padding; position_ids [B, T] continue each
+    row's own length (the verifier's sessions of different lengths in one pass).
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        return self._run(input_ids, past, attention_mask, position_ids)
 
 
 def _geometry(model: torch.nn.Module) -> dict[str, int]:
@@ -154,39 +180,70 @@ def restricted_head(model: torch.nn.Module, model_dir: Path) -> _RestrictedHead 
     return _RestrictedHead(weight, ids)
 
 
+MASK_INPUTS = ("attention_mask", "position_ids")  # the inputs a `masked` export adds
+
+
 def export_onnx(
-    model: torch.nn.Module, path: Path, head: torch.nn.Module | None = None
+    model: torch.nn.Module, path: Path, head: torch.nn.Module | None = None, masked: bool = False
 ) -> list[str]:
     """Write the fp32 ONNX graph with dynamic batch, new-token and past lengths; returns past names.
 
     `head` replaces the model's output layer in the graph (a restricted draft's N-row head).
+    `masked` adds the `MASK_INPUTS` after input_ids, so that rows of different lengths share
+    a padded batch (the verifier's target); a draft decodes one sequence and needs neither.
     """
     geo = _geometry(model)
     original: Any = model.get_output_embeddings()  # type: ignore[operator]
     if head is not None:
         model.set_output_embeddings(head)  # type: ignore[operator]
     try:
-        return _export_onnx(model, path, geo)
+        return _export_onnx(model, path, geo, masked)
     finally:
         if head is not None:
             model.set_output_embeddings(original)  # type: ignore[operator]
 
 
-def _export_onnx(model: torch.nn.Module, path: Path, geo: dict[str, int]) -> list[str]:
+def _export_onnx(
+    model: torch.nn.Module, path: Path, geo: dict[str, int], masked: bool
+) -> list[str]:
     layers = geo["num_layers"]
     past_names = [f"past_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
     present_names = [n.replace("past_", "present_") for n in past_names]
-    example_ids = torch.zeros(1, 3, dtype=torch.long)
-    example_past = tuple(torch.zeros(1, geo["kv_heads"], 2, geo["head_dim"]) for _ in past_names)
+    # batch 2 in the example: a batch of 1 lets the exporter specialise the batch axis to 1
+    example_ids = torch.zeros(2 if masked else 1, 3, dtype=torch.long)
+    example_past = tuple(
+        torch.zeros(example_ids.shape[0], geo["kv_heads"], 2, geo["head_dim"]) for _ in past_names
+    )
     batch, new, past = Dim("batch"), Dim("new_tokens"), Dim("past_length")
-    # dynamic_shapes mirrors forward's arguments: input_ids, then the *past tuple
-    shapes = ({0: batch, 1: new}, tuple({0: batch, 2: past} for _ in past_names))
+    # dynamic_shapes mirrors forward's arguments: input_ids, [mask, positions,] then the *past tuple
+    past_shapes = tuple({0: batch, 2: past} for _ in past_names)
+    wrapper: _KVWrapper
+    if masked:
+        wrapper = _MaskedKVWrapper(model, layers)
+        example: tuple[torch.Tensor, ...] = (
+            example_ids,
+            torch.ones(2, 5, dtype=torch.long),  # [B, P + T]
+            torch.arange(2, 5).repeat(2, 1),  # [B, T]
+            *example_past,
+        )
+        shapes: tuple[Any, ...] = (
+            {0: batch, 1: new},
+            {0: batch, 1: Dim("total_length")},
+            {0: batch, 1: new},
+            past_shapes,
+        )
+        inputs = ["input_ids", *MASK_INPUTS, *past_names]
+    else:
+        wrapper = _KVWrapper(model, layers)
+        example = (example_ids, *example_past)
+        shapes = ({0: batch, 1: new}, past_shapes)
+        inputs = ["input_ids", *past_names]
     program = torch.onnx.export(
-        _KVWrapper(model, layers).eval(),
-        (example_ids, *example_past),
+        wrapper.eval(),
+        example,
         dynamo=True,
         dynamic_shapes=shapes,
-        input_names=["input_ids", *past_names],
+        input_names=inputs,
         output_names=["logits", *present_names],
         verbose=False,
     )

@@ -57,7 +57,7 @@ from fedge.edge.verifier.requests import (
     sampling_draft,
 )
 from fedge.edge.verifier.ring import RingConfig
-from fedge.edge.verifier.runtime import Runtime, ShardedRuntime, TorchRuntime
+from fedge.edge.verifier.runtime import RUNTIMES, Runtime, build_runtime
 from fedge.edge.verifier.sessions import Session, SessionStore
 from fedge.edge.verifier.worker import Worker
 
@@ -102,6 +102,12 @@ class EngineConfig:
     ring_block: int = 256  # key positions per attention score block in a ring worker
     ring_kv_cap_bytes: int = 1 << 30  # KV each ring worker may hold
     ring_threads: int = 1  # intra-op threads per ring worker
+    # The target's runtime (fedge.edge.verifier.runtime.build_runtime): "torch" (in process),
+    # "onnx" (an ONNX Runtime export of the same weights, cached by their digest) or "auto"
+    # (time both at start, keep the faster). torch here: an engine built in a program (tests,
+    # benches, fleet replicas) does not pay an export (~15 s for the micro zoo) unasked; the
+    # `fedge verifier serve` command defaults to auto.
+    runtime: str = "torch"
 
     def ring(self) -> RingConfig | None:
         """The ring's configuration, or None when sharding is off."""
@@ -146,6 +152,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.batch_window_s must be >= 0, got {self.batch_window_s}")
         if self.ring_size < 0:
             raise ValueError(f"EngineConfig.ring_size must be >= 0, got {self.ring_size}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(
+                f"EngineConfig.runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}"
+            )
+        if self.runtime == "onnx" and self.ring_size:
+            raise ValueError(
+                f"EngineConfig.runtime='onnx' cannot serve with ring_size={self.ring_size}: "
+                "ring attention's workers run torch; use runtime 'torch' or 'auto' with a ring, "
+                "or ring_size 0 for ONNX Runtime"
+            )
         self.ring()  # RingConfig names a bad ring field
 
     @property
@@ -182,11 +198,16 @@ class VerifierEngine:
                 f"EngineConfig.max_context={self.max_context} exceeds the model's "
                 f"max_position_embeddings={limit}"
             )
-        self.geometry = KVGeometry.of(model)
+        self._threads = self.config.torch_threads or torch.get_num_threads()
+        self.runtime: Runtime = build_runtime(
+            self.model,
+            KVGeometry.of(model),
+            self.config.runtime,
+            self.config.ring(),
+            self._threads,
+        )
+        self.geometry = self.runtime.geometry  # an ONNX export holds fp32 KV whatever the model
         self.bytes_per_position = self.geometry.bytes_per_position
-        local = TorchRuntime(self.model, self.geometry)
-        ring = self.config.ring()
-        self.runtime: Runtime = local if ring is None else ShardedRuntime(local, ring)
         self.sessions = SessionStore(
             self.config.max_sessions,
             self.config.session_ttl_s,
@@ -200,7 +221,6 @@ class VerifierEngine:
         )
         self.runtime.on_lost(self._sharded_lost)
         self._clock = clock
-        self._threads = self.config.torch_threads or torch.get_num_threads()
         self._queue: queue.Queue[Job] = queue.Queue(self.config.max_queue)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

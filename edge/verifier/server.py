@@ -244,7 +244,9 @@ class VerifierServer:
         identity = await asyncio.to_thread(
             serving_identity, self.config.model_dir, self.config.adapter_dir
         )
-        engine = VerifierEngine(
+        # off the loop: an ONNX runtime may export the target first (minutes for a real model)
+        engine = await asyncio.to_thread(
+            VerifierEngine,
             model,
             self.config.engine,
             observer=self.metrics,

@@ -71,6 +71,9 @@ def lora_adapter(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) 
 
     from fedge.models import load_causal_lm
 
+    torch.manual_seed(
+        0
+    )  # lora_A's initialisation: the same adapter every run (its ONNX export is cached)
     model = get_peft_model(
         load_causal_lm(micro_zoo.target_dir),
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
