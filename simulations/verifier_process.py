@@ -20,12 +20,16 @@ class VerifierProcess:
         max_batch: int = 32,
         torch_threads: int = 1,
         extra_args: Sequence[str] = (),
+        runtime: str = "torch",
     ) -> None:
-        """`extra_args`: more `fedge verifier serve` options (e.g. `--credentials FILE`)."""
+        """`extra_args`: more `fedge verifier serve` options (e.g. `--credentials FILE`).
+        `runtime` is torch unless asked: `auto` (the CLI's default) exports the model to ONNX
+        on first use and picks by measurement, which a bench of one runtime must not."""
         command = [
             *(sys.executable, "-m", "fedge.edge.verifier", "--model", str(model_dir)),
             *("--port", "0", "--max-batch", str(max_batch), "--batch-window-ms", "2"),
             *("--torch-threads", str(torch_threads), "--grace-s", "1", "--max-draft", "16"),
+            *("--runtime", runtime),
             *extra_args,
         ]
         self.proc = subprocess.Popen(

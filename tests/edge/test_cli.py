@@ -31,6 +31,8 @@ def test_serve_then_generate_then_sigterm(micro_zoo: ZooPaths, tmp_path: Path) -
             "0",
             "--grace-s",
             "1",
+            "--runtime",
+            "torch",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -37,7 +37,7 @@ class VerifierProcess:
     def __init__(self, model_dir: Path) -> None:
         command = [
             *(sys.executable, "-m", "fedge.edge.verifier", "--model", str(model_dir)),
-            *("--port", "0", "--torch-threads", "1", "--grace-s", "0"),
+            *("--port", "0", "--torch-threads", "1", "--grace-s", "0", "--runtime", "torch"),
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen(
