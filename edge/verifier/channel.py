@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 MAX_CHUNK = 64  # tokens the reader takes at once when holding
 
+
 class TokenChannel:
     """Thread-safe, unbounded, single-reader queue of token ids with an end (close or error)."""
 
@@ -113,7 +114,9 @@ class TokenChannel:
                 loop = asyncio.get_running_loop()
                 future: asyncio.Future[None] = loop.create_future()
                 self._waiter, self._hold_s = (loop, future), hold_s
-                if held:  # tokens already wait: wake when the oldest is due, whatever the worker does
+                if (
+                    held
+                ):  # tokens already wait: wake when the oldest is due, whatever the worker does
                     timer = loop.call_later(self._first_at + hold_s - now, _settle, future)
             try:
                 await future
