@@ -60,6 +60,7 @@ def edge_stage(
     console.print(_variants_table(manifest))
     config = ServerConfig(target_dir, adapter_dir=adapter_dir, drain_notice_s=0.0)
     rows: list[dict[str, Any]] = []
+    distinct: list[int] = []  # distinct tokens in each prompt's greedy output (loops have few)
     with console.status("starting the verifier"), BackgroundServer(config) as server:
         console.print(
             f"verifier on 127.0.0.1:{server.port} serving target + {adapter_dir or 'no adapter'}"
@@ -70,6 +71,7 @@ def edge_stage(
                     runtime, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
                 )
                 tokens = decoder.generate(prompt)
+                distinct.append(len(set(tokens)))
                 cloud = _cloud_only(client, prompt)
                 stats = decoder.stats
                 rows.append(
@@ -91,13 +93,10 @@ def edge_stage(
                 DecodeConfig(max_new_tokens=SAMPLE_TOKENS, temperature=SAMPLE_TEMPERATURE, seed=0),
             )
             completion = sampler.generate(sample_prompt)
+            # the least looping greedy output reads best: a small model's greedy text often repeats
+            shown = VALIDATION_PROMPTS + max(range(len(distinct)), key=distinct.__getitem__)
             showcase = greedy_showcase(
-                runtime,
-                client,
-                tokenizer,
-                sample_prompt,
-                examples[VALIDATION_PROMPTS][1],
-                NEW_TOKENS,
+                runtime, client, tokenizer, prompts[shown], examples[shown][1], NEW_TOKENS
             )
     summary = _summarize(rows, runtime.name, adapter_dir)
     summary["decode_step_ms"] = {
