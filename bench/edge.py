@@ -269,8 +269,9 @@ def verifier_costs(preset: str, prompt_len: int = 64) -> dict[str, Any]:
     Pass CPU times on the engine's own paths after a `prompt_len`-token past: a lone session's
     pass over n new tokens in place on its cache object (then cropped back, as a lone verify
     does), and a padded batch of B sessions (the copies a batch makes included). Then the
-    verifier process's CPU per Verify (4-token greedy drafts) and per streamed Generate token,
-    one caller on loopback: what a message costs beyond its pass.
+    verifier process's CPU per Verify (4-token greedy drafts) and per streamed Generate token
+    (batched replies as the edge client asks, and one reply per token), one caller on
+    loopback: what a message costs beyond its pass.
     """
     import torch
     from transformers import DynamicCache
@@ -357,12 +358,20 @@ def message_costs(model_dir: Path, prompt: list[int], calls: int = 200) -> dict[
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.VerifierStub(channel)
-            for _ in stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=8)):
-                pass  # warm up
-            before = cpu_seconds(server.proc.pid)
-            for _ in stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=calls)):
-                pass
-            per_token = (cpu_seconds(server.proc.pid) - before) / calls
+            for batch in (False, True):  # warm up
+                for _ in stub.Generate(
+                    pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=8, batch_tokens=batch)
+                ):
+                    pass
+            per_token = {}
+            for batch in (False, True):  # one reply per token (older clients), or a few tokens
+                before = cpu_seconds(server.proc.pid)
+                request = pb.GenerateRequest(
+                    prompt_ids=prompt, max_new_tokens=calls, batch_tokens=batch
+                )
+                for _ in stub.Generate(request):
+                    pass
+                per_token[batch] = (cpu_seconds(server.proc.pid) - before) / calls
             rounds, used = 0, 0.0
             while rounds < calls:  # sessions of 20 verifies, so the past stays near the prompt's
                 sid = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt)).session_id
@@ -376,7 +385,8 @@ def message_costs(model_dir: Path, prompt: list[int], calls: int = 200) -> dict[
         server.stop()
     return {
         "server_cpu_ms_per_verify": used / rounds * 1e3,
-        "server_cpu_ms_per_generate_token": per_token * 1e3,
+        "server_cpu_ms_per_generate_token": per_token[True] * 1e3,  # as the edge client asks
+        "server_cpu_ms_per_generate_token_one_per_reply": per_token[False] * 1e3,
     }
 
 

@@ -98,7 +98,7 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
 
     `engine` replaces the demo scenario's simulation engine ("ray" or "inprocess").
     """
-    from fedge.edge.demo import edge_stage
+    from fedge.edge.demo import edge_stage, showcase_view
     from fedge.simulations.demo import federated_stage, perplexity_table, realignment_stage
     from fedge.simulations.demo_population import population_stage
     from fedge.simulations.report import write_report
@@ -164,6 +164,8 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
         f"[green]demo finished in {summary['seconds']} s; report {report}; "
         f"`tensorboard --logdir {run_dir}`"
     )
+    console.rule("[bold]the federated target and the realigned draft on held-out code")
+    console.print(showcase_view(summary["stages"]["edge"]))  # the demo ends on readable code
     return summary
 
 

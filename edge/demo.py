@@ -16,8 +16,9 @@ from rich.text import Text
 from fedge.edge.client import ClientConfig, VerifierClient
 from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
 from fedge.edge.export import ExportConfig, export_draft
-from fedge.edge.prompts import heldout_prompts
+from fedge.edge.prompts import heldout_examples
 from fedge.edge.runtime import load_draft_runtime
+from fedge.edge.showcase import Showcase, ShowcaseView, greedy_showcase
 from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.tables import wrapping_table
 
@@ -46,7 +47,10 @@ def edge_stage(
 
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(target_dir)
-    prompts = heldout_prompts(tokenizer, VALIDATION_PROMPTS + DEMO_PROMPTS, PROMPT_TOKENS)
+    examples = heldout_examples(
+        tokenizer, VALIDATION_PROMPTS + DEMO_PROMPTS, PROMPT_TOKENS, NEW_TOKENS
+    )
+    prompts = [prompt for prompt, _ in examples]
     with console.status("exporting the draft to ONNX (fp32, int8, int4) and validating it"):
         manifest = export_draft(
             draft_dir, run_dir / "draft", prompts[:VALIDATION_PROMPTS], ExportConfig()
@@ -56,6 +60,7 @@ def edge_stage(
     console.print(_variants_table(manifest))
     config = ServerConfig(target_dir, adapter_dir=adapter_dir, drain_notice_s=0.0)
     rows: list[dict[str, Any]] = []
+    distinct: list[int] = []  # distinct tokens in each prompt's greedy output (loops have few)
     with console.status("starting the verifier"), BackgroundServer(config) as server:
         console.print(
             f"verifier on 127.0.0.1:{server.port} serving target + {adapter_dir or 'no adapter'}"
@@ -66,6 +71,7 @@ def edge_stage(
                     runtime, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
                 )
                 tokens = decoder.generate(prompt)
+                distinct.append(len(set(tokens)))
                 cloud = _cloud_only(client, prompt)
                 stats = decoder.stats
                 rows.append(
@@ -87,6 +93,11 @@ def edge_stage(
                 DecodeConfig(max_new_tokens=SAMPLE_TOKENS, temperature=SAMPLE_TEMPERATURE, seed=0),
             )
             completion = sampler.generate(sample_prompt)
+            # the least looping greedy output reads best: a small model's greedy text often repeats
+            shown = VALIDATION_PROMPTS + max(range(len(distinct)), key=distinct.__getitem__)
+            showcase = greedy_showcase(
+                runtime, client, tokenizer, prompts[shown], examples[shown][1], NEW_TOKENS
+            )
     summary = _summarize(rows, runtime.name, adapter_dir)
     summary["decode_step_ms"] = {
         k: round(v["decode_step_s"] * 1e3, 4) for k, v in manifest["variants"].items()
@@ -97,11 +108,17 @@ def edge_stage(
         "completion": tokenizer.decode(completion, skip_special_tokens=True),
         "acceptance": round(sampler.stats.acceptance, 4),
     }
+    summary["showcase"] = showcase.as_dict()
     console.print(_table(rows, summary))
     console.print(_greedy_line(summary))
     console.print(_sample_panel(summary["sample"]))
     (run_dir / METRICS_NAME).write_text(json.dumps({"summary": summary, "prompts": rows}, indent=2))
     return summary
+
+
+def showcase_view(summary: dict[str, Any]) -> ShowcaseView:
+    """The edge stage's greedy showcase (`summary["showcase"]`) as what the demo ends on."""
+    return ShowcaseView(Showcase.from_dict(summary["showcase"]), NEW_TOKENS)
 
 
 def _cloud_only(client: VerifierClient, prompt: list[int]) -> float:

@@ -232,9 +232,32 @@ def _edge_section(edge: dict[str, Any]) -> list[str]:
         f"{edge['speculative_tokens_per_s']:.0f} | {edge['cloud_only_tokens_per_s']:.0f} | "
         f"{'yes' if edge['greedy_identical'] else 'NO'} |",
         "",
+        *_showcase_lines(edge.get("showcase")),
         "```json",
-        json.dumps(edge, indent=2),
+        json.dumps({k: v for k, v in edge.items() if k != "showcase"}, indent=2),
         "```",
+    ]
+
+
+def _showcase_lines(showcase: dict[str, Any] | None) -> list[str]:
+    """A held-out prompt's greedy completion, the draft's accepted runs between « », and the
+    true continuation."""
+    if not showcase:
+        return []
+    return [
+        "A held-out prompt's greedy completion; each run of draft tokens the target accepted is "
+        "between « and »:",
+        "",
+        "```",
+        showcase["prompt"] + showcase["marked"],
+        "```",
+        "",
+        "What the held-out file really says next:",
+        "",
+        "```",
+        showcase["prompt"] + showcase["truth"],
+        "```",
+        "",
     ]
 
 

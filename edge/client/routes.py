@@ -41,11 +41,11 @@ def decode_on_route(
     elif route == Route.CLOUD_ONLY and verifier is not None:
         sampling = Sampling(decode.temperature, decode.seed)
         try:
-            for token in verifier.generate(
+            for chunk in verifier.generate_chunks(
                 prompt_ids, decode.max_new_tokens, sampling, decode.stop_token_id
             ):
-                report.rounds += 1  # one target pass per streamed token
-                yield [token]
+                report.rounds += len(chunk)  # one target pass per streamed token
+                yield chunk
         finally:
             report.cloud_seconds += time.perf_counter() - started
     else:

@@ -27,7 +27,7 @@ from opentelemetry.trace import TracerProvider
 from fedge.edge.client.config import ClientConfig, TokenizerMismatch, VerifierUnreachable
 from fedge.edge.client.transport import Transport
 from fedge.edge.proto import verifier_pb2 as pb
-from fedge.edge.proto.streams import resume_generate
+from fedge.edge.proto.streams import reply_tokens, resume_generate
 from fedge.edge.tracing import VERIFY_SPAN
 from fedge.edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 from fedge.edge.verifier.errors import VERSION_GONE_KEY
@@ -241,8 +241,21 @@ class VerifierClient(Transport):
         sampling: Sampling | None = None,
         stop_token_id: int | None = None,
     ) -> Iterator[int]:
-        """Cloud-only decoding: yields the target's tokens as the server streams them.
+        """Cloud-only decoding: yields the target's tokens as the server streams them."""
+        for chunk in self.generate_chunks(prompt_ids, max_new_tokens, sampling, stop_token_id):
+            yield from chunk
 
+    def generate_chunks(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop_token_id: int | None = None,
+    ) -> Iterator[list[int]]:
+        """Cloud-only decoding: yields the target's tokens a reply at a time.
+
+        The request sets `batch_tokens`, so the verifier sends the first token alone and later
+        ones a few at a time (at most ~20 ms late): fewer messages cost the verifier less.
         A stream cut by a transient failure (the ingress or verifier serving it was lost)
         resumes from the prompt plus the tokens already streamed, for the tokens still owed
         (`fedge.edge.proto.streams`, as the fleet's ingress resumes a stream whose replica died),
@@ -256,6 +269,7 @@ class VerifierClient(Transport):
             max_new_tokens=max_new_tokens,
             sampling=_sampling(sampling),
             stop_token_id=stop_token_id,
+            batch_tokens=True,
         )
         streamed: list[int] = []
         request: pb.GenerateRequest | None = original
@@ -273,8 +287,8 @@ class VerifierClient(Transport):
                 retry.wait(err)
             request = resume_generate(original, streamed)
 
-    def _stream(self, request: pb.GenerateRequest, streamed: list[int]) -> Iterator[int]:
-        """One Generate call: yields its tokens, appending each to `streamed`."""
+    def _stream(self, request: pb.GenerateRequest, streamed: list[int]) -> Iterator[list[int]]:
+        """One Generate call: yields each reply's tokens, appending them to `streamed`."""
 
         def start() -> tuple[Iterator[pb.GenerateReply], pb.GenerateReply | None]:
             stream = self.stub.Generate(
@@ -285,8 +299,9 @@ class VerifierClient(Transport):
         stream, first = self.attempt(request, start)
         for reply in itertools.chain([] if first is None else [first], stream):
             self.bytes_down += reply.ByteSize()
-            streamed.append(int(reply.token_id))
-            yield int(reply.token_id)
+            tokens = reply_tokens(reply)
+            streamed.extend(tokens)
+            yield tokens
 
 
 class TransientRetries:

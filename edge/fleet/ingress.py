@@ -63,14 +63,14 @@ from fedge.edge.fleet.state import Routing, open_state
 from fedge.edge.fleet.stats import CallOutcome, ReplicaFigures
 from fedge.edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from fedge.edge.proto import verifier_pb2 as pb
-from fedge.edge.proto.streams import resume_generate
+from fedge.edge.proto.streams import reply_tokens, resume_generate
 from fedge.edge.tracing import server_interceptors, shutdown, tracer_provider
 from fedge.edge.verifier.auth import CALLER
 from fedge.edge.verifier.limits import RateLimitConfig
 
 LOG = logging.getLogger("fedge.fleet")
 REPLICA_DEPLOYMENT = "verifier"
-RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, one token_id per message out
+RESUMABLE_STREAM = "Generate"  # prompt_ids + max_new_tokens in, token ids out (reply_tokens)
 RESUME_ATTEMPTS = 3
 CLOSE_TIMEOUT_S = 10.0  # a moved session's CloseSession on its old replica
 CLOSE_WAIT_S = 1.0  # how long a NOT_FOUND waits for that close (a reopen may land there)
@@ -366,8 +366,9 @@ class FleetIngress:
                 if result.code != "OK":
                     code, details, trailing = result.code, result.details, result.trailing
                     break
-                streamed += 1
-                yield reply_cls.FromString(result.payload)
+                reply = reply_cls.FromString(result.payload)
+                streamed += len(reply_tokens(reply)) if isinstance(reply, pb.GenerateReply) else 1
+                yield reply
             self._count(name, request, replica, started, streamed)
             await self._observe(app, name, request, None, code, started)
             if code != "OK":
@@ -401,7 +402,7 @@ class FleetIngress:
                 )
                 async for result in responses:
                     if result.code == "OK" and name == RESUMABLE_STREAM:
-                        streamed.append(pb.GenerateReply.FromString(result.payload).token_id)
+                        streamed.extend(reply_tokens(pb.GenerateReply.FromString(result.payload)))
                     yield result
                 return
             except Exception as error:  # the replica died mid-stream, or queues are full

@@ -140,7 +140,7 @@ class ReplicaFigures:
     stream_token: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
     def record(self, method: str, seconds: float, tokens: int, opened: bool, streamed: int) -> None:
-        """Count one finished call (`streamed`: messages a stream delivered)."""
+        """Count one finished call (`streamed`: tokens a stream delivered)."""
         self.calls += 1
         self.sessions += opened
         self.tokens += tokens

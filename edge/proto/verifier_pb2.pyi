@@ -113,19 +113,23 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_length: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_id")
+    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "stop_token_id", "batch_tokens")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     sampling: Sampling
     stop_token_id: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    batch_tokens: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_id: _Optional[int] = ..., batch_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("token_id",)
+    __slots__ = ("token_id", "more_token_ids")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
-    def __init__(self, token_id: _Optional[int] = ...) -> None: ...
+    more_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_id: _Optional[int] = ..., more_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

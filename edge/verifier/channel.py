@@ -1,8 +1,11 @@
 """Token channel of a Generate stream: the engine's worker puts tokens, a gRPC handler reads them.
 
 The producer never blocks (a stream holds at most max_context tokens), so a slow or
-vanished reader can never hold up the worker. The reader is either a coroutine
-(`next_chunk`, woken on its event loop only while it waits) or a thread (`chunks`).
+vanished reader can never hold up the worker. A coroutine reader may ask for tokens to be
+held a little (`next_chunk(hold_s)`) so that several leave in one message: the worker then
+wakes it at its first token put once the oldest queued token is `hold_s` old, at
+`MAX_CHUNK` tokens, or at the stream's end, so a token waits at most `hold_s` plus one
+decoding step. The reader is either a coroutine (`next_chunk`, woken on its event loop only while it waits) or a thread (`chunks`).
 The reader cancels the channel when its caller goes away; the worker reads
 `cancelled` between decoding steps and frees the stream's session.
 """
@@ -16,6 +19,8 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
+MAX_CHUNK = 64  # tokens the reader takes at once when holding
+
 
 class TokenChannel:
     """Thread-safe, unbounded, single-reader queue of token ids with an end (close or error)."""
@@ -26,6 +31,8 @@ class TokenChannel:
         self._closed = False
         self._error: BaseException | None = None
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+        self._hold_s = 0.0  # how long the waiting coroutine reader lets tokens gather (0: none)
+        self._first_at = 0.0  # when the oldest queued token was put
         self.cancelled = False  # set by the reader; read by the worker without a lock
         self.produced = 0  # tokens put so far
 
@@ -33,8 +40,17 @@ class TokenChannel:
     def put(self, token: int) -> None:
         """Hand one token to the reader."""
         with self._ready:
+            if not self._tokens:
+                self._first_at = time.monotonic()
             self._tokens.append(token)
             self.produced += 1
+            if (
+                self._hold_s
+                and len(self._tokens) < MAX_CHUNK
+                and time.monotonic() < self._first_at + self._hold_s
+            ):
+                self._ready.notify_all()  # a holding coroutine reader lets more gather
+                return
             self._wake()
 
     def close(self) -> None:
@@ -55,7 +71,7 @@ class TokenChannel:
         self._ready.notify_all()
         if self._waiter is not None:
             loop, future = self._waiter
-            self._waiter = None
+            self._waiter, self._hold_s = None, 0.0
             with contextlib.suppress(RuntimeError):  # the reader's loop is already closed
                 loop.call_soon_threadsafe(_settle, future)
 
@@ -74,17 +90,42 @@ class TokenChannel:
             raise self._error
         return None if self._closed else []
 
-    async def next_chunk(self) -> list[int] | None:
-        """Every token queued so far (waiting for at least one), or None at the end."""
+    async def next_chunk(self, hold_s: float = 0.0) -> list[int] | None:
+        """Every token queued so far (waiting for at least one), or None at the end.
+
+        With `hold_s` > 0 the tokens wait until the oldest of them is `hold_s` old (or
+        `MAX_CHUNK` are queued, or the stream ends) and come back together.
+        """
         while True:
+            timer = None
             with self._ready:
-                chunk = self._take()
-                if chunk != []:
-                    return chunk
+                now = time.monotonic()
+                held = (
+                    hold_s > 0
+                    and self._tokens
+                    and not self._closed
+                    and len(self._tokens) < MAX_CHUNK
+                    and now < self._first_at + hold_s
+                )
+                if not held:
+                    chunk = self._take()
+                    if chunk != []:
+                        return chunk
                 loop = asyncio.get_running_loop()
                 future: asyncio.Future[None] = loop.create_future()
-                self._waiter = (loop, future)
-            await future
+                self._waiter, self._hold_s = (loop, future), hold_s
+                if (
+                    held
+                ):  # tokens already wait: wake when the oldest is due, whatever the worker does
+                    timer = loop.call_later(self._first_at + hold_s - now, _settle, future)
+            try:
+                await future
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                with self._ready:
+                    if self._waiter is not None and self._waiter[1] is future:
+                        self._waiter, self._hold_s = None, 0.0
 
     def chunks(self, timeout_s: float | None = None) -> Iterator[list[int]]:
         """Blocking reader for threads: yields chunks until the end; TimeoutError after `timeout_s` idle."""

@@ -264,7 +264,7 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
         buckets: Buckets | None,
     ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
         """A Generate that pays its prompt as prefill, reserves `max_new_tokens` and refunds
-        what it did not stream."""
+        the tokens it did not stream (counted per token: a reply may carry several)."""
 
         async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             cost = max(1, int(request.max_new_tokens))
@@ -272,7 +272,7 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
             sent = 0
             try:
                 async for reply in behavior(request, context):
-                    sent += 1
+                    sent += 1 + len(reply.more_token_ids)  # tokens, not replies (batch_tokens)
                     yield reply
             finally:
                 if sent < cost and buckets is not None:

@@ -202,6 +202,37 @@ def test_generate_pays_up_front_and_gets_unused_tokens_back(
             list(_client(strict_port, "streamer", max_wait_s=2.0).generate(prompt, 12))
 
 
+def test_a_batched_stream_pays_for_every_token_it_carries(
+    strict_port: int, micro_prompts: list[list[int]]
+) -> None:
+    """Replies carrying several tokens (batch_tokens) are metered per token, not per reply.
+
+    Counting replies, a 16-token stream sent in 2-3 replies refunded 13-14 of the 16 tokens it
+    was charged, so the same device streamed 16 more at once: well past its 1 token/s.
+    """
+    prompt = micro_prompts[8]
+    stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{strict_port}"))
+    metadata = ((DEVICE_KEY, "batching-phone"),)
+    replies = list(
+        stub.Generate(
+            pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=16, batch_tokens=True),
+            metadata=metadata,
+            timeout=30,
+        )
+    )
+    assert sum(1 + len(r.more_token_ids) for r in replies) == 16
+    assert len(replies) < 16  # several tokens per reply, or this test proves nothing
+    with pytest.raises(grpc.RpcError) as refused:
+        list(
+            stub.Generate(
+                pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=8, batch_tokens=True),
+                metadata=metadata,
+                timeout=30,
+            )
+        )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+
+
 def test_edge_client_takes_the_device_route_while_rate_limited(
     strict_port: int, micro_draft: PreTrainedModel, micro_prompts: list[list[int]]
 ) -> None:

@@ -17,6 +17,7 @@ from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient, Verifier
 from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.proto.streams import reply_tokens
 from fedge.edge.runtime import TorchDraftRuntime
 from fedge.edge.verifier.engine import EngineConfig
 from fedge.edge.verifier.server import (
@@ -96,6 +97,32 @@ def test_sessions_and_stream_over_grpc(
         assert [
             t for chunk in edge.stream_ids(prompt, route="cloud-only") for t in chunk
         ] == expected
+
+
+def test_generate_batches_tokens_only_for_callers_that_ask(
+    verifier_port: int, micro_target: PreTrainedModel, micro_prompts: list[list[int]]
+) -> None:
+    """With batch_tokens a reply carries every token gathered since the last (the first alone);
+    without it, as older clients expect, one token per reply. Both are the target's greedy."""
+    prompt, n = micro_prompts[3], 120
+    expected = micro_target.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )[0, len(prompt) :].tolist()
+    stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier_port}"))
+
+    def replies(batch: bool) -> list[pb.GenerateReply]:
+        request = pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=n, batch_tokens=batch)
+        return list(stub.Generate(request, timeout=30))
+
+    batched, single = replies(True), replies(False)
+    assert [t for r in batched for t in reply_tokens(r)] == expected
+    assert not batched[0].more_token_ids  # the first token leaves as soon as it exists
+    assert len(batched) < n // 4  # the micro target makes a token in ~1 ms; replies hold ~20 ms
+    assert [r.token_id for r in single] == expected
+    assert not any(r.more_token_ids for r in single)
+    with VerifierClient(ClientConfig(f"127.0.0.1:{verifier_port}")) as client:
+        chunks = list(client.generate_chunks(prompt, n))
+    assert [t for c in chunks for t in c] == expected and len(chunks) < n // 4
 
 
 def test_bad_input_maps_to_status_codes_and_server_survives(verifier_port: int) -> None:

@@ -442,8 +442,8 @@ def test_an_ingress_killed_mid_generate_stream_fails_no_request(
             with VerifierClient(config) as client:
                 streamed.extend(client.generate(prompts[0], NEW_TOKENS))
 
-        fleet.handle_a.pass_messages = 3
-        failures = fleet.kill_a_under(device, "the stream's fourth token held in A")
+        fleet.handle_a.pass_messages = 1
+        failures = fleet.kill_a_under(device, "the stream's second reply held in A")
 
     assert failures == []
     assert streamed == greedy_reference(target, prompts[0], NEW_TOKENS)
@@ -475,8 +475,8 @@ def test_a_sampled_generate_cut_with_its_ingress_resumes_the_same_draws(
             with VerifierClient(config) as client:  # the Service's first turn: A
                 streamed.extend(client.generate(prompts[0], NEW_TOKENS, sampling))
 
-        fleet.handle_a.pass_messages = 3
-        failures = fleet.kill_a_under(device, "the sampled stream's fourth token held in A")
+        fleet.handle_a.pass_messages = 1
+        failures = fleet.kill_a_under(device, "the sampled stream's second reply held in A")
         with VerifierClient(config) as client:  # uncut, through B
             uncut = list(client.generate(prompts[0], NEW_TOKENS, sampling))
 
