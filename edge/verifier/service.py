@@ -296,8 +296,8 @@ class VerifierService(pb_grpc.VerifierServicer):
     ) -> AsyncIterator[pb.GenerateReply]:
         """Cloud-only decoding: the engine streams tokens; a lone stream decodes back to back.
 
-        With `batch_tokens` the first token leaves alone and later ones gather for
-        `stream_hold_s` into one reply each. The stream is cancelled by a done-callback of the call, not a `finally`: a cancelled
+        With `batch_tokens` the first reply waits for nothing (it carries the tokens made by
+        then) and later ones gather for `stream_hold_s` into one reply each. The stream is cancelled by a done-callback of the call, not a `finally`: a cancelled
         generator suspended at a `yield` runs its `finally` only when garbage collected.
         """
         owner = owner_of(context)

@@ -102,8 +102,9 @@ def test_sessions_and_stream_over_grpc(
 def test_generate_batches_tokens_only_for_callers_that_ask(
     verifier_port: int, micro_target: PreTrainedModel, micro_prompts: list[list[int]]
 ) -> None:
-    """With batch_tokens a reply carries every token gathered since the last (the first alone);
-    without it, as older clients expect, one token per reply. Both are the target's greedy."""
+    """With batch_tokens a reply carries every token gathered since the last (the first waits for
+    none: under load it may already carry two); without it, as older clients expect, one token
+    per reply. Both are the target's greedy."""
     prompt, n = micro_prompts[3], 120
     expected = micro_target.generate(
         torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
@@ -116,7 +117,6 @@ def test_generate_batches_tokens_only_for_callers_that_ask(
 
     batched, single = replies(True), replies(False)
     assert [t for r in batched for t in reply_tokens(r)] == expected
-    assert not batched[0].more_token_ids  # the first token leaves as soon as it exists
     assert len(batched) < n // 4  # the micro target makes a token in ~1 ms; replies hold ~20 ms
     assert [r.token_id for r in single] == expected
     assert not any(r.more_token_ids for r in single)
