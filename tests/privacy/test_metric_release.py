@@ -102,14 +102,15 @@ _LOCAL = {"dp-sgd-sample-rate", "dp-sgd-records"}  # node diagnostics, cut by th
 def test_the_loss_noise_has_the_accounted_standard_deviation() -> None:
     """Each step's loss sum gets N(0, (zL)^2) and each loss is clipped into [0, L]: 4000
     draws at z = 1.3, L = 2 over a batch whose losses (0.5, 3.0, -1.0) clip to 0.5 + 2 + 0
-    give mean 2.5 and std 2.6 (a 5% band is > 6 sigma of the estimate for 4000 draws)."""
+    give mean 2.5 and std 2.6 (bands of about 6 standard errors of each estimate: the noise
+    is the OS's, not seeded)."""
     sums = []
     for _ in range(4000):
         acc = LossSum(clip=2.0, noise_multiplier=1.3)
         acc.add(torch.tensor([0.5, 3.0, -1.0]))
         sums.append(acc.total)
-    assert np.mean(sums) == pytest.approx(2.5, abs=0.15)
-    assert np.std(sums) == pytest.approx(2.6, rel=0.05)
+    assert np.mean(sums) == pytest.approx(2.5, abs=0.25)
+    assert np.std(sums) == pytest.approx(2.6, rel=0.07)
     draws = [noised_loss(float("inf"), 4.0, 0.5) for _ in range(4000)]  # non-finite: L
     assert np.mean(draws) == pytest.approx(4.0, abs=0.05)
     assert np.std(draws) == pytest.approx(0.5, rel=0.05)
