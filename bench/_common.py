@@ -14,6 +14,17 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def rounded(value: Any) -> Any:
+    """Floats to 4 significant digits, recursively, for a readable JSON result."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
 def write_result(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     """Write the bench's JSON result to ``path`` and print it as the last line of output."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ if not __package__:  # run as `python bench/x.py`: put the repo root first (benc
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from bench._common import rounded
 from fedge.simulations.verifier_process import VerifierProcess
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "edge.json"
@@ -750,7 +751,7 @@ def finish(result: dict[str, Any], started: float, args: Any) -> None:
     """Stamp the load and wall time, print the JSON line and write it to bench/results."""
     result["load_end"] = loadavg()
     result["wall_s"] = time.perf_counter() - started
-    line = json.dumps(_rounded(result))
+    line = json.dumps(rounded(result))
     results = RESULTS_FILE.with_name("edge_quick.json") if args.quick else RESULTS_FILE
     if args.results:  # a bare name goes under bench/results, a path where it says
         results = (
@@ -759,17 +760,6 @@ def finish(result: dict[str, Any], started: float, args: Any) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(line + "\n")
     print(line)
-
-
-def _rounded(value: Any) -> Any:
-    """Round floats to 4 significant digits for a readable JSON line."""
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    return value
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
+from bench._common import rounded
 from fedge.paths import fedge_home
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -246,21 +247,10 @@ def main() -> None:
     result["tokens"] = reference
     result["load_end"] = loadavg()
     result["wall_s"] = time.perf_counter() - wall
-    line = json.dumps(_rounded(result))
+    line = json.dumps(rounded(result))
     out = RESULTS / ("verifier_runtime_quick.json" if args.quick else "verifier_runtime.json")
-    out.write_text(json.dumps(_rounded(result), indent=2) + "\n")
+    out.write_text(json.dumps(rounded(result), indent=2) + "\n")
     print(line)
-
-
-def _rounded(value: Any) -> Any:
-    """Floats to 4 significant digits, recursively."""
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    return value
 
 
 if __name__ == "__main__":
