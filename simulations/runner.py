@@ -219,14 +219,21 @@ def node_privacy(run_dir: Path, num_nodes: int) -> Iterator[None]:
     from fedge.clients.privacy.ledger import STATE_DIR_ENV
     from fedge.clients.secagg.mod import TRUST_ENV, write_trust_list
 
-    saved = {env: os.environ.get(env) for env in (STATE_DIR_ENV, TRUST_ENV)}
-    root = Path(saved[STATE_DIR_ENV] or run_dir / "privacy-state").absolute()
-    os.environ[STATE_DIR_ENV] = str(root)
-    if not saved[TRUST_ENV]:
-        trust = write_trust_list(root, range(num_nodes), run_dir / "secagg-trust.txt")
-        os.environ[TRUST_ENV] = str(trust.absolute())
-    try:
+    with restored_env(STATE_DIR_ENV, TRUST_ENV) as saved:
+        root = Path(saved[STATE_DIR_ENV] or run_dir / "privacy-state").absolute()
+        os.environ[STATE_DIR_ENV] = str(root)
+        if not saved[TRUST_ENV]:
+            trust = write_trust_list(root, range(num_nodes), run_dir / "secagg-trust.txt")
+            os.environ[TRUST_ENV] = str(trust.absolute())
         yield
+
+
+@contextmanager
+def restored_env(*names: str) -> Iterator[dict[str, str | None]]:
+    """Yield the current values of `names`; afterwards set them back (unset if they were)."""
+    saved = {env: os.environ.get(env) for env in names}
+    try:
+        yield saved
     finally:
         for env, value in saved.items():
             if value is None:
@@ -240,16 +247,9 @@ def client_roots(cfg: RunConfig) -> Iterator[None]:
     """Every simulated node is this operator's: its data, model and state roots are the
     directories of the run's paths (:func:`fedge.names.roots_for`), through the environment the
     engine's workers inherit; restored afterwards. On a Ray cluster each node sets its own."""
-    saved = {env: os.environ.get(env) for env in (DATA.env, MODELS.env, STATE.env)}
-    os.environ.update(roots_for(cfg.to_mapping()))
-    try:
+    with restored_env(DATA.env, MODELS.env, STATE.env):
+        os.environ.update(roots_for(cfg.to_mapping()))
         yield
-    finally:
-        for env, value in saved.items():
-            if value is None:
-                os.environ.pop(env, None)
-            else:
-                os.environ[env] = value
 
 
 def run_simulation(
