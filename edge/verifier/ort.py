@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from fedge.edge import _hf
 from fedge.edge.verifier.batching import KVGeometry
+from fedge.edge.verifier.runtime import LocalKVRuntime
 from fedge.errors import CorruptModelError, FedgeError
 from fedge.paths import fedge_home
 
@@ -160,7 +161,7 @@ class OrtKV:
         return sum((a.base if isinstance(a.base, np.ndarray) else a).nbytes for a in self.arrays)
 
 
-class OrtRuntime:
+class OrtRuntime(LocalKVRuntime):
     """The engine's runtime on an ONNX Runtime session over `target_export`'s graph (CPU)."""
 
     def __init__(self, export: Path, threads: int = 0, passive: bool = True) -> None:
@@ -255,15 +256,6 @@ class OrtRuntime:
         logits, present = self._run(ids, mask, positions, padded)
         new = [torch.from_numpy(p[:, :, longest_past:]) for p in present]
         return torch.from_numpy(logits), list(zip(new[0::2], new[1::2], strict=True))
-
-    def local_bytes(self, tokens: int) -> int:
-        return tokens * self.geometry.bytes_per_position
-
-    def release(self, cache: Any) -> None:
-        return None
-
-    def on_lost(self, callback: Callable[[], None]) -> None:
-        return None
 
 
 def check_against(runtime: OrtRuntime, model: PreTrainedModel, vocab: int) -> float:

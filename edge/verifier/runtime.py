@@ -69,7 +69,23 @@ class Runtime(Protocol):
         """Call `callback()` when caches held elsewhere are lost (their sessions must go)."""
 
 
-class TorchRuntime:
+class LocalKVRuntime:
+    """What runtimes holding each session's KV in this process share: its bytes follow from
+    the model's geometry, nothing to release beyond the cache object, never lost."""
+
+    geometry: KVGeometry
+
+    def local_bytes(self, tokens: int) -> int:
+        return tokens * self.geometry.bytes_per_position
+
+    def release(self, cache: Any) -> None:
+        return None
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        return None
+
+
+class TorchRuntime(LocalKVRuntime):
     """The model in this process: DynamicCache sessions, padded batches."""
 
     def __init__(self, model: PreTrainedModel, geometry: KVGeometry) -> None:
@@ -101,15 +117,6 @@ class TorchRuntime:
         self, caches: Sequence[Any], inputs: list[list[int]]
     ) -> tuple[torch.Tensor, _hf.KV]:
         return batched_forward(self.model, self.geometry, caches, inputs)
-
-    def local_bytes(self, tokens: int) -> int:
-        return tokens * self.geometry.bytes_per_position
-
-    def release(self, cache: Any) -> None:
-        return None
-
-    def on_lost(self, callback: Callable[[], None]) -> None:
-        return None
 
 
 class ShardedRuntime:
