@@ -40,10 +40,12 @@ from fedge.clients.privacy.policy import (
 )
 from fedge.clients.privacy.replies import (
     announce_promise,
+    dp_run,
     fixed_failure,
     private_train,
     public_evaluate_reply,
     public_reply,
+    remember_dp_run,
 )
 from fedge.clients.secagg.mod import secaggplus_mod
 from fedge.privacy.wire import KEY_DP_NOISE_STD
@@ -135,7 +137,8 @@ def dispatch_mods(msg: Message, context: Context, call_next: ClientAppCallable) 
         handler = _wrap(REGISTRY[name], handler)
     if kind not in (MessageType.TRAIN, MessageType.EVALUATE):
         return handler(msg, context)
-    private = private_train(policy, msg)
+    private = private_train(policy, msg) or (kind == MessageType.EVALUATE and dp_run(context))
+    remember_dp_run(msg, context)
     try:
         reply = handler(msg, context)
     except Exception as exc:

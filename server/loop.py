@@ -519,7 +519,7 @@ def evaluate_round(fed: Federation, cohort: Cohort, server_round: int) -> Losses
     part_loss = fed.server_model.evaluate(fed.state.adapter, fed.participants)
     client_loss = (
         client_evaluate(fed.grid, cohort.sampled, fed.state, fed.cfg, server_round)
-        if fed.cfg.client_eval and not _client_eval_withheld(fed.cfg)
+        if fed.cfg.client_eval and not _client_eval_withheld(fed)
         else math.nan
     )
     return Losses(loss, part_loss, client_loss)
@@ -528,21 +528,26 @@ def evaluate_round(fed: Federation, cohort: Cohort, server_round: int) -> Losses
 _WITHHELD_SAID: set[str] = set()  # runs (by run dir) told that client-eval is withheld
 
 
-def _client_eval_withheld(cfg: RunConfig) -> bool:
-    """Under DP-SGD clients keep their held-out loss (no mechanism accounts it,
-    ``fedge.clients.privacy.replies``): the round asks them nothing and says so once."""
+def _client_eval_withheld(fed: Federation) -> bool:
+    """Under DP-SGD or distributed DP clients keep their held-out loss (no mechanism accounts
+    it, ``fedge.clients.privacy.replies``): the round asks them nothing and says so once."""
+    cfg = fed.cfg
     try:
         dpsgd = float(str(cfg.client_config().get(KEY_DPSGD_NOISE, 0.0))) > 0
     except ValueError:
         dpsgd = False
-    if dpsgd and cfg.run_dir not in _WITHHELD_SAID:
+    dp = getattr(fed.aggregator, "cfg", None)
+    distributed = isinstance(dp, DPConfig) and dp.mode == "distributed"
+    withheld = dpsgd or distributed
+    if withheld and cfg.run_dir not in _WITHHELD_SAID:
         _WITHHELD_SAID.add(cfg.run_dir)
         log.warning(
-            "client-eval under DP-SGD: the clients keep their held-out loss (outside the DP "
+            "client-eval under %s: the clients keep their held-out loss (outside the DP "
             "accounting), so none is asked and client_eval_loss stays empty; the server's own "
-            "evaluation is unchanged (set client-eval = false to silence this)"
+            "evaluation is unchanged (set client-eval = false to silence this)",
+            "DP-SGD" if dpsgd else "distributed DP",
         )
-    return dpsgd
+    return withheld
 
 
 def checkpoint_and_report(fed: Federation, row: Mapping[str, Any]) -> None:

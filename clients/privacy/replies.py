@@ -17,9 +17,12 @@ asks for DP-SGD or distributed DP):
   (:func:`fixed_failure`); the node's log keeps the cause. Every refusal the client
   writes itself (policy, SecAgg+, DP, budget) names its rule only, never a count or value.
 
-An evaluate reply to a message asking for DP (a DP-SGD run, even on a node without a policy)
-keeps only the public metrics too (:func:`public_evaluate_reply`): its held-out loss is
-outside every DP accounting, so it stays on the node, said once in its log.
+An evaluate reply in a DP run (a DP-SGD or distributed-DP run, even on a node without a
+policy) keeps only the public metrics too (:func:`public_evaluate_reply`): its held-out loss
+is outside every DP accounting, so it stays on the node, said once in its log. A run is a DP
+run for the node when the evaluate message asks for DP or when the node was asked for DP in
+an earlier message of the run (:func:`remember_dp_run`, kept in the
+node's run state): a server cannot get the loss back by leaving the marker off.
 
 A node without a policy file promises nothing, and says so (:func:`announce_promise`):
 once per run in its log, and in every train and evaluate reply as the ConfigRecord
@@ -31,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord
 
 from fedge import keys
 from fedge.clients.privacy.policy import PrivacyPolicy
@@ -50,6 +53,7 @@ FIXED_FAILURE = (
     "log (a reason could carry counts or values of its data)"
 )
 PROMISE_RECORD = "fedge.privacy"  # ConfigRecord of every train/evaluate reply: what it promises
+DP_RUN_RECORD = "fedge.dp-run"  # ConfigRecord in the node's run state: DP was asked in this run
 KEY_PROMISE = "promise"
 # Metrics a private reply keeps in clear: fixed by the config (steps, completed fraction), the
 # node's public partition id, the accountant's epsilon (a function of public DP parameters and
@@ -93,10 +97,25 @@ def dp_requested(config: Mapping[str, object] | None) -> bool:
     return sgd or KEY_DP_NOISE_STD in config
 
 
+def message_config(msg: Message) -> ConfigRecord | None:
+    """The message's fedge config record, if any."""
+    return msg.content.config_records.get(keys.REC_CONFIG) if msg.has_content() else None
+
+
 def private_train(policy: PrivacyPolicy, msg: Message) -> bool:
     """Whether privacy is in play for this message: a strict policy, or DP asked for."""
-    config = msg.content.config_records.get(keys.REC_CONFIG) if msg.has_content() else None
-    return policy.strict or dp_requested(config)
+    return policy.strict or dp_requested(message_config(msg))
+
+
+def remember_dp_run(msg: Message, context: Context) -> None:
+    """Note in the node's run state that this run asked for DP (its later evaluates stay private)."""
+    if dp_requested(message_config(msg)):
+        context.state[DP_RUN_RECORD] = ConfigRecord({"asked": True})
+
+
+def dp_run(context: Context) -> bool:
+    """Whether an earlier message of this run asked this node for DP."""
+    return DP_RUN_RECORD in context.state.config_records
 
 
 def warn_once(what: str, names: list[str]) -> None:

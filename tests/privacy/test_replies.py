@@ -41,6 +41,7 @@ from fedge.clients.privacy.policy import (
     check_train,
 )
 from fedge.clients.privacy.replies import ERROR_TRAINING, KEY_PROMISE, PROMISE_RECORD
+from fedge.privacy.wire import KEY_DP_CLIP, KEY_DP_NOISE_STD
 from fedge.secagg import wire
 from fedge.secagg.config import SecAggConfig
 from fedge.server.secagg.aggregator import SecAggPlusAggregator
@@ -111,6 +112,8 @@ def make_grid(
 ) -> Callable[[str | None, int], InProcessGrid]:
     """A grid of ``n`` nodes under the policy text given (None: no policy file)."""
 
+    runs: list[int] = []
+
     def build(policy: str | None, n: int = 1) -> InProcessGrid:
         if policy is not None:
             (tmp_path / "policy.toml").write_text(policy)
@@ -118,7 +121,8 @@ def make_grid(
         else:
             monkeypatch.delenv(POLICY_ENV, raising=False)
         monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "node-state"))
-        return InProcessGrid(app(), DeviceTable(n, seed=3), tmp_path / f"context-{n}")
+        runs.append(n)  # each grid is a new run: its nodes' run state starts empty
+        return InProcessGrid(app(), DeviceTable(n, seed=3), tmp_path / f"context-{len(runs)}")
 
     return build
 
@@ -206,6 +210,40 @@ def test_evaluate_under_dpsgd_without_a_policy_keeps_the_loss_home(
     assert any("held-out loss is outside" in r.message for r in caplog.records)
     assert len({str(seen) for seen in plain}) == 6
     assert keys.MET_EVAL_LOSS in plain[0]["metrics"][keys.REC_METRICS]
+
+
+DISTRIBUTED_DP = {KEY_DP_CLIP: 1.0, KEY_DP_NOISE_STD: 0.5, "weighting": "uniform"}
+
+
+@pytest.mark.parametrize("asked", [DPSGD, DISTRIBUTED_DP], ids=["dp-sgd", "distributed-dp"])
+def test_evaluate_after_dp_training_keeps_the_loss_home_unmarked(
+    make_grid: Callable[..., InProcessGrid], asked: dict[str, Any]
+) -> None:
+    """Issue 30, evaluate loss under distributed DP without a policy: on main a node that had
+    just trained under distributed DP answered the run's evaluate messages (which carry no DP
+    marker) with its held-out loss and example count in clear: they varied with the data in
+    each of 6 draws. A server could equally leave the DP-SGD marker off its evaluates. Now the
+    node remembers, in its run state, that the run asked for DP: every later evaluate reply of
+    the run keeps only the public metrics, identical across draws, whatever the server sends."""
+    grid = make_grid(None)
+
+    def script(g: Grid) -> dict[str, Any]:
+        node = sorted(g.get_node_ids())[0]
+        seen = []
+        for trial in range(7):
+            DATA["seed"] = 2000 + trial
+            kind, config = (MessageType.TRAIN, asked) if trial == 0 else (MessageType.EVALUATE, {})
+            content = RecordDict({keys.REC_CONFIG: ConfigRecord(config)})
+            msg = Message(content, dst_node_id=node, message_type=kind)
+            (reply,) = list(g.send_and_receive([msg], timeout=60))
+            seen.append(clear_fields(reply))
+        return {"seen": seen[1:]}
+
+    evaluated = drive(grid, script)["seen"]
+    assert all(seen == evaluated[0] for seen in evaluated)
+    assert set(evaluated[0]["metrics"][keys.REC_METRICS]) == {keys.MET_PARTITION}
+    fresh = replies_over_trials(make_grid(None), {}, 6, MessageType.EVALUATE)
+    assert len({str(seen) for seen in fresh}) == 6  # a run that never asked for DP shows the loss
 
 
 def test_the_default_node_says_it_promises_nothing_once_per_run(

@@ -43,3 +43,34 @@ def test_participants_are_scored_on_their_own_heldout_text_only(micro_zoo) -> No
         expected = loss_on(*participants)
         assert expected != whole  # the check can tell a participant score from the corpus'
         assert model.evaluate(adapter, participants) == expected
+
+
+def test_client_eval_is_withheld_under_client_side_dp_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: under distributed DP fedge's loop asked the clients for their held-out loss
+    every round (returned in clear on main). Now it asks none under DP-SGD or distributed DP
+    (the clients would keep it home anyway), and still asks under plain, SecAgg+ and central DP."""
+    from types import SimpleNamespace
+
+    from fedge.server.loop import _client_eval_withheld
+    from fedge.server.privacy.factories import central_dp, secagg, secagg_distributed_dp
+
+    dp = {"weighting": "uniform", "dp-noise-multiplier": 0.8, "dp-clip-norm": 0.05}
+    cases = {
+        "plain": ({}, None),
+        "secagg": ({}, secagg),
+        "central-dp": (dp, central_dp),
+        "distributed-dp": (dp, secagg_distributed_dp),
+        "dp-sgd": ({"dp-sgd-noise-multiplier": 1.0}, None),
+    }
+    withheld = {}
+    for name, (extra, factory) in cases.items():
+        cfg = RunConfig.from_mapping({**extra, "run-dir": str(tmp_path / name)})
+        fed = SimpleNamespace(cfg=cfg, aggregator=factory(cfg) if factory else None)
+        withheld[name] = _client_eval_withheld(fed)  # type: ignore[arg-type]
+    assert withheld == {
+        "plain": False,
+        "secagg": False,
+        "central-dp": False,
+        "distributed-dp": True,
+        "dp-sgd": True,
+    }
