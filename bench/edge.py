@@ -23,8 +23,9 @@ verifier is a child process (`fedge verifier serve`, one torch thread).
 4. A pretrained target (``--preset smollm2``: SmolLM2-135M under $FEDGE_HOME/models, or
    ``--target DIR [--draft DIR]``): the verifier runs the target on ONNX Runtime, and the
    baseline is plain ONNX Runtime greedy decoding of the same graph in process (one thread, as
-   the verifier); every route's tokens/s is also given over it, each route's greedy output is
-   checked against it, and the verifier process's CPU per token is recorded. RTTs 0, 20 and
+   the verifier), measured again just before each RTT's routes; every route's tokens/s is also
+   given over it, each route's greedy output is checked against it, and the verifier
+   process's CPU per token is recorded. RTTs 0, 20 and
    100 ms, capacity at 20 ms, no regime or faults unless asked.
 
 Usage: ``python bench/edge.py [--quick] [--preset auto|micro|demo|default|smollm2]
@@ -92,15 +93,13 @@ def pick_models(args: Any) -> tuple[str, Path, Path, bool]:
 
 
 def plain_ort_baseline(
-    model_dir: Path, prompts: list[list[int]], new_tokens: int
+    model: Any, prompts: list[list[int]], new_tokens: int
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Plain ONNX Runtime greedy decoding of the target on the verifier's graph (1 thread, as
     the verifier runs), in process: its figures and each prompt's tokens (the reference every
     route's output is checked against)."""
     from bench._common import plain_ort_same_graph
-    from fedge.models import load_causal_lm
 
-    model = load_causal_lm(model_dir).eval()
     runs = plain_ort_same_graph(model, prompts, new_tokens, 1)
     seconds = sum(prefill + per * (len(tokens) - 1) for tokens, prefill, per in runs)
     figures = {
@@ -251,7 +250,9 @@ def per_request(
     Also per route: the verifier process's CPU per generated token, and, given `reference` (the
     target's plain greedy tokens of each prompt), whether the route's output equals it (edge-only
     is the draft's own output, never checked). Each route's tokens/s is divided by every
-    baseline in `args.baselines` (plain greedy tokens/s measured in the same run)."""
+    baseline in `args.baselines` (plain greedy tokens/s measured in the same run); with
+    `args.measure_baseline` (a pretrained target) that baseline is measured again just before
+    each RTT's routes, and the ratios at that RTT are to it (a shared machine's load drifts)."""
     from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
     from fedge.edge.decoder import DecodeConfig
     from fedge.edge.router import Router
@@ -290,6 +291,10 @@ def per_request(
                 for _ in learner.stream_ids(prompts[0]):
                     pass
             for rtt in args.rtts:
+                adjacent = {}
+                if args.measure_baseline is not None:
+                    adjacent = args.measure_baseline()
+                    args.baselines = {"plain_ort_greedy": adjacent["tokens_per_s"]}
                 netem.set_link(LinkConfig(rtt_s=rtt / 1e3))
                 learner.measure_rtt(force=True)  # a device learns of a network change
                 fixed = {}
@@ -301,6 +306,7 @@ def per_request(
                         fixed[route] = run(route, edge)
                 chosen = run(None, learner)
                 out[f"{rtt:g}ms"] = {
+                    **({"plain_ort_greedy": adjacent} if adjacent else {}),
                     **fixed,
                     "router": chosen,
                     **compare(fixed, chosen, objective),
@@ -320,6 +326,34 @@ def per_request(
                     file=sys.stderr,
                 )
     return out, router
+
+
+def router_estimates(router: Any) -> dict[str, Any]:
+    """What the run's router believes at the end: each route's estimates (what its choices came
+    from) and the draft-length model's."""
+    est = router.speculation
+    c0, c1 = est.call_line
+    return {
+        "rtt_s": router.state.rtt_s,  # the round trip the router last saw (shortest recent call)
+        **{
+            route.value: {
+                "requests": s.n,
+                "tokens_per_s": 1.0 / s.seconds if s.seconds else 0.0,
+                "ttft_s": s.ttft_s,
+                "passes_per_token": s.passes,
+                "rtt_s": s.rtt_s,
+            }
+            for route, s in router.state.stats.items()
+            if s.n
+        },
+        "speculation": {
+            "verifies": est.verifies,
+            "acceptance": est.acceptance,
+            "draft_step_ms": est.draft_step_s * 1e3,
+            "call_ms_beyond_rtt": c0 * 1e3 - est.rtt_s * 1e3,
+            "call_ms_per_drafted_token": c1 * 1e3,
+        },
+    }
 
 
 def plain_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:
@@ -813,12 +847,14 @@ def main() -> None:
     result["draft_step_ms_by_variant"] = {
         n: v["decode_step_s"] * 1e3 for n, v in manifest["variants"].items() if v.get("valid")
     }
-    reference = None
+    reference, args.measure_baseline = None, None
     if pretrained:  # the verifier on ONNX Runtime, against plain ORT greedy of the same graph
-        result["plain_ort_greedy"], reference = plain_ort_baseline(
-            target_dir, prompts, args.new_tokens
-        )
+        from fedge.models import load_causal_lm
+
+        target = load_causal_lm(target_dir).eval()
+        result["plain_ort_greedy"], reference = plain_ort_baseline(target, prompts, args.new_tokens)
         args.baselines = {"plain_ort_greedy": result["plain_ort_greedy"]["tokens_per_s"]}
+        args.measure_baseline = lambda: plain_ort_baseline(target, prompts, args.new_tokens)[0]
         verifier_runtime = "onnx"
     else:  # a zoo's verifier on torch, against plain HF greedy
         args.plain_tokens_per_s = plain_greedy(target_dir, prompts, args.new_tokens)
@@ -833,6 +869,7 @@ def main() -> None:
             result["per_request"], router = per_request(
                 runtime, server, prompts, args, objective, reference
             )
+            result["router_estimates"] = router_estimates(router)
             result["load_after_per_request"] = loadavg()
         with VerifierClient(ClientConfig(f"127.0.0.1:{server.port}")) as direct:
             depth, tables, steps = 16, [], []
