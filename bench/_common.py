@@ -44,6 +44,35 @@ def config_value(text: str) -> Any:
         return text
 
 
+def plain_ort_same_graph(
+    model: Any, prompts: list[list[int]], n: int, threads: int
+) -> list[tuple[list[int], float, float]]:
+    """Plain greedy decoding on the verifier's own ONNX graph and session options (`OrtRuntime`
+    driven directly: no service, no network), `n` tokens after each prompt: per prompt its
+    tokens, prefill seconds and per-token decode seconds. The verifier's runtime, so the
+    baseline of a cloud-only or speculative figure."""
+    import torch
+
+    from fedge.edge.verifier.ort import OrtRuntime, target_export
+
+    runtime = OrtRuntime(target_export(model), threads)
+    out = []
+    with torch.inference_mode():
+        runtime.prefill(prompts[0][:4])  # warm-up
+        for prompt in prompts:
+            started = time.perf_counter()
+            cache, logits = runtime.prefill(prompt, want_logits=True)
+            assert logits is not None
+            tokens = [int(logits[0, -1].argmax())]
+            first = time.perf_counter()
+            while len(tokens) < n:
+                logits = runtime.forward_on(torch.tensor([tokens[-1:]]), cache)
+                tokens.append(int(logits[0, -1].argmax()))
+            last = time.perf_counter()
+            out.append((tokens, first - started, (last - first) / max(1, n - 1)))
+    return out
+
+
 def alternating_verifies(
     clients: dict[str, Any], draft: list[int], prompt: list[int], verifies: int
 ) -> dict[str, list[float]]:

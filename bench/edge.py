@@ -20,9 +20,18 @@ verifier is a child process (`fedge verifier serve`, one torch thread).
    the verifier was lost mid-request, decoded on the device while it was down, failed, and
    whether every token the verifier produced equals the target's greedy output.
 
-Usage: ``python bench/edge.py [--quick] [--preset auto|micro|demo|default]``; the last line
-printed is one JSON object, also written to ``bench/results/edge.json`` (``edge_quick.json``
-with ``--quick``).
+4. A pretrained target (``--preset smollm2``: SmolLM2-135M under $FEDGE_HOME/models, or
+   ``--target DIR [--draft DIR]``): the verifier runs the target on ONNX Runtime, and the
+   baseline is plain ONNX Runtime greedy decoding of the same graph in process (one thread, as
+   the verifier), measured again just before each RTT's routes; every route's tokens/s is also
+   given over it, each route's greedy output is checked against it, and the verifier
+   process's CPU per token is recorded. RTTs 0, 20 and
+   100 ms, capacity at 20 ms, no regime or faults unless asked.
+
+Usage: ``python bench/edge.py [--quick] [--preset auto|micro|demo|default|smollm2]
+[--target DIR --draft DIR]``; the last line printed is one JSON object, also written to
+``bench/results/edge.json`` (``edge_quick.json`` with ``--quick``; ``edge_smollm2.json``,
+``edge_smollm2_quick.json`` for a pretrained target).
 """
 
 from __future__ import annotations
@@ -58,6 +67,47 @@ ROUTES = ("edge-only", "speculative", "cloud-only")
 def loadavg() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+PRETRAINED = {"smollm2": "smollm2-135m"}  # preset -> its folder under $FEDGE_HOME/models
+
+
+def pick_models(args: Any) -> tuple[str, Path, Path, bool]:
+    """(name, target dir, draft dir, pretrained): a zoo (`pick_zoo`), or a pretrained target
+    (`--preset smollm2`, or `--target DIR`) with its draft (`--draft DIR`, default the
+    `fedge models draft` folder beside the target)."""
+    from fedge.paths import fedge_home
+
+    if args.target is None and args.preset not in PRETRAINED:
+        if args.draft is not None:
+            raise SystemExit("--draft needs --target DIR or a pretrained preset (smollm2)")
+        name, zoo = pick_zoo(args.preset)
+        return name, Path(zoo.target_dir), Path(zoo.draft_dir), False
+    target = args.target or fedge_home() / "models" / PRETRAINED[args.preset]
+    draft = args.draft or target.with_name(target.name + "-draft")
+    if not (target / "config.json").is_file():
+        raise SystemExit(f"no model at {target}: `fedge models fetch smollm2-135m` first")
+    if not (draft / "config.json").is_file():
+        raise SystemExit(f"no draft at {draft}: `fedge models draft --target {target}` first")
+    return (args.preset if args.preset in PRETRAINED else target.name), target, draft, True
+
+
+def plain_ort_baseline(
+    model: Any, prompts: list[list[int]], new_tokens: int
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Plain ONNX Runtime greedy decoding of the target on the verifier's graph (1 thread, as
+    the verifier runs), in process: its figures and each prompt's tokens (the reference every
+    route's output is checked against)."""
+    from bench._common import plain_ort_same_graph
+
+    runs = plain_ort_same_graph(model, prompts, new_tokens, 1)
+    seconds = sum(prefill + per * (len(tokens) - 1) for tokens, prefill, per in runs)
+    figures = {
+        "tokens_per_s": sum(len(tokens) for tokens, _, _ in runs) / seconds,  # prefill included
+        "prefill_s_mean": float(np.mean([prefill for _, prefill, _ in runs])),
+        "decode_ms_per_token": float(np.mean([per for _, _, per in runs])) * 1e3,
+    }
+    return figures, [tokens for tokens, _, _ in runs]
 
 
 def pick_zoo(preset: str) -> Any:
@@ -147,6 +197,10 @@ def summarize(reports: list[Any], wire_bytes: int, objective: Any) -> dict[str, 
             / max(1, sum(r.rounds for r in reports if r.route == "speculative"))
         ),
         "cost_per_token": route_cost(per_token),
+        "acceptance": sum(r.acceptance * r.drafted for r in reports if r.route == "speculative")
+        / max(1, sum(r.drafted for r in reports if r.route == "speculative")),
+        "draft_len_mean": sum(r.drafted for r in reports if r.route == "speculative")
+        / max(1, sum(r.rounds for r in reports if r.route == "speculative")),
         "routes": sorted({r.route for r in reports}),
         "reasons": sorted({r.reason for r in reports}),
     }
@@ -184,9 +238,21 @@ def compare(
 
 # ---------------------------------------------------------------- 1. per request
 def per_request(
-    runtime: Any, server_port: int, prompts: list[list[int]], args: Any, objective: Any
+    runtime: Any,
+    server: VerifierProcess,
+    prompts: list[list[int]],
+    args: Any,
+    objective: Any,
+    reference: list[list[int]] | None = None,
 ) -> tuple[dict[str, Any], Any]:
-    """Each route and the router at each RTT, through one in-process proxy."""
+    """Each route and the router at each RTT, through one in-process proxy.
+
+    Also per route: the verifier process's CPU per generated token, and, given `reference` (the
+    target's plain greedy tokens of each prompt), whether the route's output equals it (edge-only
+    is the draft's own output, never checked). Each route's tokens/s is divided by every
+    baseline in `args.baselines` (plain greedy tokens/s measured in the same run); with
+    `args.measure_baseline` (a pretrained target) that baseline is measured again just before
+    each RTT's routes, and the ratios at that RTT are to it (a shared machine's load drifts)."""
     from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
     from fedge.edge.decoder import DecodeConfig
     from fedge.edge.router import Router
@@ -195,21 +261,28 @@ def per_request(
     decode = DecodeConfig(max_new_tokens=args.new_tokens)
     out: dict[str, Any] = {}
     router = Router()
-    with NetworkEmulator(server_port) as netem:
+    with NetworkEmulator(server.port) as netem:
         target = f"127.0.0.1:{netem.port}"
 
         def run(route: str | None, edge: EdgeClient) -> dict[str, Any]:
-            wire0 = netem.bytes_up + netem.bytes_down
-            reports, predicted = [], []
-            for prompt in prompts:
+            wire0, cpu0 = netem.bytes_up + netem.bytes_down, cpu_seconds(server.proc.pid)
+            reports, predicted, identical = [], [], []
+            for i, prompt in enumerate(prompts):
                 if route is None:  # what the router expected of each route (choose() is pure)
                     edge.measure_rtt()
                     p = edge.router.choose(objective).predicted
                     predicted.append({r.value: round(v.tokens_per_s, 1) for r, v in p.items()})
-                for _ in edge.stream_ids(prompt, route):
-                    pass
+                produced = [t for chunk in edge.stream_ids(prompt, route) for t in chunk]
                 reports.append(copy.copy(edge.last))
+                if reference is not None and edge.last.route != "edge-only":
+                    identical.append(produced == reference[i][: len(produced)])
             out = summarize(reports, netem.bytes_up + netem.bytes_down - wire0, objective)
+            tokens = sum(r.tokens for r in reports)
+            out["verifier_cpu_ms_per_token"] = (cpu_seconds(server.proc.pid) - cpu0) / tokens * 1e3
+            for name, tokens_per_s in args.baselines.items():
+                out[f"over_{name}"] = out["tokens_per_s"] / tokens_per_s
+            if identical:
+                out["identical_to_plain_greedy"] = all(identical)
             return {**out, "predicted_tokens_per_s": predicted} if route is None else out
 
         with VerifierClient(ClientConfig(target)) as client:
@@ -218,6 +291,10 @@ def per_request(
                 for _ in learner.stream_ids(prompts[0]):
                     pass
             for rtt in args.rtts:
+                adjacent = {}
+                if args.measure_baseline is not None:
+                    adjacent = args.measure_baseline()
+                    args.baselines = {"plain_ort_greedy": adjacent["tokens_per_s"]}
                 netem.set_link(LinkConfig(rtt_s=rtt / 1e3))
                 learner.measure_rtt(force=True)  # a device learns of a network change
                 fixed = {}
@@ -228,11 +305,20 @@ def per_request(
                             pass  # connected, limits known, draft-length model fed
                         fixed[route] = run(route, edge)
                 chosen = run(None, learner)
-                out[f"{rtt:g}ms"] = {**fixed, "router": chosen, **compare(fixed, chosen, objective)}
-                if rtt == 0:
-                    out["cloud_only_0ms_over_plain_hf_greedy"] = (
-                        fixed["cloud-only"]["tokens_per_s"] / args.plain_tokens_per_s
-                    )
+                out[f"{rtt:g}ms"] = {
+                    **({"plain_ort_greedy": adjacent} if adjacent else {}),
+                    **fixed,
+                    "router": chosen,
+                    **compare(fixed, chosen, objective),
+                    "speculative_over_cloud_only": fixed["speculative"]["tokens_per_s"]
+                    / fixed["cloud-only"]["tokens_per_s"],
+                    "router_over_cloud_only": chosen["tokens_per_s"]
+                    / fixed["cloud-only"]["tokens_per_s"],
+                }
+                if rtt == 0 and "plain_hf_greedy" in args.baselines:
+                    out["cloud_only_0ms_over_plain_hf_greedy"] = fixed["cloud-only"][
+                        "over_plain_hf_greedy"
+                    ]
                 print(
                     f"rtt {rtt:g} ms: "
                     + ", ".join(f"{r} {fixed[r]['tokens_per_s']:.0f}/s" for r in ROUTES)
@@ -240,6 +326,34 @@ def per_request(
                     file=sys.stderr,
                 )
     return out, router
+
+
+def router_estimates(router: Any) -> dict[str, Any]:
+    """What the run's router believes at the end: each route's estimates (what its choices came
+    from) and the draft-length model's."""
+    est = router.speculation
+    c0, c1 = est.call_line
+    return {
+        "rtt_s": router.state.rtt_s,  # the round trip the router last saw (shortest recent call)
+        **{
+            route.value: {
+                "requests": s.n,
+                "tokens_per_s": 1.0 / s.seconds if s.seconds else 0.0,
+                "ttft_s": s.ttft_s,
+                "passes_per_token": s.passes,
+                "rtt_s": s.rtt_s,
+            }
+            for route, s in router.state.stats.items()
+            if s.n
+        },
+        "speculation": {
+            "verifies": est.verifies,
+            "acceptance": est.acceptance,
+            "draft_step_ms": est.draft_step_s * 1e3,
+            "call_ms_beyond_rtt": c0 * 1e3 - est.rtt_s * 1e3,
+            "call_ms_per_drafted_token": c1 * 1e3,
+        },
+    }
 
 
 def plain_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:
@@ -589,7 +703,7 @@ def faults(
             time.sleep(0.01)
         server.kill()
         killed_at = time.perf_counter()
-        server = VerifierProcess(model_dir)
+        server = VerifierProcess(model_dir, runtime=args.verifier_runtime)
         netem.retarget(server.port)
         restart_s = time.perf_counter() - killed_at
         restarted_at[0] = time.monotonic()
@@ -626,13 +740,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--preset", default="auto")
+    parser.add_argument("--preset", default="auto", help="auto|micro|demo|default|smollm2")
+    parser.add_argument(
+        "--target", type=Path, default=None, help="a pretrained target folder (not a zoo)"
+    )
+    parser.add_argument(
+        "--draft", type=Path, default=None, help="its draft (default: TARGET-draft beside it)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer RTTs, prompts and devices")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--rtts", default="0,20,50,100,200", help="ms")
-    parser.add_argument("--capacity-rtts", default="20,100", help="ms")
-    parser.add_argument("--capacity-limit", type=int, default=128)
+    parser.add_argument("--rtts", default=None, help="ms (default 0,20,50,100,200; 0,20,100)")
+    parser.add_argument("--capacity-rtts", default=None, help="ms (default 20,100; 20)")
+    parser.add_argument("--capacity-limit", type=int, default=None, help="default 128; 8")
     parser.add_argument("--capacity-tokens", type=int, default=32)
     parser.add_argument("--capacity-requests", type=int, default=2)
     parser.add_argument(
@@ -646,7 +766,10 @@ def main() -> None:
         "--fault-patience-s", type=float, default=60.0, help="after the restart, per device"
     )
     parser.add_argument(
-        "--skip", default="", help="comma-separated parts to skip: regime,routes,capacity,faults"
+        "--skip",
+        default=None,
+        help="comma-separated parts to skip: regime,routes,capacity,faults (default: none; "
+        "regime,faults for a pretrained target)",
     )
     parser.add_argument(
         "--regime-presets",
@@ -657,9 +780,25 @@ def main() -> None:
         "--results", default="", help="file name under bench/results (default edge.json)"
     )
     args = parser.parse_args()
+    name, target_dir, draft_dir, pretrained = pick_models(args)
+    # a pretrained target (SmolLM2-135M: ~30 ms a token) is sized down: the RTTs of issue 34,
+    # capacity at 20 ms only, no torch pass-cost regime (a zoo's) and no fault injection
+    defaults = (
+        {"rtts": "0,20,100", "capacity_rtts": "20", "capacity_limit": 8, "skip": "regime,faults"}
+        if pretrained
+        else {"rtts": "0,20,50,100,200", "capacity_rtts": "20,100", "capacity_limit": 128}
+    )
     if args.quick:
-        args.rtts, args.capacity_rtts, args.prompts = "0,100", "100", 2
-        args.capacity_limit, args.fault_devices = 8, 4
+        defaults |= {"rtts": "0,100", "capacity_rtts": "100", "capacity_limit": 8}
+        args.prompts, args.fault_devices = 2, 4
+        if pretrained:
+            defaults |= {"rtts": "0,20,100", "skip": "regime,capacity,faults"}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.skip = args.skip or ""
+    if pretrained and not args.results:  # a zoo's figures keep edge.json
+        args.results = f"edge_{name}{'_quick' if args.quick else ''}.json"
     args.rtts = [float(x) for x in args.rtts.split(",")]
     args.capacity_rtts = [float(x) for x in args.capacity_rtts.split(",")]
     args.capacity_routes = [r for r in args.capacity_routes.split(",") if r]
@@ -679,11 +818,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     objective = Objective(args.tokens_per_s, args.ttft_s)
-    preset, zoo = pick_zoo(args.preset)
-    pool = heldout_prompts(load_tokenizer(zoo.target_dir), 8 + args.prompts + 8, PROMPT_TOKENS)
+    pool = heldout_prompts(load_tokenizer(target_dir), 8 + args.prompts + 8, PROMPT_TOKENS)
     prompts, replay_prompts = pool[8 : 8 + args.prompts], pool[8 + args.prompts :]
     result: dict[str, Any] = {
-        "preset": preset,
+        "preset": name,
+        "target": str(target_dir),
+        "draft": str(draft_dir),
         "quick": args.quick,
         "objective": {"tokens_per_s": objective.tokens_per_s, "ttft_s": objective.ttft_s},
         "new_tokens": args.new_tokens,
@@ -693,29 +833,43 @@ def main() -> None:
     started = time.perf_counter()
     if "regime" not in skip:
         result["verifier_costs"] = {}
-        for name in filter(None, (args.regime_presets or preset).split(",")):
-            print(f"preset {name}: measuring what verifies and streams cost", file=sys.stderr)
-            result["verifier_costs"][name] = verifier_costs(name)
+        for zoo_name in filter(None, (args.regime_presets or name).split(",")):
+            print(f"preset {zoo_name}: measuring what verifies and streams cost", file=sys.stderr)
+            result["verifier_costs"][zoo_name] = verifier_costs(zoo_name)
         result["load_after_regime"] = loadavg()
     if {"routes", "capacity", "faults"} <= skip:
         finish(result, started, args)
         return
     work = Path(tempfile.mkdtemp(prefix="fedge-bench-edge-"))
-    manifest = export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig())
+    manifest = export_draft(draft_dir, work / "draft", pool[:8], ExportConfig())
     runtime = load_draft_runtime(work / "draft", "auto", threads=1)
     result["draft_runtime"] = runtime.name
     result["draft_step_ms_by_variant"] = {
-        name: v["decode_step_s"] * 1e3 for name, v in manifest["variants"].items() if v.get("valid")
+        n: v["decode_step_s"] * 1e3 for n, v in manifest["variants"].items() if v.get("valid")
     }
-    args.plain_tokens_per_s = plain_greedy(zoo.target_dir, prompts, args.new_tokens)
-    result["plain_hf_greedy_tokens_per_s"] = args.plain_tokens_per_s
-    server = VerifierProcess(zoo.target_dir)
+    reference, args.measure_baseline = None, None
+    if pretrained:  # the verifier on ONNX Runtime, against plain ORT greedy of the same graph
+        from fedge.models import load_causal_lm
+
+        target = load_causal_lm(target_dir).eval()
+        result["plain_ort_greedy"], reference = plain_ort_baseline(target, prompts, args.new_tokens)
+        args.baselines = {"plain_ort_greedy": result["plain_ort_greedy"]["tokens_per_s"]}
+        args.measure_baseline = lambda: plain_ort_baseline(target, prompts, args.new_tokens)[0]
+        verifier_runtime = "onnx"
+    else:  # a zoo's verifier on torch, against plain HF greedy
+        args.plain_tokens_per_s = plain_greedy(target_dir, prompts, args.new_tokens)
+        result["plain_hf_greedy_tokens_per_s"] = args.plain_tokens_per_s
+        args.baselines = {"plain_hf_greedy": args.plain_tokens_per_s}
+        verifier_runtime = "torch"
+    result["verifier_runtime"] = args.verifier_runtime = verifier_runtime
+    server = VerifierProcess(target_dir, runtime=verifier_runtime)
     try:
         router = None
         if "routes" not in skip:
             result["per_request"], router = per_request(
-                runtime, server.port, prompts, args, objective
+                runtime, server, prompts, args, objective, reference
             )
+            result["router_estimates"] = router_estimates(router)
             result["load_after_per_request"] = loadavg()
         with VerifierClient(ClientConfig(f"127.0.0.1:{server.port}")) as direct:
             depth, tables, steps = 16, [], []
@@ -741,7 +895,7 @@ def main() -> None:
             }
             result["load_after_capacity"] = loadavg()
         if "faults" not in skip:
-            result["faults"], server = faults(tables, step_s, server, zoo.target_dir, args)
+            result["faults"], server = faults(tables, step_s, server, target_dir, args)
     finally:
         server.stop()
     finish(result, started, args)

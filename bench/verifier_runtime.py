@@ -38,7 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from bench._common import rounded
+from bench._common import plain_ort_same_graph, rounded
 from fedge.paths import fedge_home
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -81,25 +81,6 @@ def plain_ort(path: Path, manifest: dict[str, Any], prompt: list[int], n: int, t
     first = time.perf_counter()
     while len(tokens) < n:
         tokens.append(int(np.argmax(runtime.extend(tokens[-1:]))))
-    last = time.perf_counter()
-    return tokens, first - started, (last - first) / (n - 1)
-
-
-def plain_ort_same_graph(model: Any, prompt: list[int], n: int, threads: int):
-    """Plain greedy decoding on the verifier's own graph and session options (`OrtRuntime`
-    driven directly: no service): tokens, prefill seconds, per-token decode seconds."""
-    from fedge.edge.verifier.ort import OrtRuntime, target_export
-
-    runtime = OrtRuntime(target_export(model), threads)
-    runtime.prefill(prompt[:4])  # warm-up
-    started = time.perf_counter()
-    cache, logits = runtime.prefill(prompt, want_logits=True)
-    assert logits is not None
-    tokens = [int(logits[0, -1].argmax())]
-    first = time.perf_counter()
-    while len(tokens) < n:
-        logits = runtime.forward_on(torch.tensor([tokens[-1:]]), cache)
-        tokens.append(int(logits[0, -1].argmax()))
     last = time.perf_counter()
     return tokens, first - started, (last - first) / (n - 1)
 
@@ -218,7 +199,7 @@ def main() -> None:
         tokens, prefill, per = plain_ort(path, manifest, prompt, args.tokens, threads)
         runs["plain_ort"].append({"tokens": tokens, "prefill_s": prefill, "per_token_s": per})
         with torch.inference_mode():
-            tokens, prefill, per = plain_ort_same_graph(model, prompt, args.tokens, threads)
+            [(tokens, prefill, per)] = plain_ort_same_graph(model, [prompt], args.tokens, threads)
         runs["plain_ort_same_graph"].append(
             {"tokens": tokens, "prefill_s": prefill, "per_token_s": per}
         )

@@ -288,3 +288,32 @@ def test_one_very_slow_prompt_counts_as_at_most_twice_as_slow() -> None:
     router.observe(spec(250))
     router.observe(spec(250))
     assert router.state.stats[Route.SPECULATIVE].seconds == pytest.approx(0.0666, abs=1e-4)
+
+
+def test_a_weak_draft_drafts_one_token_and_the_router_streams_at_high_rtt() -> None:
+    """A 4-minute SmolLM2 draft (bench/edge.py --preset smollm2, loaded machine): acceptance 0.2,
+    15 ms draft steps, verify calls 90 ms beyond the RTT; at 0 ms speculative 10.08 tokens/s
+    (20 verifies for 24 tokens) and cloud-only 10.14. One drafted token is the best length at
+    0 ms (E/T = 1.2/0.105 = 11.43 against 1.24/0.12 = 10.33 for two) and at 100 ms (1.2/0.205 =
+    5.85 against 1.24/0.22 = 5.64, 3.6% short of it: outside the 2% slack). At 100 ms each
+    token pays 1/5.85 - 1/11.43 = 83.4 ms more on speculative (5.5/s), 100/24 = 4.2 ms more
+    on cloud-only (9.7/s): no route meets 15/s and the router streams from the cloud, the
+    closest, rather than verify one weak token per round trip (measured: 5.5 against 13.2/s)."""
+    router = Router(RouterConfig(smoothing=1.0))
+    router.state.speculation = SpeculationEstimator(EstimatorConfig(decay=1.0, prior_trials=1e-9))
+    router.observe_rtt(0.0)
+    for accepted in [1, 0, 0, 0, 0] * 4:
+        router.speculation.observe(1, accepted, 0.015, 0.09)
+    assert router.speculation.best_draft_len(1, 16) == 1
+    assert router.speculation.best_draft_len(1, 16, rtt_s=0.1) == 1
+    router.observe(Outcome(Route.SPECULATIVE, 24, 24 / 10.08, 0.41, 20, 2400, 21, 20, 2.0, 0.0))
+    router.observe(Outcome(Route.CLOUD_ONLY, 24, 24 / 10.14, 0.38, 24, 240, 1, 0, 2.367, 0.0))
+    router.observe_rtt(0.1)
+    spec = predict(router.state, Route.SPECULATIVE, router.device)
+    cloud = predict(router.state, Route.CLOUD_ONLY, router.device)
+    assert spec is not None and cloud is not None
+    assert 1 / spec.tokens_per_s == pytest.approx(24 / 10.08 / 24 + 1 / 5.854 - 1 / 11.43, rel=1e-3)
+    assert 1 / cloud.tokens_per_s == pytest.approx(1 / 10.14 + 0.1 / 24, rel=1e-3)
+    decision = router.choose()
+    assert decision.route == Route.CLOUD_ONLY
+    assert decision.reason.startswith("no route meets")
