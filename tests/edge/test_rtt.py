@@ -6,16 +6,21 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 from transformers import PreTrainedModel
 
 from fedge.edge.client import ClientConfig, VerifierClient
+from fedge.edge.fleet.ingress_spec import IngressSpec
+from fedge.edge.proto import verifier_pb2 as pb
+from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
 from fedge.edge.proto.timing import SERVER_MS_KEY, server_seconds
 from fedge.edge.verifier.engine import EngineConfig, Sampling
 from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 from tests.edge.conftest import tiny_llama
+from tests.edge.harness import LocalReplicas, running_ingress
 
 LINK_RTT_S = 0.01  # the client's added round trip: the "network"
 PROMPT_TOKENS = 1500  # a prefill of ~0.1 s on this target on a quiet core: ~10x the link
@@ -97,6 +102,38 @@ def test_generate_first_reply_prefill_is_not_network(client: VerifierClient) -> 
 def client_sampling() -> Sampling:
     """Greedy sampling."""
     return Sampling()
+
+
+def test_the_fleet_ingress_reports_its_time_too(
+    micro_zoo: ZooPaths, micro_prompts: list[list[int]]
+) -> None:
+    """Before, the ingress relayed a replica's reply without the verifier's metadata, so behind a
+    fleet every exchange (prefills included) counted as network. Now it reports its own time,
+    from the call's arrival to its reply (relay and replica included): a unary call's in its
+    trailing metadata, a Generate's in the initial metadata of its first reply, each no longer
+    than the exchange the caller timed."""
+    prompt = micro_prompts[8]  # 60 tokens
+    with (
+        LocalReplicas(micro_zoo.target_dir, 1) as replicas,
+        running_ingress(IngressSpec("fedge-v1"), replicas.handle("ingress")) as (front, _),
+        grpc.insecure_channel(f"127.0.0.1:{front.port()}") as channel,
+    ):
+        stub = pb_grpc.VerifierStub(channel)
+        # Execute: an OpenSession and a Generate through the ingress, each timed here
+        started = time.perf_counter()
+        opened, call = stub.OpenSession.with_call(pb.OpenSessionRequest(prompt_ids=prompt))
+        open_s = time.perf_counter() - started
+        started = time.perf_counter()
+        stream = stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_new_tokens=3))
+        next(stream)
+        first_s = time.perf_counter() - started
+        list(stream)
+        # Verify: both carry the fleet's time, within what the caller waited
+        open_server_s = server_seconds(call.trailing_metadata())
+        first_server_s = server_seconds(stream.initial_metadata())
+        assert opened.session_id
+        assert open_server_s is not None and 0 < open_server_s <= open_s
+        assert first_server_s is not None and 0 < first_server_s <= first_s
 
 
 @pytest.mark.parametrize(
