@@ -448,7 +448,10 @@ class Router:
         s.backoff = 1 if attained >= state.config.near_objective else min(64, s.backoff * 2)
 
     def observe_rtt(self, seconds: float) -> None:
-        """A measured round trip (health check): the verifier is reachable."""
+        """A measured round trip (health check, recent calls): the verifier is reachable. The
+        network's alone: the verifier's compute is in each route's estimates (cloud-only's seconds
+        per token, a verify call's cost beyond the RTT in `SpeculationEstimator`), so a round trip
+        that counted it (a prompt's prefill) would be charged twice (`fedge.edge.client.transport`)."""
         self.state.rtt_s = seconds
         self.state.verifier_up = True
         self.state.speculation.observe_rtt(seconds)

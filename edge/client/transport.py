@@ -5,9 +5,16 @@ check and the counters every report reads: `calls` (request/response exchanges t
 waited on: round trips, health checks and retries included), `one_way` (messages sent without
 waiting for the reply, such as CloseSession), `bytes_up` / `bytes_down` (protobuf payload
 bytes; HTTP/2 framing and headers excluded). It also keeps the duration of recent exchanges
-(`recent_round_trip`): the shortest of them is the round trip the edge sees, network plus the
-verifier's reply time, measured for free by the calls it makes anyway. For experiments without a network emulator it can add a round-trip time:
-it sleeps `added_rtt_s` before each call. RESOURCE_EXHAUSTED replies are retried: after the
+(`recent_round_trip`), measured for free by the calls it makes anyway: the shortest of them is
+the network's round trip. Each exchange is timed net of the server's own time, which the
+verifier reports in `fedge-server-ms` (`fedge.edge.proto.timing`; every call, Verify
+included): the router's model (`fedge.edge.router`, `fedge.edge.draftlen`) prices the
+verifier's compute separately (a route's seconds per token, a verify call's cost beyond the
+RTT), so the RTT it is told must be the network alone, not a Generate's or an OpenSession's
+prompt prefill. A server that sends no such key (an older verifier) leaves the whole exchange
+counted, as does a Generate through a tracing channel (its stream hides the call's metadata).
+For experiments without a network emulator it can add a round-trip time: it sleeps
+`added_rtt_s` before each call. RESOURCE_EXHAUSTED replies are retried: after the
 server's `fedge-retry-after-ms` when it sends one (a per-device rate limit; beyond
 `max_wait_s` the call raises `RateLimited` so the caller can take another route), else with
 exponential backoff.
@@ -28,6 +35,7 @@ from opentelemetry.trace import TracerProvider
 
 from fedge.edge.client.config import ClientConfig, RateLimited, VerifierUnreachable
 from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.proto.timing import server_seconds
 from fedge.edge.tracing import Tracing, traced_channel
 from fedge.edge.verifier.limits import DEVICE_KEY, retry_after_ms
 
@@ -80,8 +88,14 @@ class Transport:
     def __exit__(self, *exc: object) -> None:
         self.close_channel()
 
-    def attempt(self, request: Message, rpc: Callable[[], R]) -> R:
-        """Run `rpc` with the added RTT and byte counting, retrying RESOURCE_EXHAUSTED refusals."""
+    def attempt(
+        self,
+        request: Message,
+        rpc: Callable[[], R],
+        server_s: Callable[[R], float | None] = lambda _: None,
+    ) -> R:
+        """Run `rpc` with the added RTT and byte counting, retrying RESOURCE_EXHAUSTED refusals;
+        the exchange is timed net of `server_s(result)`, the server's own time when it said."""
         backoff = self.config.backoff_s
         for attempt in range(self.config.max_retries + 1):
             if self.config.added_rtt_s:
@@ -91,7 +105,8 @@ class Transport:
             try:
                 started = time.perf_counter()
                 result = rpc()
-                self.observe_round_trip(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self.observe_round_trip(max(0.0, elapsed - (server_s(result) or 0.0)))
                 return result
             except grpc.RpcError as err:
                 time.sleep(self._retry_delay(err, attempt, backoff))
@@ -114,16 +129,21 @@ class Transport:
         return asked_ms / 1e3
 
     def unary(self, method: Any, request: Message, reply_type: type[T]) -> T:
-        """One unary call (see `attempt`); counts the reply's bytes."""
-        reply: T = self.attempt(
+        """One unary call (see `attempt`), timed net of the server's reported time; counts the
+        reply's bytes."""
+        reply, _ = self.attempt(
             request,
-            lambda: method(request, timeout=self.config.timeout_s, metadata=self.metadata),
+            lambda: method.with_call(
+                request, timeout=self.config.timeout_s, metadata=self.metadata
+            ),
+            lambda done: server_seconds(done[1].trailing_metadata(), done[1].initial_metadata()),
         )
         self.bytes_down += reply.ByteSize()
-        return reply
+        return reply  # type: ignore[no-any-return]
 
     def observe_round_trip(self, seconds: float) -> None:
-        """One exchange took `seconds` from request to (first) reply."""
+        """One exchange took `seconds` of network from request to (first) reply (the server's
+        reported time already taken out)."""
         self._durations.append((time.monotonic(), seconds + self.config.added_rtt_s))
 
     def recent_round_trip(self, max_age_s: float) -> float | None:

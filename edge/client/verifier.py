@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
 from opentelemetry.trace import TracerProvider
@@ -28,6 +29,7 @@ from fedge.edge.client.config import ClientConfig, TokenizerMismatch, VerifierUn
 from fedge.edge.client.transport import Transport
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto.streams import reply_tokens, resume_generate
+from fedge.edge.proto.timing import server_seconds
 from fedge.edge.tracing import VERIFY_SPAN
 from fedge.edge.verifier.engine import Sampling, SessionInfo, VerifyResult
 from fedge.edge.verifier.errors import VERSION_GONE_KEY
@@ -296,7 +298,7 @@ class VerifierClient(Transport):
             )
             return stream, next(stream, None)  # a refusal (rate limit, overload) arrives here
 
-        stream, first = self.attempt(request, start)
+        stream, first = self.attempt(request, start, _stream_server_s)
         for reply in itertools.chain([] if first is None else [first], stream):
             self.bytes_down += reply.ByteSize()
             tokens = reply_tokens(reply)
@@ -324,6 +326,13 @@ class TransientRetries:
         self.client.retries += 1
         time.sleep(self.delay)
         self.delay = min(2 * self.delay, 0.5)
+
+
+def _stream_server_s(started: tuple[Any, pb.GenerateReply | None]) -> float | None:
+    """The verifier's time to a stream's first reply, from the call's initial metadata (None
+    through a tracing interceptor, whose wrapped stream does not expose the call)."""
+    initial_metadata = getattr(started[0], "initial_metadata", None)
+    return server_seconds(initial_metadata()) if initial_metadata is not None else None
 
 
 def _version_gone(err: grpc.RpcError) -> bool:

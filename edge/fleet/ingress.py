@@ -20,7 +20,10 @@ session and the ingress hints that replica to the router (session affinity). A s
 replica died or was retired lands on another replica, which answers NOT_FOUND,
 and the edge reopens it from its committed tokens (the proto's recovery path).
 A Generate stream cut by a replica's death resumes on another replica from the
-prompt plus the tokens already streamed, so the caller sees no error. A session
+prompt plus the tokens already streamed, so the caller sees no error. Like a single
+verifier, each answer says how long the fleet worked on it (`fedge-server-ms`: from the
+call's arrival here to its reply, the relay and the replica's compute included), so the
+edge's round-trip estimate is the network to the ingress alone. A session
 that moves (a spill, or a drained home) is closed on its old replica when that
 one is alive, fire-and-forget, so its KV cache is freed at once rather than at
 its time-to-live.
@@ -64,6 +67,7 @@ from fedge.edge.fleet.stats import CallOutcome, ReplicaFigures
 from fedge.edge.fleet.wire import ROUTE_PIN, CallResult, Metadata
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto.streams import reply_tokens, resume_generate
+from fedge.edge.proto.timing import server_ms_metadata
 from fedge.edge.tracing import server_interceptors, shutdown, tracer_provider
 from fedge.edge.verifier.auth import CALLER
 from fedge.edge.verifier.limits import RateLimitConfig
@@ -247,6 +251,8 @@ class FleetIngress:
                 await self.state.remember(name, sid, app, result, owner, home)
                 await self.state.learn_version(reply, app)
                 await self._observe(app, name, request, reply, result.code, started)
+                # the edge times the network to here: the relay and the replica are the server's
+                context.set_trailing_metadata(server_ms_metadata(started))
                 return reply
             await self.state.remember(name, session_id, app, result, owner, home)
             await self._observe(app, name, request, None, result.code, started)
@@ -367,6 +373,8 @@ class FleetIngress:
                     code, details, trailing = result.code, result.details, result.trailing
                     break
                 reply = reply_cls.FromString(result.payload)
+                if not streamed:  # the edge times the network to here (`fedge.edge.proto.timing`)
+                    await context.send_initial_metadata(server_ms_metadata(started))
                 streamed += len(reply_tokens(reply)) if isinstance(reply, pb.GenerateReply) else 1
                 yield reply
             self._count(name, request, replica, started, streamed)

@@ -2,9 +2,11 @@
 
 Every handler has one shape, `_handle`: time the call, validate and submit off the
 event loop, await the engine, map a VerifierError to its status code, count the
-outcome (OK, the error's code, CANCELLED, UNKNOWN). Callers that go away are
-handled where they can leave work behind: an abandoned submit is cancelled, and a
-session opened for a caller that left is closed.
+outcome (OK, the error's code, CANCELLED, UNKNOWN). Each answer says how long the
+verifier worked on it (`fedge.edge.proto.timing`: a unary call's trailing metadata, a
+Generate's initial metadata before its first reply), so the edge times the network
+alone. Callers that go away are handled where they can leave work behind: an abandoned
+submit is cancelled, and a session opened for a caller that left is closed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import grpc
 
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.proto.timing import server_ms_metadata
 from fedge.edge.verifier.auth import AUTH_HEADER, CALLER
 from fedge.edge.verifier.engine import (
     Sampling,
@@ -136,7 +139,8 @@ class VerifierService(pb_grpc.VerifierServicer):
     ) -> R:
         """Run `work` on the engine; a VerifierError ends the call with its mapped status.
 
-        A stream runs one `_handle` per step; only its `last` step counts OK and latency.
+        A stream runs one `_handle` per step; only its `last` step counts OK and latency, and
+        sets the trailing `fedge-server-ms` (a unary call's: its reply follows at once).
         """
         started = time.perf_counter() if started is None else started
         try:
@@ -151,6 +155,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise
         if last:
             self._ok(method, started)
+            context.set_trailing_metadata(server_ms_metadata(started))
         return result
 
     def _ok(self, method: str, started: float) -> None:
@@ -297,8 +302,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Cloud-only decoding: the engine streams tokens; a lone stream decodes back to back.
 
         With `batch_tokens` the first reply waits for nothing (it carries the tokens made by
-        then) and later ones gather for `stream_hold_s` into one reply each. The stream is cancelled by a done-callback of the call, not a `finally`: a cancelled
-        generator suspended at a `yield` runs its `finally` only when garbage collected.
+        then) and later ones gather for `stream_hold_s` into one reply each. The initial metadata,
+        sent just before the first reply, says how long the verifier took to it (the prompt's
+        prefill, a first pass): the edge's round trip leaves that out. The stream is cancelled
+        by a done-callback of the call, not a `finally`: a cancelled generator suspended at a
+        `yield` runs its `finally` only when garbage collected.
         """
         owner = owner_of(context)
         started = time.perf_counter()
@@ -332,9 +340,13 @@ class VerifierService(pb_grpc.VerifierServicer):
 
         channel = await self._handle("Generate", context, start, started, last=False)
         context.add_done_callback(lambda _: channel.cancel())
+        first = True
         while (
             chunk := await self._handle("Generate", context, next_chunk, started, False)
         ) is not None:
+            if first:
+                await context.send_initial_metadata(server_ms_metadata(started))
+                first = False
             if request.batch_tokens:
                 yield pb.GenerateReply(token_id=chunk[0], more_token_ids=chunk[1:])
                 hold[0] = self._stream_hold_s
