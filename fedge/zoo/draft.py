@@ -31,7 +31,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from fedge.lm.bos import bos_token_id, cut_windows, with_bos
 from fedge.manifest import write_manifest
@@ -62,7 +63,8 @@ ProgressFn = Callable[[dict[str, Any]], None]
 class DraftSpec:
     """What determines a draft build (a resumed build must use the same)."""
 
-    layers: int = 2
+    layers: int = 2  # the target's first layers the draft starts from
+    last_layers: int = 1  # and its last layers (they turn a hidden state into a prediction)
     vocab: int = 8192
     steps: int = 2000  # length of the learning-rate schedule; the wall-time budget may stop sooner
     batch_size: int = 8
@@ -75,12 +77,25 @@ class DraftSpec:
     prompt_tokens: int = 32
     new_tokens: int = 32
     max_chars_per_label: int = 100_000  # stdlib characters per package read for data
+    # sequence-level KD: the target's greedy continuations of training prompts, generated once
+    greedy_rows: int = 256  # continuations cached in the build folder (0: windows only)
+    greedy_prompt_tokens: int = 32
+    greedy_tokens: int = 64  # generated per row; the loss is on these positions
+    greedy_batch: int = 32  # rows per generate call (and per cached chunk)
+    greedy_share: float = 0.5  # of each training batch, the share of greedy rows
+    top_k: int = 64  # teacher log-probs kept per generated position (restricted rows)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "vocab", "steps", "batch_size", "context", "eval_every"):
+        positive = ["layers", "vocab", "steps", "batch_size", "context", "eval_every"]
+        positive += ["greedy_prompt_tokens", "greedy_tokens", "greedy_batch", "top_k"]
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"draft {name} must be > 0, got {getattr(self, name)}")
+        if self.last_layers < 0 or self.greedy_rows < 0:
+            raise ValueError("draft last_layers and greedy_rows must be >= 0")
+        if not 0.0 <= self.greedy_share <= 1.0:
+            raise ValueError(f"draft greedy_share must be in [0, 1], got {self.greedy_share}")
 
     def budget(self) -> TrainBudget:
         return TrainBudget(
@@ -147,25 +162,38 @@ def restricted_vocabulary(
 
 
 # ---------------------------------------------------------------- the model
-def init_draft(target: Any, layers: int) -> Any:
-    """A model of the target's class with its first `layers` layers, embedding and final norm.
+def draft_layers(total: int, first: int, last: int) -> list[int]:
+    """The target layers a draft copies: its first `first` and its last `last`, in order."""
+    if first < 1 or last < 0 or first + last >= total:
+        raise ValueError(
+            f"a draft of the first {first} and last {last} layers needs first >= 1, last >= 0 "
+            f"and first + last < {total} (the target's layers)"
+        )
+    return [*range(first), *range(total - last, total)]
 
-    The output layer is untied (its rows are set at save time); the embedding is frozen.
+
+def init_draft(target: Any, layers: int, last_layers: int = 0) -> Any:
+    """A model of the target's class with its first `layers` and last `last_layers` layers.
+
+    The embedding and final norm are the target's; the output layer is untied (its rows are
+    set at save time); the embedding is frozen. The last layers turn a late hidden state into
+    the next-token prediction, so distillation only has to bridge the skipped middle.
     """
     from transformers import AutoModelForCausalLM
 
     cfg: Any = target.config.__class__.from_dict(target.config.to_dict())
-    total = int(cfg.num_hidden_layers)
-    if not 0 < layers < total:
-        raise ValueError(f"--layers must be in [1, {total - 1}] for a {total}-layer target")
-    cfg.num_hidden_layers = layers
+    chosen = draft_layers(int(cfg.num_hidden_layers), layers, last_layers)
+    cfg.num_hidden_layers = len(chosen)
     if isinstance(getattr(cfg, "layer_types", None), list):
-        cfg.layer_types = cfg.layer_types[:layers]
+        cfg.layer_types = [cfg.layer_types[i] for i in chosen]
     cfg.tie_word_embeddings = False
     draft: Any = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     source = target.state_dict()
-    own = draft.state_dict()
-    copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+    copied = {}
+    for key, tensor in draft.state_dict().items():
+        name = _source_name(key, chosen)
+        if name in source and source[name].shape == tensor.shape:
+            copied[key] = source[name]
     head: Any = target.get_output_embeddings()
     copied["lm_head.weight"] = head.weight.detach()
     missing, _ = draft.load_state_dict(copied, strict=False)
@@ -174,6 +202,16 @@ def init_draft(target: Any, layers: int) -> Any:
     draft.get_input_embeddings().weight.requires_grad_(False)  # type: ignore[union-attr]
     draft.get_output_embeddings().weight.requires_grad_(False)  # type: ignore[union-attr]
     return draft
+
+
+def _source_name(key: str, chosen: list[int]) -> str:
+    """The target's name of draft tensor `key`: draft layer i is target layer chosen[i]."""
+    parts = key.split(".")
+    for at in range(len(parts) - 1):
+        if parts[at] == "layers" and parts[at + 1].isdigit():
+            parts[at + 1] = str(chosen[int(parts[at + 1])])
+            break
+    return ".".join(parts)
 
 
 @torch.no_grad()
@@ -249,7 +287,12 @@ def build_draft(
     spec_path, checkpoint = work / "spec.json", work / "checkpoint.pt"
     if resume and spec_path.is_file():
         built = json.loads(spec_path.read_text())
-        changed = {k: (v, asdict(spec)[k]) for k, v in built.items() if asdict(spec).get(k) != v}
+        wanted = asdict(spec)
+        changed = {
+            k: (built.get(k), wanted.get(k))
+            for k in {*built, *wanted}
+            if built.get(k) != wanted.get(k)
+        }
         if changed:
             raise ValueError(f"cannot resume {out}: settings differ from the build's {changed}")
     elif work.exists():
@@ -272,7 +315,7 @@ def build_draft(
     ids = torch.from_numpy(ids_np)
     coverage = float(np.isin(heldout, ids_np).mean())
 
-    draft = init_draft(target, spec.layers)
+    draft = init_draft(target, spec.layers, spec.last_layers)
     head: Any = target.get_output_embeddings()
     teacher = RestrictedLogits(target, ids, head.weight.detach()[ids].clone()).eval()
     student = RestrictedLogits(draft, ids, nn.Parameter(head.weight.detach()[ids].clone()))
@@ -281,6 +324,8 @@ def build_draft(
     loss_fn = distillation_loss(teacher, spec.temperature)
 
     paths = _cached_paths(work, target, heldout, spec, bos)
+    deadline = time.perf_counter() + minutes * 60
+    greedy = _greedy_data(work, target, train, ids, spec, bos, deadline)
     step, seconds, curve = 0, 0.0, []
     if resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
@@ -294,7 +339,6 @@ def build_draft(
         )
         _report(progress, curve[-1])
 
-    deadline = time.perf_counter() + minutes * 60
     began = time.perf_counter() - seconds
     student.train()
     last = budget.steps if stop_after is None else min(budget.steps, step + stop_after)
@@ -302,10 +346,16 @@ def build_draft(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, budget)
         rng = np.random.default_rng([spec.seed, step])
-        starts = rng.integers(0, len(train) - spec.context - 1, size=spec.batch_size)
-        batch = torch.from_numpy(cut_windows(train, starts, spec.context, bos))
+        n_greedy = round(spec.batch_size * spec.greedy_share) if greedy is not None else 0
+        starts = rng.integers(0, len(train) - spec.context - 1, size=spec.batch_size - n_greedy)
+        picked = rng.integers(0, greedy.rows.shape[0], size=n_greedy) if greedy else None
         with autocast_context():
-            loss = loss_fn(student, batch)
+            loss = torch.zeros(())
+            if len(starts):
+                batch = torch.from_numpy(cut_windows(train, starts, spec.context, bos))
+                loss = loss + loss_fn(student, batch) * (len(starts) / spec.batch_size)
+            if greedy is not None and picked is not None and n_greedy:
+                loss = loss + greedy.loss(student, picked) * (n_greedy / spec.batch_size)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
@@ -355,7 +405,21 @@ def build_draft(
             **exclusion_figures,
             "heldout_argmax_outside_restricted": round(excluded_wins, 4),
         },
-        "data": {"train_tokens": len(train), "heldout_tokens": len(heldout)},
+        "layers": {
+            "target_layers": draft_layers(
+                int(target.config.num_hidden_layers), spec.layers, spec.last_layers
+            ),
+            "of": int(target.config.num_hidden_layers),
+        },
+        "cost": draft_cost(target.config, spec.layers + spec.last_layers, len(ids_np)),
+        "data": {
+            "train_tokens": len(train),
+            "heldout_tokens": len(heldout),
+            "greedy_rows": 0 if greedy is None else int(greedy.rows.shape[0]),
+            "greedy_tokens": 0
+            if greedy is None
+            else int(greedy.values.shape[0] * spec.greedy_tokens),
+        },
         "steps": step,
         "training_tokens": step * spec.batch_size * spec.context,
         "training_seconds": round(time.perf_counter() - began, 1),
@@ -414,6 +478,124 @@ def _cached_paths(
         rows = target_paths(target, torch.tensor(prompts, dtype=torch.long), spec.new_tokens)
         np.save(path, rows.numpy())
     return torch.from_numpy(np.load(path).astype(np.int64))
+
+
+class _TopK(LogitsProcessor):
+    """Records the top-k log-probs over the restricted rows at each generated position."""
+
+    def __init__(self, ids: torch.Tensor, k: int) -> None:
+        self.ids, self.k = ids, min(k, len(ids))
+        self.values: list[torch.Tensor] = []
+        self.indices: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        values, indices = scores[:, self.ids].float().log_softmax(-1).topk(self.k, -1)
+        self.values.append(values.half())
+        self.indices.append(indices.int())
+        return scores  # greedy decoding itself is untouched
+
+
+@dataclass
+class GreedyData:
+    """Sequence-level KD rows: a prompt, the target's greedy continuation, its top-k log-probs.
+
+    `values`/`indices` (rows, greedy_tokens, k) are the target's log-probs over the restricted
+    rows (indices into them) at each generated position; the prompt is `prompt_len` tokens.
+    """
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    indices: torch.Tensor
+    prompt_len: int
+
+    def __bool__(self) -> bool:
+        return bool(self.rows.shape[0])
+
+    def loss(self, student: nn.Module, picked: np.ndarray) -> torch.Tensor:
+        """Cross-entropy to the target's top-k distribution (KL up to a constant) on generated positions."""
+        at = torch.from_numpy(picked)
+        rows = self.rows[at].long()
+        logits = student(input_ids=rows[:, :-1]).logits[:, self.prompt_len - 1 :].float()
+        chosen = logits.log_softmax(-1).gather(-1, self.indices[at].long())
+        return -(self.values[at].float().exp() * chosen).sum(-1).mean()
+
+
+def _greedy_data(
+    work: Path,
+    target: Any,
+    train: np.ndarray,
+    ids: torch.Tensor,
+    spec: DraftSpec,
+    bos: int | None,
+    deadline: float,
+) -> GreedyData | None:
+    """The target's greedy continuations of train-split prompts, generated once into `work`.
+
+    Generated in chunks of `greedy_batch` rows (one batched, KV-cached generate each), each
+    saved as it completes, so the time budget may stop generation and a resumed build
+    continues it. None when the spec asks for no greedy rows.
+    """
+    if spec.greedy_rows == 0:
+        return None
+    chunks = []
+    for chunk in range(math.ceil(spec.greedy_rows / spec.greedy_batch)):
+        path = work / f"greedy-{chunk:03d}.pt"
+        if not path.is_file():
+            if time.perf_counter() >= deadline:
+                break
+            count = min(spec.greedy_batch, spec.greedy_rows - chunk * spec.greedy_batch)
+            rng = np.random.default_rng([spec.seed, 1, chunk])  # not the training steps' stream
+            starts = rng.integers(0, len(train) - spec.greedy_prompt_tokens, size=count)
+            prompts = torch.tensor(
+                [with_bos(train[s : s + spec.greedy_prompt_tokens], bos) for s in starts],
+                dtype=torch.long,
+            )
+            recorder = _TopK(ids, spec.top_k)
+            rows = target.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=spec.greedy_tokens,
+                min_new_tokens=spec.greedy_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+            state = {
+                "rows": rows.int(),
+                "values": torch.stack(recorder.values, 1),
+                "indices": torch.stack(recorder.indices, 1),
+            }
+            partial = path.with_suffix(".partial")
+            torch.save(state, partial)
+            partial.replace(path)
+        chunks.append(torch.load(path, weights_only=True))
+    if not chunks:
+        return GreedyData(torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0), torch.zeros(0), 1)
+    return GreedyData(
+        torch.cat([c["rows"] for c in chunks]),
+        torch.cat([c["values"] for c in chunks]),
+        torch.cat([c["indices"] for c in chunks]),
+        _prompt_len(replace(spec, prompt_tokens=spec.greedy_prompt_tokens), bos),
+    )
+
+
+def draft_cost(config: Any, layers: int, vocab: int) -> dict[str, Any]:
+    """Multiply-adds per token of the draft (restricted head) against the target (full head).
+
+    c = draft / target is the draft's cost per proposed token in units of a target token,
+    the `c` of the speculative estimate E[tokens per verify] / (gamma * c + verify).
+    """
+    width, inner = int(config.hidden_size), int(config.intermediate_size)
+    heads, kv = int(config.num_attention_heads), int(config.num_key_value_heads)
+    head_dim = int(getattr(config, "head_dim", None) or width // heads)
+    per_layer = width * head_dim * (2 * heads + 2 * kv) + 3 * width * inner
+    draft = layers * per_layer + vocab * width
+    target = int(config.num_hidden_layers) * per_layer + int(config.vocab_size) * width
+    return {
+        "draft_macs_per_token": draft,
+        "target_macs_per_token": target,
+        "relative": round(draft / target, 4),
+    }
 
 
 def _save_checkpoint(
