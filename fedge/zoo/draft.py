@@ -1,10 +1,13 @@
-"""A draft for any target: its first layers, a restricted vocabulary, distilled on its own outputs.
+"""A draft for any target: its first and last layers, a restricted vocabulary, distilled on its own outputs.
 
 `build_draft(target_dir, out)` makes a small model that proposes tokens for greedy speculative
 decoding with a pretrained target whose tokenizer fedge did not train:
 
-- **Initialised from the target**: the same architecture and width with its first K layers,
-  token embedding (frozen) and final norm copied.
+- **Initialised from the target** (layer skip): the same architecture and width with its
+  first K layers and its last L layers (`layers`, `last_layers`; the last layers turn a late
+  hidden state into the next-token prediction, so distillation has to bridge only the skipped
+  middle), token embedding (frozen) and final norm copied. The draft's cost per token against
+  the target's (multiply-adds, restricted head against full head) is in the card (`cost`).
 - **A restricted vocabulary**: the N tokens used most often on fedge's stdlib training split
   (tokenized by the target's tokenizer) plus the special tokens. Distillation and agreement
   compute logits for those N rows only (the 49k-token head is ~80% of a 2-layer SmolLM2
@@ -14,13 +17,18 @@ decoding with a pretrained target whose tokenizer fedge did not train:
   presents the target's whole vocabulary, `AutoModelForCausalLM.from_pretrained` loads it
   without custom code, and the edge decoder, ONNX export and verifier are unchanged.
   Greedy verification stays lossless whatever the draft proposes: the target decides.
-- **Distilled with the zoo's loss** (`distillation_loss`: KL to the target's distribution,
-  here over the restricted rows) on stdlib training windows, BOS first where the tokenizer
-  adds BOS.
-- **Resumable with a wall-time budget**: the trainable tensors, optimizer state, step and the
-  agreement curve are checkpointed in `<out>/.draft-build`; a later `--resume` run continues.
-  Greedy agreement with the target on held-out prompts is measured every `eval_every` steps
-  (the agreement-vs-build-time curve in the card).
+- **Distilled on what is measured**: agreement is taken along the target's greedy paths, so
+  part of every batch (`greedy_share`) is the target's own greedy continuations of stdlib
+  training prompts (sequence-level KD, Kim & Rush 2016): generated once with a KV-cached
+  batched generate, cached in chunks with the target's top-k log-probs over the restricted rows
+  at each generated position, and trained on with cross-entropy to that distribution (KL up to
+  a constant). The rest of the batch is stdlib training windows with the zoo's loss
+  (`distillation_loss`: KL to the target over the restricted rows, computed live). Windows
+  and prompts start with BOS where the tokenizer adds BOS.
+- **Resumable with a wall-time budget**: the greedy chunks, the trainable tensors, optimizer
+  state, step and the agreement curve are kept in `<out>/.draft-build`; a later `--resume`
+  run continues (generation too). Greedy agreement with the target on held-out prompts is
+  measured every `eval_every` steps (the agreement-vs-build-time curve in the card).
 """
 
 from __future__ import annotations
@@ -82,6 +90,7 @@ class DraftSpec:
     greedy_prompt_tokens: int = 32
     greedy_tokens: int = 64  # generated per row; the loss is on these positions
     greedy_batch: int = 32  # rows per generate call (and per cached chunk)
+    greedy_every: int = 25  # steps between chunks: generation is spread over the first steps
     greedy_share: float = 0.5  # of each training batch, the share of greedy rows
     top_k: int = 64  # teacher log-probs kept per generated position (restricted rows)
     seed: int = 0
@@ -89,6 +98,7 @@ class DraftSpec:
     def __post_init__(self) -> None:
         positive = ["layers", "vocab", "steps", "batch_size", "context", "eval_every"]
         positive += ["greedy_prompt_tokens", "greedy_tokens", "greedy_batch", "top_k"]
+        positive += ["greedy_every"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"draft {name} must be > 0, got {getattr(self, name)}")
@@ -325,7 +335,7 @@ def build_draft(
 
     paths = _cached_paths(work, target, heldout, spec, bos)
     deadline = time.perf_counter() + minutes * 60
-    greedy = _greedy_data(work, target, train, ids, spec, bos, deadline)
+    greedy, have = None, 0
     step, seconds, curve = 0, 0.0, []
     if resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
@@ -345,6 +355,9 @@ def build_draft(
     while step < last and time.perf_counter() < deadline:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, budget)
+        want = _greedy_chunks_at(step, spec)
+        if want > have:  # the next chunk(s) of greedy rows: generated once, then cached
+            greedy, have = _greedy_data(work, target, train, ids, spec, bos, want), want
         rng = np.random.default_rng([spec.seed, step])
         n_greedy = round(spec.batch_size * spec.greedy_share) if greedy is not None else 0
         starts = rng.integers(0, len(train) - spec.context - 1, size=spec.batch_size - n_greedy)
@@ -520,6 +533,12 @@ class GreedyData:
         return -(self.values[at].float().exp() * chosen).sum(-1).mean()
 
 
+def _greedy_chunks_at(step: int, spec: DraftSpec) -> int:
+    """How many greedy chunks training step `step` draws from (one more every `greedy_every`)."""
+    total = math.ceil(spec.greedy_rows / spec.greedy_batch)
+    return min(total, step // spec.greedy_every + 1)
+
+
 def _greedy_data(
     work: Path,
     target: Any,
@@ -527,25 +546,23 @@ def _greedy_data(
     ids: torch.Tensor,
     spec: DraftSpec,
     bos: int | None,
-    deadline: float,
+    count: int,
 ) -> GreedyData | None:
-    """The target's greedy continuations of train-split prompts, generated once into `work`.
+    """The first `count` chunks of the target's greedy continuations of train-split prompts.
 
-    Generated in chunks of `greedy_batch` rows (one batched, KV-cached generate each), each
-    saved as it completes, so the time budget may stop generation and a resumed build
-    continues it. None when the spec asks for no greedy rows.
+    A chunk is `greedy_batch` rows from one batched, KV-cached generate, saved in `work` as it
+    completes and read back afterwards, so a resumed build draws from the same rows at the
+    same steps. None when the spec asks for no greedy rows.
     """
-    if spec.greedy_rows == 0:
+    if spec.greedy_rows == 0 or count == 0:
         return None
     chunks = []
-    for chunk in range(math.ceil(spec.greedy_rows / spec.greedy_batch)):
+    for chunk in range(count):
         path = work / f"greedy-{chunk:03d}.pt"
         if not path.is_file():
-            if time.perf_counter() >= deadline:
-                break
-            count = min(spec.greedy_batch, spec.greedy_rows - chunk * spec.greedy_batch)
+            rows_here = min(spec.greedy_batch, spec.greedy_rows - chunk * spec.greedy_batch)
             rng = np.random.default_rng([spec.seed, 1, chunk])  # not the training steps' stream
-            starts = rng.integers(0, len(train) - spec.greedy_prompt_tokens, size=count)
+            starts = rng.integers(0, len(train) - spec.greedy_prompt_tokens, size=rows_here)
             prompts = torch.tensor(
                 [with_bos(train[s : s + spec.greedy_prompt_tokens], bos) for s in starts],
                 dtype=torch.long,
@@ -569,8 +586,6 @@ def _greedy_data(
             torch.save(state, partial)
             partial.replace(path)
         chunks.append(torch.load(path, weights_only=True))
-    if not chunks:
-        return GreedyData(torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0), torch.zeros(0), 1)
     return GreedyData(
         torch.cat([c["rows"] for c in chunks]),
         torch.cat([c["values"] for c in chunks]),
