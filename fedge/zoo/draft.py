@@ -63,6 +63,8 @@ WORK_DIR = ".draft-build"  # hidden: the folder's manifest does not hash build s
 CARD_NAME = "draft_card.json"
 VOCAB_NAME = "restricted_vocab.json"
 EXCLUSION_MARGIN = 30.0  # excluded tokens' logit at least this far below the best restricted one
+EXCLUSION_REFINE_STEPS = 500  # perceptron steps on the shared direction (see _exclusion_row)
+EXCLUSION_MIN_COSINE = 0.1  # stop once every calibration state is this far on the right side
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -228,16 +230,25 @@ def _source_name(key: str, chosen: list[int]) -> str:
 def _exclusion_row(
     student: RestrictedLogits, windows: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One row for every excluded token: -alpha * (mean direction of the draft's final hidden states).
+    """One row for every excluded token: -alpha * (a direction all final hidden states share).
 
     A decoder's normed final states share a strong common direction, so a row against it gives
-    every position a low logit. alpha puts that logit EXCLUSION_MARGIN below the best
+    every position a low logit. The direction starts as their mean and is then pushed towards
+    the states it projects worst on (perceptron steps: a state on the wrong side would let
+    the excluded tokens win there). alpha puts that logit EXCLUSION_MARGIN below the best
     restricted logit at every calibration position where the direction is positive.
     """
     hidden = student.hidden(windows).float().reshape(-1, student.rows.shape[1])
     best = (hidden @ student.rows.float().T).max(-1).values
-    direction = hidden.mean(0)
+    unit = hidden / hidden.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    direction = unit.mean(0)
     direction = direction / direction.norm().clamp_min(1e-12)
+    for _ in range(EXCLUSION_REFINE_STEPS):
+        worst = unit[(unit @ direction).argmin()]
+        if float(worst @ direction) > EXCLUSION_MIN_COSINE:
+            break
+        direction = direction + 0.1 * worst
+        direction = direction / direction.norm().clamp_min(1e-12)
     projection = hidden @ direction
     positive = projection > 0
     alpha = float(((EXCLUSION_MARGIN - best[positive]) / projection[positive]).max().clamp_min(0))
@@ -245,6 +256,7 @@ def _exclusion_row(
         "alpha": round(alpha, 3),
         "calibration_positions": int(hidden.shape[0]),
         "positions_direction_positive": round(float(positive.float().mean()), 4),
+        "min_cosine": round(float((unit @ direction).min()), 4),
     }
 
 
@@ -386,7 +398,7 @@ def build_draft(
     student.eval()
 
     calibration = torch.from_numpy(
-        cut_windows(train, np.arange(8) * (len(train) // 9), spec.context, bos)
+        cut_windows(train, np.arange(32) * (len(train) // 33), spec.context, bos)
     )
     exclusion, exclusion_figures = _exclusion_row(student, calibration)
     with torch.no_grad():
