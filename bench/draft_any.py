@@ -30,13 +30,18 @@ def main() -> None:
     from fedge.paths import fedge_home
     from fedge.zoo.draft import DraftSpec, build_draft
 
+    defaults = DraftSpec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=fedge_home() / "models" / "smollm2-135m")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=defaults.layers)
+    parser.add_argument("--last-layers", type=int, default=defaults.last_layers)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--greedy-rows", type=int, default=defaults.greedy_rows)
+    parser.add_argument("--greedy-share", type=float, default=defaults.greedy_share)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
@@ -44,7 +49,14 @@ def main() -> None:
         sys.exit(f"no model at {args.target}: run `fedge models fetch smollm2-135m` first")
     out = args.out or args.target.with_name(args.target.name + "-draft")
     spec = DraftSpec(
-        layers=args.layers, vocab=args.vocab, steps=args.steps, eval_every=args.eval_every
+        layers=args.layers,
+        last_layers=args.last_layers,
+        vocab=args.vocab,
+        steps=args.steps,
+        eval_every=args.eval_every,
+        greedy_rows=args.greedy_rows,
+        greedy_share=args.greedy_share,
+        lr=args.lr,
     )
     card = build_draft(
         args.target,

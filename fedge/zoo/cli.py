@@ -136,18 +136,29 @@ def draft(
     target: Path = typer.Option(..., exists=True, file_okay=False, help="The target model folder."),
     out: Path | None = typer.Option(None, help="Output folder (default: TARGET-draft beside it)."),
     layers: int = typer.Option(2, help="The target's first LAYERS layers start the draft."),
+    last_layers: int = typer.Option(1, help="And its last LAST_LAYERS layers (0: none)."),
     vocab: int = typer.Option(8192, help="Restricted vocabulary: the N most used stdlib tokens."),
     minutes: float = typer.Option(10.0, help="Wall-time budget for distillation in this run."),
     steps: int = typer.Option(2000, help="Length of the learning-rate schedule (steps)."),
     eval_every: int = typer.Option(50, help="Steps between agreement measurements/checkpoints."),
+    greedy_rows: int = typer.Option(
+        256, help="The target's greedy continuations to distil on (generated once; 0: none)."
+    ),
     resume: bool = typer.Option(False, help="Continue the build checkpointed in OUT."),
 ) -> None:
-    """Build a draft for any target: its first layers, a restricted vocabulary, distilled on it."""
+    """Build a draft for any target: its first and last layers, a restricted vocabulary, distilled on it."""
     from fedge.zoo.draft import DraftSpec, build_draft
 
     console = Console()
     destination = out or target.with_name(target.name + "-draft")
-    spec = DraftSpec(layers=layers, vocab=vocab, steps=steps, eval_every=eval_every)
+    spec = DraftSpec(
+        layers=layers,
+        last_layers=last_layers,
+        vocab=vocab,
+        steps=steps,
+        eval_every=eval_every,
+        greedy_rows=greedy_rows,
+    )
 
     def show(point: dict[str, object]) -> None:
         console.print(

@@ -1,10 +1,13 @@
-"""A draft for any target: its first layers, a restricted vocabulary, distilled on its own outputs.
+"""A draft for any target: its first and last layers, a restricted vocabulary, distilled on its own outputs.
 
 `build_draft(target_dir, out)` makes a small model that proposes tokens for greedy speculative
 decoding with a pretrained target whose tokenizer fedge did not train:
 
-- **Initialised from the target**: the same architecture and width with its first K layers,
-  token embedding (frozen) and final norm copied.
+- **Initialised from the target** (layer skip): the same architecture and width with its
+  first K layers and its last L layers (`layers`, `last_layers`; the last layers turn a late
+  hidden state into the next-token prediction, so distillation has to bridge only the skipped
+  middle), token embedding (frozen) and final norm copied. The draft's cost per token against
+  the target's (multiply-adds, restricted head against full head) is in the card (`cost`).
 - **A restricted vocabulary**: the N tokens used most often on fedge's stdlib training split
   (tokenized by the target's tokenizer) plus the special tokens. Distillation and agreement
   compute logits for those N rows only (the 49k-token head is ~80% of a 2-layer SmolLM2
@@ -14,13 +17,18 @@ decoding with a pretrained target whose tokenizer fedge did not train:
   presents the target's whole vocabulary, `AutoModelForCausalLM.from_pretrained` loads it
   without custom code, and the edge decoder, ONNX export and verifier are unchanged.
   Greedy verification stays lossless whatever the draft proposes: the target decides.
-- **Distilled with the zoo's loss** (`distillation_loss`: KL to the target's distribution,
-  here over the restricted rows) on stdlib training windows, BOS first where the tokenizer
-  adds BOS.
-- **Resumable with a wall-time budget**: the trainable tensors, optimizer state, step and the
-  agreement curve are checkpointed in `<out>/.draft-build`; a later `--resume` run continues.
-  Greedy agreement with the target on held-out prompts is measured every `eval_every` steps
-  (the agreement-vs-build-time curve in the card).
+- **Distilled on what is measured**: agreement is taken along the target's greedy paths, so
+  part of every batch (`greedy_share`) is the target's own greedy continuations of stdlib
+  training prompts (sequence-level KD, Kim & Rush 2016): generated once with a KV-cached
+  batched generate, cached in chunks with the target's top-k log-probs over the restricted rows
+  at each generated position, and trained on with cross-entropy to that distribution (KL up to
+  a constant). The rest of the batch is stdlib training windows with the zoo's loss
+  (`distillation_loss`: KL to the target over the restricted rows, computed live). Windows
+  and prompts start with BOS where the tokenizer adds BOS.
+- **Resumable with a wall-time budget**: the greedy chunks, the trainable tensors, optimizer
+  state, step and the agreement curve are kept in `<out>/.draft-build`; a later `--resume`
+  run continues (generation too). Greedy agreement with the target on held-out prompts is
+  measured every `eval_every` steps (the agreement-vs-build-time curve in the card).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from fedge.lm.bos import bos_token_id, cut_windows, with_bos
 from fedge.manifest import write_manifest
@@ -54,6 +63,8 @@ WORK_DIR = ".draft-build"  # hidden: the folder's manifest does not hash build s
 CARD_NAME = "draft_card.json"
 VOCAB_NAME = "restricted_vocab.json"
 EXCLUSION_MARGIN = 30.0  # excluded tokens' logit at least this far below the best restricted one
+EXCLUSION_REFINE_STEPS = 500  # perceptron steps on the shared direction (see _exclusion_row)
+EXCLUSION_MIN_COSINE = 0.1  # stop once every calibration state is this far on the right side
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -62,7 +73,8 @@ ProgressFn = Callable[[dict[str, Any]], None]
 class DraftSpec:
     """What determines a draft build (a resumed build must use the same)."""
 
-    layers: int = 2
+    layers: int = 2  # the target's first layers the draft starts from
+    last_layers: int = 1  # and its last layers (they turn a hidden state into a prediction)
     vocab: int = 8192
     steps: int = 2000  # length of the learning-rate schedule; the wall-time budget may stop sooner
     batch_size: int = 8
@@ -75,12 +87,27 @@ class DraftSpec:
     prompt_tokens: int = 32
     new_tokens: int = 32
     max_chars_per_label: int = 100_000  # stdlib characters per package read for data
+    # sequence-level KD: the target's greedy continuations of training prompts, generated once
+    greedy_rows: int = 256  # continuations cached in the build folder (0: windows only)
+    greedy_prompt_tokens: int = 32
+    greedy_tokens: int = 64  # generated per row; the loss is on these positions
+    greedy_batch: int = 32  # rows per generate call (and per cached chunk)
+    greedy_every: int = 25  # steps between chunks: generation is spread over the first steps
+    greedy_share: float = 0.5  # of each training batch, the share of greedy rows
+    top_k: int = 64  # teacher log-probs kept per generated position (restricted rows)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "vocab", "steps", "batch_size", "context", "eval_every"):
+        positive = ["layers", "vocab", "steps", "batch_size", "context", "eval_every"]
+        positive += ["greedy_prompt_tokens", "greedy_tokens", "greedy_batch", "top_k"]
+        positive += ["greedy_every"]
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"draft {name} must be > 0, got {getattr(self, name)}")
+        if self.last_layers < 0 or self.greedy_rows < 0:
+            raise ValueError("draft last_layers and greedy_rows must be >= 0")
+        if not 0.0 <= self.greedy_share <= 1.0:
+            raise ValueError(f"draft greedy_share must be in [0, 1], got {self.greedy_share}")
 
     def budget(self) -> TrainBudget:
         return TrainBudget(
@@ -147,25 +174,38 @@ def restricted_vocabulary(
 
 
 # ---------------------------------------------------------------- the model
-def init_draft(target: Any, layers: int) -> Any:
-    """A model of the target's class with its first `layers` layers, embedding and final norm.
+def draft_layers(total: int, first: int, last: int) -> list[int]:
+    """The target layers a draft copies: its first `first` and its last `last`, in order."""
+    if first < 1 or last < 0 or first + last >= total:
+        raise ValueError(
+            f"a draft of the first {first} and last {last} layers needs first >= 1, last >= 0 "
+            f"and first + last < {total} (the target's layers)"
+        )
+    return [*range(first), *range(total - last, total)]
 
-    The output layer is untied (its rows are set at save time); the embedding is frozen.
+
+def init_draft(target: Any, layers: int, last_layers: int = 0) -> Any:
+    """A model of the target's class with its first `layers` and last `last_layers` layers.
+
+    The embedding and final norm are the target's; the output layer is untied (its rows are
+    set at save time); the embedding is frozen. The last layers turn a late hidden state into
+    the next-token prediction, so distillation only has to bridge the skipped middle.
     """
     from transformers import AutoModelForCausalLM
 
     cfg: Any = target.config.__class__.from_dict(target.config.to_dict())
-    total = int(cfg.num_hidden_layers)
-    if not 0 < layers < total:
-        raise ValueError(f"--layers must be in [1, {total - 1}] for a {total}-layer target")
-    cfg.num_hidden_layers = layers
+    chosen = draft_layers(int(cfg.num_hidden_layers), layers, last_layers)
+    cfg.num_hidden_layers = len(chosen)
     if isinstance(getattr(cfg, "layer_types", None), list):
-        cfg.layer_types = cfg.layer_types[:layers]
+        cfg.layer_types = [cfg.layer_types[i] for i in chosen]
     cfg.tie_word_embeddings = False
     draft: Any = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     source = target.state_dict()
-    own = draft.state_dict()
-    copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+    copied = {}
+    for key, tensor in draft.state_dict().items():
+        name = _source_name(key, chosen)
+        if name in source and source[name].shape == tensor.shape:
+            copied[key] = source[name]
     head: Any = target.get_output_embeddings()
     copied["lm_head.weight"] = head.weight.detach()
     missing, _ = draft.load_state_dict(copied, strict=False)
@@ -176,20 +216,39 @@ def init_draft(target: Any, layers: int) -> Any:
     return draft
 
 
+def _source_name(key: str, chosen: list[int]) -> str:
+    """The target's name of draft tensor `key`: draft layer i is target layer chosen[i]."""
+    parts = key.split(".")
+    for at in range(len(parts) - 1):
+        if parts[at] == "layers" and parts[at + 1].isdigit():
+            parts[at + 1] = str(chosen[int(parts[at + 1])])
+            break
+    return ".".join(parts)
+
+
 @torch.no_grad()
 def _exclusion_row(
     student: RestrictedLogits, windows: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One row for every excluded token: -alpha * (mean direction of the draft's final hidden states).
+    """One row for every excluded token: -alpha * (a direction all final hidden states share).
 
     A decoder's normed final states share a strong common direction, so a row against it gives
-    every position a low logit. alpha puts that logit EXCLUSION_MARGIN below the best
+    every position a low logit. The direction starts as their mean and is then pushed towards
+    the states it projects worst on (perceptron steps: a state on the wrong side would let
+    the excluded tokens win there). alpha puts that logit EXCLUSION_MARGIN below the best
     restricted logit at every calibration position where the direction is positive.
     """
     hidden = student.hidden(windows).float().reshape(-1, student.rows.shape[1])
     best = (hidden @ student.rows.float().T).max(-1).values
-    direction = hidden.mean(0)
+    unit = hidden / hidden.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    direction = unit.mean(0)
     direction = direction / direction.norm().clamp_min(1e-12)
+    for _ in range(EXCLUSION_REFINE_STEPS):
+        worst = unit[(unit @ direction).argmin()]
+        if float(worst @ direction) > EXCLUSION_MIN_COSINE:
+            break
+        direction = direction + 0.1 * worst
+        direction = direction / direction.norm().clamp_min(1e-12)
     projection = hidden @ direction
     positive = projection > 0
     alpha = float(((EXCLUSION_MARGIN - best[positive]) / projection[positive]).max().clamp_min(0))
@@ -197,6 +256,7 @@ def _exclusion_row(
         "alpha": round(alpha, 3),
         "calibration_positions": int(hidden.shape[0]),
         "positions_direction_positive": round(float(positive.float().mean()), 4),
+        "min_cosine": round(float((unit @ direction).min()), 4),
     }
 
 
@@ -249,7 +309,12 @@ def build_draft(
     spec_path, checkpoint = work / "spec.json", work / "checkpoint.pt"
     if resume and spec_path.is_file():
         built = json.loads(spec_path.read_text())
-        changed = {k: (v, asdict(spec)[k]) for k, v in built.items() if asdict(spec).get(k) != v}
+        wanted = asdict(spec)
+        changed = {
+            k: (built.get(k), wanted.get(k))
+            for k in {*built, *wanted}
+            if built.get(k) != wanted.get(k)
+        }
         if changed:
             raise ValueError(f"cannot resume {out}: settings differ from the build's {changed}")
     elif work.exists():
@@ -272,7 +337,7 @@ def build_draft(
     ids = torch.from_numpy(ids_np)
     coverage = float(np.isin(heldout, ids_np).mean())
 
-    draft = init_draft(target, spec.layers)
+    draft = init_draft(target, spec.layers, spec.last_layers)
     head: Any = target.get_output_embeddings()
     teacher = RestrictedLogits(target, ids, head.weight.detach()[ids].clone()).eval()
     student = RestrictedLogits(draft, ids, nn.Parameter(head.weight.detach()[ids].clone()))
@@ -281,6 +346,8 @@ def build_draft(
     loss_fn = distillation_loss(teacher, spec.temperature)
 
     paths = _cached_paths(work, target, heldout, spec, bos)
+    deadline = time.perf_counter() + minutes * 60
+    greedy, have = None, 0
     step, seconds, curve = 0, 0.0, []
     if resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
@@ -294,18 +361,26 @@ def build_draft(
         )
         _report(progress, curve[-1])
 
-    deadline = time.perf_counter() + minutes * 60
     began = time.perf_counter() - seconds
     student.train()
     last = budget.steps if stop_after is None else min(budget.steps, step + stop_after)
     while step < last and time.perf_counter() < deadline:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, budget)
+        want = _greedy_chunks_at(step, spec)
+        if want > have:  # the next chunk(s) of greedy rows: generated once, then cached
+            greedy, have = _greedy_data(work, target, train, ids, spec, bos, want), want
         rng = np.random.default_rng([spec.seed, step])
-        starts = rng.integers(0, len(train) - spec.context - 1, size=spec.batch_size)
-        batch = torch.from_numpy(cut_windows(train, starts, spec.context, bos))
+        n_greedy = round(spec.batch_size * spec.greedy_share) if greedy is not None else 0
+        starts = rng.integers(0, len(train) - spec.context - 1, size=spec.batch_size - n_greedy)
+        picked = rng.integers(0, greedy.rows.shape[0], size=n_greedy) if greedy else None
         with autocast_context():
-            loss = loss_fn(student, batch)
+            loss = torch.zeros(())
+            if len(starts):
+                batch = torch.from_numpy(cut_windows(train, starts, spec.context, bos))
+                loss = loss + loss_fn(student, batch) * (len(starts) / spec.batch_size)
+            if greedy is not None and picked is not None and n_greedy:
+                loss = loss + greedy.loss(student, picked) * (n_greedy / spec.batch_size)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
@@ -323,7 +398,7 @@ def build_draft(
     student.eval()
 
     calibration = torch.from_numpy(
-        cut_windows(train, np.arange(8) * (len(train) // 9), spec.context, bos)
+        cut_windows(train, np.arange(32) * (len(train) // 33), spec.context, bos)
     )
     exclusion, exclusion_figures = _exclusion_row(student, calibration)
     with torch.no_grad():
@@ -355,7 +430,21 @@ def build_draft(
             **exclusion_figures,
             "heldout_argmax_outside_restricted": round(excluded_wins, 4),
         },
-        "data": {"train_tokens": len(train), "heldout_tokens": len(heldout)},
+        "layers": {
+            "target_layers": draft_layers(
+                int(target.config.num_hidden_layers), spec.layers, spec.last_layers
+            ),
+            "of": int(target.config.num_hidden_layers),
+        },
+        "cost": draft_cost(target.config, spec.layers + spec.last_layers, len(ids_np)),
+        "data": {
+            "train_tokens": len(train),
+            "heldout_tokens": len(heldout),
+            "greedy_rows": 0 if greedy is None else int(greedy.rows.shape[0]),
+            "greedy_tokens": 0
+            if greedy is None
+            else int(greedy.values.shape[0] * spec.greedy_tokens),
+        },
         "steps": step,
         "training_tokens": step * spec.batch_size * spec.context,
         "training_seconds": round(time.perf_counter() - began, 1),
@@ -414,6 +503,126 @@ def _cached_paths(
         rows = target_paths(target, torch.tensor(prompts, dtype=torch.long), spec.new_tokens)
         np.save(path, rows.numpy())
     return torch.from_numpy(np.load(path).astype(np.int64))
+
+
+class _TopK(LogitsProcessor):
+    """Records the top-k log-probs over the restricted rows at each generated position."""
+
+    def __init__(self, ids: torch.Tensor, k: int) -> None:
+        self.ids, self.k = ids, min(k, len(ids))
+        self.values: list[torch.Tensor] = []
+        self.indices: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        values, indices = scores[:, self.ids].float().log_softmax(-1).topk(self.k, -1)
+        self.values.append(values.half())
+        self.indices.append(indices.int())
+        return scores  # greedy decoding itself is untouched
+
+
+@dataclass
+class GreedyData:
+    """Sequence-level KD rows: a prompt, the target's greedy continuation, its top-k log-probs.
+
+    `values`/`indices` (rows, greedy_tokens, k) are the target's log-probs over the restricted
+    rows (indices into them) at each generated position; the prompt is `prompt_len` tokens.
+    """
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    indices: torch.Tensor
+    prompt_len: int
+
+    def __bool__(self) -> bool:
+        return bool(self.rows.shape[0])
+
+    def loss(self, student: nn.Module, picked: np.ndarray) -> torch.Tensor:
+        """Cross-entropy to the target's top-k distribution (KL up to a constant) on generated positions."""
+        at = torch.from_numpy(picked)
+        rows = self.rows[at].long()
+        logits = student(input_ids=rows[:, :-1]).logits[:, self.prompt_len - 1 :].float()
+        chosen = logits.log_softmax(-1).gather(-1, self.indices[at].long())
+        return -(self.values[at].float().exp() * chosen).sum(-1).mean()
+
+
+def _greedy_chunks_at(step: int, spec: DraftSpec) -> int:
+    """How many greedy chunks training step `step` draws from (one more every `greedy_every`)."""
+    total = math.ceil(spec.greedy_rows / spec.greedy_batch)
+    return min(total, step // spec.greedy_every + 1)
+
+
+def _greedy_data(
+    work: Path,
+    target: Any,
+    train: np.ndarray,
+    ids: torch.Tensor,
+    spec: DraftSpec,
+    bos: int | None,
+    count: int,
+) -> GreedyData | None:
+    """The first `count` chunks of the target's greedy continuations of train-split prompts.
+
+    A chunk is `greedy_batch` rows from one batched, KV-cached generate, saved in `work` as it
+    completes and read back afterwards, so a resumed build draws from the same rows at the
+    same steps. None when the spec asks for no greedy rows.
+    """
+    if spec.greedy_rows == 0 or count == 0:
+        return None
+    chunks = []
+    for chunk in range(count):
+        path = work / f"greedy-{chunk:03d}.pt"
+        if not path.is_file():
+            rows_here = min(spec.greedy_batch, spec.greedy_rows - chunk * spec.greedy_batch)
+            rng = np.random.default_rng([spec.seed, 1, chunk])  # not the training steps' stream
+            starts = rng.integers(0, len(train) - spec.greedy_prompt_tokens, size=rows_here)
+            prompts = torch.tensor(
+                [with_bos(train[s : s + spec.greedy_prompt_tokens], bos) for s in starts],
+                dtype=torch.long,
+            )
+            recorder = _TopK(ids, spec.top_k)
+            rows = target.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=spec.greedy_tokens,
+                min_new_tokens=spec.greedy_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+            state = {
+                "rows": rows.int(),
+                "values": torch.stack(recorder.values, 1),
+                "indices": torch.stack(recorder.indices, 1),
+            }
+            partial = path.with_suffix(".partial")
+            torch.save(state, partial)
+            partial.replace(path)
+        chunks.append(torch.load(path, weights_only=True))
+    return GreedyData(
+        torch.cat([c["rows"] for c in chunks]),
+        torch.cat([c["values"] for c in chunks]),
+        torch.cat([c["indices"] for c in chunks]),
+        _prompt_len(replace(spec, prompt_tokens=spec.greedy_prompt_tokens), bos),
+    )
+
+
+def draft_cost(config: Any, layers: int, vocab: int) -> dict[str, Any]:
+    """Multiply-adds per token of the draft (restricted head) against the target (full head).
+
+    c = draft / target is the draft's cost per proposed token in units of a target token,
+    the `c` of the speculative estimate E[tokens per verify] / (gamma * c + verify).
+    """
+    width, inner = int(config.hidden_size), int(config.intermediate_size)
+    heads, kv = int(config.num_attention_heads), int(config.num_key_value_heads)
+    head_dim = int(getattr(config, "head_dim", None) or width // heads)
+    per_layer = width * head_dim * (2 * heads + 2 * kv) + 3 * width * inner
+    draft = layers * per_layer + vocab * width
+    target = int(config.num_hidden_layers) * per_layer + int(config.vocab_size) * width
+    return {
+        "draft_macs_per_token": draft,
+        "target_macs_per_token": target,
+        "relative": round(draft / target, 4),
+    }
 
 
 def _save_checkpoint(

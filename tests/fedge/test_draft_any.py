@@ -1,9 +1,12 @@
 """`fedge models draft`: a draft for any target (here the micro zoo's target, a 1-layer draft,
-seconds of distillation) that loads as an ordinary folder and presents the full vocabulary."""
+seconds of distillation on windows and on the target's cached greedy continuations) that loads
+as an ordinary folder and presents the full vocabulary; and the first + last layer selection
+on a 4-layer target the test writes."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,10 +14,25 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fedge.zoo import ZooPaths
-from fedge.zoo.draft import CARD_NAME, VOCAB_NAME, DraftSpec, build_draft
+from fedge.zoo.draft import (
+    CARD_NAME,
+    VOCAB_NAME,
+    WORK_DIR,
+    DraftSpec,
+    build_draft,
+    draft_layers,
+    init_draft,
+)
 
 SPEC = DraftSpec(
     layers=1,
+    last_layers=0,  # the micro target has 2 layers
+    greedy_rows=12,
+    greedy_prompt_tokens=8,
+    greedy_tokens=8,
+    greedy_batch=8,  # two chunks, the second of 4 rows, drawn from step 4 on
+    greedy_every=4,
+    top_k=16,
     vocab=300,
     steps=12,
     batch_size=4,
@@ -68,7 +86,7 @@ def test_resume_continues_the_schedule_and_the_card_records_the_curve(built: Pat
 
 def test_resume_with_other_settings_is_refused(micro_zoo: ZooPaths, built: Path) -> None:
     with pytest.raises(ValueError, match=r"settings differ"):
-        build_draft(micro_zoo.target_dir, built, DraftSpec(layers=1, vocab=100), resume=True)
+        build_draft(micro_zoo.target_dir, built, replace(SPEC, vocab=100), resume=True)
 
 
 def test_the_export_computes_only_the_restricted_rows_and_validates(
@@ -98,3 +116,106 @@ def test_the_export_computes_only_the_restricted_rows_and_validates(
     ]
     assert any(s[-1] == len(ids) for s in head_shapes)  # the restricted rows
     assert not any(1024 in s for s in head_shapes)  # no full-vocabulary matrix product
+
+
+def test_the_greedy_rows_are_the_targets_own_continuations_and_its_top_k(
+    micro_zoo: ZooPaths, built: Path
+) -> None:
+    """Sequence-level KD data: each cached row is a train prompt and the target's greedy
+    continuation; the recorded top-1 restricted token is the generated one where it is kept."""
+    from fedge.models import load_causal_lm
+
+    target = load_causal_lm(micro_zoo.target_dir).eval()
+    ids = torch.tensor(json.loads((built / VOCAB_NAME).read_text()))
+    chunks = [torch.load(p) for p in sorted((built / WORK_DIR).glob("greedy-*.pt"))]
+    assert [c["rows"].shape[0] for c in chunks] == [8, 4]
+    rows = torch.cat([c["rows"] for c in chunks]).long()
+    values = torch.cat([c["values"] for c in chunks]).float()
+    indices = torch.cat([c["indices"] for c in chunks]).long()
+    prompt = rows.shape[1] - SPEC.greedy_tokens
+    again = target.generate(
+        rows[:, :prompt],
+        attention_mask=torch.ones_like(rows[:, :prompt]),
+        max_new_tokens=SPEC.greedy_tokens,
+        min_new_tokens=SPEC.greedy_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(again, rows)
+    assert values.shape == indices.shape == (12, SPEC.greedy_tokens, SPEC.top_k)
+    assert (values[..., :-1] >= values[..., 1:]).all() and (values <= 0).all()
+    generated = rows[:, prompt:]
+    kept = torch.isin(generated, ids)
+    assert kept.float().mean() > 0.5
+    assert torch.equal(ids[indices[..., 0]][kept], generated[kept])
+
+
+@pytest.fixture(scope="module")
+def four_layers(micro_zoo: ZooPaths, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer target of the micro zoo's width and tokenizer, seeded random weights."""
+    from fedge.models import load_tokenizer
+
+    config = AutoModelForCausalLM.from_pretrained(micro_zoo.target_dir).config
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    out = tmp_path_factory.mktemp("four-layers")
+    model.save_pretrained(out)
+    load_tokenizer(micro_zoo.target_dir).save_pretrained(out)
+    return out
+
+
+def test_the_draft_copies_the_targets_first_and_last_layers(four_layers: Path) -> None:
+    target = AutoModelForCausalLM.from_pretrained(four_layers)
+    draft = init_draft(target, 1, 2)
+    assert draft.config.num_hidden_layers == 3
+    for mine, theirs in zip(draft.model.layers, [0, 2, 3], strict=True):
+        source = target.model.layers[theirs].state_dict()
+        for name, tensor in mine.state_dict().items():
+            assert torch.equal(tensor, source[name]), (theirs, name)
+    assert torch.equal(draft.model.norm.weight, target.model.norm.weight)
+    assert draft_layers(30, 2, 1) == [0, 1, 29]
+    for first, last in [(0, 1), (2, 2), (3, 1), (1, -1)]:
+        with pytest.raises(ValueError, match="first"):
+            init_draft(target, first, last)
+
+
+def test_a_first_and_last_layer_draft_saves_as_a_plain_folder_and_resumes_only_alike(
+    four_layers: Path, tmp_path: Path
+) -> None:
+    """No training step: the saved folder's layers are the target's layers 0, 3 exactly, and a
+    resume that asks for another layer selection (a key an older build did not record too) is
+    refused rather than mixing checkpoints of different shapes."""
+    spec = DraftSpec(
+        layers=1,
+        last_layers=1,
+        vocab=200,
+        steps=4,
+        batch_size=2,
+        context=16,
+        eval_every=2,
+        prompts=2,
+        prompt_tokens=8,
+        new_tokens=4,
+        max_chars_per_label=5_000,
+        greedy_rows=2,
+        greedy_prompt_tokens=4,
+        greedy_tokens=4,
+        greedy_batch=2,
+    )
+    card = build_draft(four_layers, tmp_path, spec, stop_after=0)
+    assert card["layers"] == {"target_layers": [0, 3], "of": 4}
+    assert 0 < card["cost"]["relative"] < 1
+    target = AutoModelForCausalLM.from_pretrained(four_layers)
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert draft.config.num_hidden_layers == 2
+    assert torch.equal(
+        draft.model.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight
+    )
+    with pytest.raises(ValueError, match=r"settings differ"):
+        build_draft(four_layers, tmp_path, replace(spec, last_layers=2), resume=True)
+    recorded = json.loads((tmp_path / WORK_DIR / "spec.json").read_text())
+    del recorded["last_layers"]  # a build from before the option existed
+    (tmp_path / WORK_DIR / "spec.json").write_text(json.dumps(recorded))
+    with pytest.raises(ValueError, match=r"last_layers"):
+        build_draft(four_layers, tmp_path, spec, resume=True)
