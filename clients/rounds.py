@@ -154,6 +154,11 @@ def train_reply(msg: Message, context: Context) -> Message:
     privacy_metrics: dict[str, float] = {}
     if dp is not None:  # sample-level DP-SGD with Opacus, noise from the OS (fedge.clients.privacy)
         distill.refuse_dpsgd(config)
+        if str(config.get(keys.CFG_DATA_KIND, "text")) != "text":
+            raise ValueError(
+                f"DP-SGD trains on text streams; with {keys.CFG_DATA_KIND}=instructions use "
+                "distributed DP under SecAgg+ (aggregator secagg_distributed_dp)"
+            )
         try:
             losses, privacy_metrics = train_dpsgd_round(
                 lm.model,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from fedge.edge.export import ExportConfig, export_draft
 from fedge.edge.prompts import heldout_examples
 from fedge.edge.runtime import load_draft_runtime
 from fedge.edge.showcase import Showcase, ShowcaseView, greedy_showcase
+from fedge.edge.verifier.engine import EngineConfig
 from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.tables import wrapping_table
 
@@ -31,12 +33,34 @@ SAMPLE_TOKENS = 96
 # as code, and fedge's speculative sampling leaves the target's distribution exact.
 SAMPLE_TEMPERATURE = 0.7
 METRICS_NAME = "edge_metrics.json"
+Example = tuple[list[int], list[int]]  # prompt ids, its true continuation's ids
+
+
+@dataclass(frozen=True)
+class EdgeSizes:
+    """The edge stage's prompts and tokens (the zoo demo's defaults)."""
+
+    validation_prompts: int = VALIDATION_PROMPTS  # the draft's export is validated on these
+    prompts: int = DEMO_PROMPTS  # decoded speculatively and cloud-only, one row each
+    new_tokens: int = NEW_TOKENS  # per prompt, greedy
+    sample_tokens: int = SAMPLE_TOKENS  # the temperature-sampled completion
+    prompt_tokens: int = PROMPT_TOKENS  # held-out text windows (when no examples are given)
+    verifier_runtime: str = "torch"  # the target's runtime in the verifier (torch | onnx | auto)
 
 
 def edge_stage(
-    target_dir: Path, draft_dir: Path, adapter_dir: Path | None, run_dir: Path, console: Console
+    target_dir: Path,
+    draft_dir: Path,
+    adapter_dir: Path | None,
+    run_dir: Path,
+    console: Console,
+    sizes: EdgeSizes | None = None,
+    examples: list[Example] | None = None,
 ) -> dict[str, Any]:
     """Export + quantize `draft_dir`, serve target (+ adapter) on 127.0.0.1:0, generate, report, stop.
+
+    `examples` (prompt, true continuation) replace the held-out text windows: the first
+    `sizes.validation_prompts` validate the export, the next `sizes.prompts` are decoded.
 
     The edge runs the 4-bit draft when it validated (else the fastest valid variant). Returns
     (and writes to `run_dir/edge_metrics.json`) acceptance, tokens/s and target passes per
@@ -45,20 +69,28 @@ def edge_stage(
     """
     from fedge.models import load_tokenizer
 
+    size = sizes or EdgeSizes()
+    validation, new_tokens = size.validation_prompts, size.new_tokens
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(target_dir)
-    examples = heldout_examples(
-        tokenizer, VALIDATION_PROMPTS + DEMO_PROMPTS, PROMPT_TOKENS, NEW_TOKENS
-    )
+    if examples is None:
+        examples = heldout_examples(
+            tokenizer, validation + size.prompts, size.prompt_tokens, new_tokens
+        )
+    if len(examples) < validation + size.prompts:
+        raise ValueError(f"edge_stage needs {validation + size.prompts} examples")
     prompts = [prompt for prompt, _ in examples]
     with console.status("exporting the draft to ONNX (fp32, int8, int4) and validating it"):
-        manifest = export_draft(
-            draft_dir, run_dir / "draft", prompts[:VALIDATION_PROMPTS], ExportConfig()
-        )
+        manifest = export_draft(draft_dir, run_dir / "draft", prompts[:validation], ExportConfig())
     quantized = manifest["variants"].get("int4", {}).get("valid", False)
     runtime = load_draft_runtime(run_dir / "draft", "onnx-int4" if quantized else "auto")
     console.print(_variants_table(manifest))
-    config = ServerConfig(target_dir, adapter_dir=adapter_dir, drain_notice_s=0.0)
+    config = ServerConfig(
+        target_dir,
+        adapter_dir=adapter_dir,
+        engine=EngineConfig(runtime=size.verifier_runtime),
+        drain_notice_s=0.0,
+    )
     rows: list[dict[str, Any]] = []
     distinct: list[int] = []  # distinct tokens in each prompt's greedy output (loops have few)
     with console.status("starting the verifier"), BackgroundServer(config) as server:
@@ -66,13 +98,13 @@ def edge_stage(
             f"verifier on 127.0.0.1:{server.port} serving target + {adapter_dir or 'no adapter'}"
         )
         with VerifierClient(ClientConfig(f"127.0.0.1:{server.port}")) as client:
-            for i, prompt in enumerate(prompts[VALIDATION_PROMPTS:]):
+            for i, prompt in enumerate(prompts[validation : validation + size.prompts]):
                 decoder = SpeculativeDecoder(
-                    runtime, client, DecodeConfig(max_new_tokens=NEW_TOKENS)
+                    runtime, client, DecodeConfig(max_new_tokens=new_tokens)
                 )
                 tokens = decoder.generate(prompt)
                 distinct.append(len(set(tokens)))
-                cloud = _cloud_only(client, prompt)
+                cloud = _cloud_only(client, prompt, new_tokens)
                 stats = decoder.stats
                 rows.append(
                     {
@@ -83,20 +115,22 @@ def edge_stage(
                         "tokens_per_s": stats.tokens_per_second,
                         "cloud_tokens_per_s": cloud,
                         "identical_to_cloud_greedy": tokens
-                        == list(client.generate(prompt, NEW_TOKENS)),
+                        == list(client.generate(prompt, new_tokens)),
                     }
                 )
-            sample_prompt = prompts[VALIDATION_PROMPTS]
+            sample_prompt = prompts[validation]
             sampler = SpeculativeDecoder(
                 runtime,
                 client,
-                DecodeConfig(max_new_tokens=SAMPLE_TOKENS, temperature=SAMPLE_TEMPERATURE, seed=0),
+                DecodeConfig(
+                    max_new_tokens=size.sample_tokens, temperature=SAMPLE_TEMPERATURE, seed=0
+                ),
             )
             completion = sampler.generate(sample_prompt)
             # the least looping greedy output reads best: a small model's greedy text often repeats
-            shown = VALIDATION_PROMPTS + max(range(len(distinct)), key=distinct.__getitem__)
+            shown = validation + max(range(len(distinct)), key=distinct.__getitem__)
             showcase = greedy_showcase(
-                runtime, client, tokenizer, prompts[shown], examples[shown][1], NEW_TOKENS
+                runtime, client, tokenizer, prompts[shown], examples[shown][1], new_tokens
             )
     summary = _summarize(rows, runtime.name, adapter_dir)
     summary["decode_step_ms"] = {
@@ -109,6 +143,7 @@ def edge_stage(
         "acceptance": round(sampler.stats.acceptance, 4),
     }
     summary["showcase"] = showcase.as_dict()
+    summary["new_tokens"] = new_tokens
     console.print(_table(rows, summary))
     console.print(_greedy_line(summary))
     console.print(_sample_panel(summary["sample"]))
@@ -117,14 +152,20 @@ def edge_stage(
 
 
 def showcase_view(summary: dict[str, Any]) -> ShowcaseView:
-    """The edge stage's greedy showcase (`summary["showcase"]`) as what the demo ends on."""
-    return ShowcaseView(Showcase.from_dict(summary["showcase"]), NEW_TOKENS)
+    """The edge stage's greedy showcase (`summary["showcase"]`) as what the demo ends on (its
+    prompt shown whole when ``instruction`` marks it as an instruction)."""
+    shown = summary["showcase"]
+    return ShowcaseView(
+        Showcase.from_dict(shown),
+        int(summary.get("new_tokens", NEW_TOKENS)),
+        whole_prompt=bool(shown.get("instruction")),
+    )
 
 
-def _cloud_only(client: VerifierClient, prompt: list[int]) -> float:
+def _cloud_only(client: VerifierClient, prompt: list[int], new_tokens: int) -> float:
     """Tokens per second of the verifier's own streaming generation for the same prompt."""
     started = time.perf_counter()
-    count = sum(1 for _ in client.generate(prompt, NEW_TOKENS))
+    count = sum(1 for _ in client.generate(prompt, new_tokens))
     return count / (time.perf_counter() - started)
 
 

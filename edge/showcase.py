@@ -113,9 +113,10 @@ class ShowcaseView:
     """The showcase as a rich renderable: the prompt, then the completion and the truth side by side
     (stacked when the console is narrow); marks by colour, or by « » where there is none."""
 
-    def __init__(self, showcase: Showcase, new_tokens: int) -> None:
+    def __init__(self, showcase: Showcase, new_tokens: int, whole_prompt: bool = False) -> None:
         self.showcase = showcase
         self.new_tokens = new_tokens
+        self.whole_prompt = whole_prompt  # an instruction, not a window cut mid-line
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         s = self.showcase
@@ -138,7 +139,7 @@ class ShowcaseView:
         else:
             body = Group(left, right)
         yield Panel(
-            Text(_from_line_start(s.prompt), style="dim"),
+            Text(s.prompt if self.whole_prompt else _from_line_start(s.prompt), style="dim"),
             title="a held-out prompt",
             title_align="left",
         )

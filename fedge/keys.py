@@ -97,6 +97,8 @@ CFG_NUM_PARTITIONS: Final = "num-partitions"
 CFG_DIRICHLET_ALPHA: Final = "dirichlet-alpha"
 CFG_MAX_CHARS_PER_CLIENT: Final = "max-chars-per-client"
 CFG_DATA_SOURCE: Final = "data-source"  # "" = stdlib corpus, else a directory of text files
+CFG_DATA_KIND: Final = "data-kind"  # text (token streams) | instructions (fedge.data.instructions)
+DATA_KINDS: Final = ("text", "instructions")
 
 CFG_LORA_R: Final = "lora-r"
 CFG_LORA_ALPHA: Final = "lora-alpha"

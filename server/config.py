@@ -57,6 +57,9 @@ class RunConfig:
     dirichlet_alpha: float = 0.5
     max_chars_per_client: int = 20000  # characters per client; 0: no cap (the whole package)
     data_source: str = ""  # "" = the stdlib corpus; else a directory of your own text
+    # text: the corpus as token streams; instructions: the stdlib's functions as code
+    # instructions, one client per package, only the response scored (fedge.data.instructions)
+    data_kind: str = "text"
     server_eval_batches: int = 16  # held-out windows of seq-len for server perplexity
     client_eval: bool = True  # ask the round's clients for held-out loss too
     run_dir: str = ""  # "" under `flwr run`: runs/flwr-<utc time>
@@ -102,6 +105,15 @@ class RunConfig:
         if self.partition_scheme not in ("natural", "iid", "dirichlet"):
             raise ValueError(
                 f"partition-scheme must be natural, iid or dirichlet, got {self.partition_scheme!r}"
+            )
+        if self.data_kind not in keys.DATA_KINDS:
+            raise ValueError(f"data-kind must be one of {keys.DATA_KINDS}, got {self.data_kind!r}")
+        if self.data_kind == "instructions" and (
+            self.data_source or self.partition_scheme != "natural"
+        ):
+            raise ValueError(
+                "data-kind=instructions is the stdlib's functions by package: it takes no "
+                "data-source and partition-scheme natural"
             )
         if self.partition_scheme == "natural" and self.num_partitions != 0:
             raise ValueError(
@@ -197,6 +209,7 @@ class RunConfig:
             keys.CFG_DIRICHLET_ALPHA,
             keys.CFG_MAX_CHARS_PER_CLIENT,
             keys.CFG_DATA_SOURCE,
+            keys.CFG_DATA_KIND,
             keys.CFG_SEED,
             keys.CFG_CLIENT_MODS,
             keys.CFG_CLIENT_STATE_DIR,

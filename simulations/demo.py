@@ -102,27 +102,44 @@ def demo_overrides(extra: str | None = None) -> dict[str, str]:
     return out
 
 
-def demo_scenario(zoo: ZooPaths, private: bool = False, engine: str = "") -> Scenario:
-    """The demo scenario on `zoo`'s target, optionally with SecAgg+ and distributed DP.
+def demo_scenario(
+    zoo: ZooPaths | Path,
+    private: bool = False,
+    engine: str = "",
+    scenario_name: str = DEMO_SCENARIO,
+    private_overrides: Mapping[str, Any] | None = None,
+) -> Scenario:
+    """The demo scenario on `zoo`'s target (or a target folder), optionally with SecAgg+ and
+    distributed DP (`private_overrides`, default PRIVATE_OVERRIDES).
 
     `engine` replaces the scenario's engine ("ray": Flower's simulation, "inprocess").
     """
-    overrides: dict[str, Any] = {"model": str(zoo.target_dir), "save-merged": True}
+    target = zoo if isinstance(zoo, Path) else zoo.target_dir
+    overrides: dict[str, Any] = {"model": str(target), "save-merged": True}
     if private:
-        overrides.update(PRIVATE_OVERRIDES)
-    scenario = load_scenario(DEMO_SCENARIO, {**overrides, **demo_overrides()})
+        overrides.update(PRIVATE_OVERRIDES if private_overrides is None else private_overrides)
+    scenario = load_scenario(scenario_name, {**overrides, **demo_overrides()})
     return replace(scenario, engine=engine) if engine else scenario
 
 
 def federated_stage(
-    zoo: ZooPaths, run_dir: Path, console: Console, private: bool = False, engine: str = ""
+    zoo: ZooPaths | Path,
+    run_dir: Path,
+    console: Console,
+    private: bool = False,
+    engine: str = "",
+    scenario_name: str = DEMO_SCENARIO,
+    private_overrides: Mapping[str, Any] | None = None,
 ) -> FederationResult:
-    """Fine-tune LoRA adapters of the zoo's target federatedly; report perplexity both ways."""
-    scenario = demo_scenario(zoo, private, engine)
+    """Fine-tune LoRA adapters of the zoo's target (or a target folder) federatedly on the
+    scenario `scenario_name`; report perplexity both ways."""
+    scenario = demo_scenario(zoo, private, engine, scenario_name, private_overrides)
     cfg = scenario.config
     label = "secagg+dp" if private else "plain"
+    data = "code instructions of" if cfg.data_kind == "instructions" else "the code of"
     console.print(
-        f"{scenario.num_supernodes} clients (one stdlib package each), {scenario.engine} engine, "
+        f"{scenario.num_supernodes} clients ({data} one stdlib package each), "
+        f"{scenario.engine} engine, "
         f"{cfg.strategy}, "
         f"{cfg.num_server_rounds} rounds, LoRA r={cfg.train.lora_r}, aggregator {cfg.aggregator}"
     )

@@ -11,6 +11,7 @@ import torch
 from fedge.lm.bos import cut_windows
 from fedge.lm.config import TrainConfig
 
+IGNORE_INDEX = -100  # a target position that is not scored
 MIN_WINDOW = 8  # shortest usable window: below this a client has too little text to learn from
 
 
@@ -40,13 +41,35 @@ def eval_windows(
         yield torch.from_numpy(cut_windows(tokens, [start], length, bos))
 
 
+def split_window(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs [:, :-1] and targets [:, 1:] of a (B, T+1) batch of token ids.
+
+    A negative id ``~t`` is token ``t`` as input only (an instruction's prompt or padding,
+    `fedge.data.instructions`): its target is IGNORE_INDEX, so it is never scored.
+    """
+    tokens = torch.where(batch < 0, torch.bitwise_not(batch), batch)
+    targets = batch[:, 1:]
+    return tokens[:, :-1], torch.where(targets < 0, IGNORE_INDEX, targets)
+
+
 def lm_batch_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (B, T+1) batch: inputs [:, :-1], targets [:, 1:]."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model(input_ids=inputs).logits  # (B, T, V)
-    return torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    """Mean next-token cross-entropy of a (B, T+1) batch: inputs [:, :-1], targets [:, 1:].
+
+    Over the scored targets only where the batch marks input-only tokens (`split_window`);
+    0 (with a gradient) for a batch with no target at all.
+    """
+    if not bool((batch < 0).any()):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(input_ids=inputs).logits  # (B, T, V)
+        return torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+    inputs, targets = split_window(batch)
+    logits = model(input_ids=inputs).logits
+    total = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
     )
+    return total / targets.ne(IGNORE_INDEX).sum().clamp(min=1)
 
 
 @torch.no_grad()
@@ -65,9 +88,13 @@ def evaluate_tokens(
     with autocast_context(device, cfg.precision):
         for window in eval_windows(tokens, cfg.seq_len, cfg.eval_batches, bos):
             w = window.to(device)
+            n = int((w[:, 1:] >= 0).sum())  # scored targets (input-only tokens are negative)
+            if n == 0:
+                continue
             loss = lm_batch_loss(model, w)
-            n = w.shape[1] - 1
             total += float(loss) * n
             count += n
     model.train(was_training)
+    if count == 0:
+        raise ValueError("the held-out windows hold no target token to score")
     return total / count, count

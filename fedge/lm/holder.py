@@ -156,6 +156,8 @@ def get_corpus(config: Mapping[str, ConfigValue]) -> FederatedCorpus:
     num = int(config.get(keys.CFG_NUM_PARTITIONS, 0))
     max_chars = int(config.get(keys.CFG_MAX_CHARS_PER_CLIENT, 0))
     source = str(config.get(keys.CFG_DATA_SOURCE, ""))
+    if str(config.get(keys.CFG_DATA_KIND, "text")) == "instructions":
+        return _instruction_corpus(tokenizer_dir, int(config.get(keys.CFG_SEQ_LEN, 128)), max_chars)
     cache_key = (
         tokenizer_dir,
         str(config.get(keys.CFG_PARTITION_SCHEME, "natural")),
@@ -179,6 +181,17 @@ def get_corpus(config: Mapping[str, ConfigValue]) -> FederatedCorpus:
         )
         STATS["corpus_loads"] += 1
         _remember_corpus(cache_key, _CORPORA[cache_key])
+    return _CORPORA[cache_key]
+
+
+def _instruction_corpus(tokenizer_dir: str, slot: int, max_chars: int) -> FederatedCorpus:
+    """The code-instruction corpus (`fedge.data.instructions`), one example per `slot` tokens."""
+    from fedge.data.instructions import build_instruction_corpus
+
+    cache_key = (tokenizer_dir, "instructions", slot, max_chars)
+    if cache_key not in _CORPORA:
+        _CORPORA[cache_key] = build_instruction_corpus(tokenizer_dir, slot, max_chars or None)
+        STATS["corpus_loads"] += 1
     return _CORPORA[cache_key]
 
 

