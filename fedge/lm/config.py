@@ -36,7 +36,9 @@ class TrainConfig:
     # "auto" (the strategy's own: SGD for SCAFFOLD, else AdamW), "adamw" or "sgd": a fixed set,
     # clients import nothing a message names
     optimizer: str = "auto"
-    precision: str = "bf16"  # bf16 autocast is ~1.7x faster than fp32 on this CPU (design.md)
+    # "auto": bf16 autocast where the device runs it fast (AVX-512 BF16 / AMX CPUs, bf16 GPUs),
+    # else fp32; "bf16" or "fp32" force one (fedge.lm.evaluate.autocast_context)
+    precision: str = "auto"
     client_threads: int = 0  # torch threads per client; 0 = cores / concurrent clients
 
     def __post_init__(self) -> None:
@@ -56,8 +58,8 @@ class TrainConfig:
                 f"optimizer must be auto, adamw or sgd, got {self.optimizer!r} (clients never import "
                 "a module a message names; DP-SGD is dp-sgd-noise-multiplier)"
             )
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         if not self.target_modules:
             raise ValueError("lora-target-modules is empty: name at least one module, e.g. q_proj")
 

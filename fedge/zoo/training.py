@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from fedge.lm.evaluate import bf16_is_fast
 from fedge.zoo.presets import TrainBudget
 
 ProgressFn = Callable[[int, int, float], None]  # (step, total_steps, loss)
@@ -57,8 +58,8 @@ def sample_batch(tokens: np.ndarray, step: int, batch: int, length: int, seed: i
 
 
 def autocast_context() -> torch.autocast | nullcontext[None]:
-    """bf16 autocast where the CPU supports it (1.7x faster steps measured here), else fp32."""
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+    """bf16 autocast where the CPU runs it fast (1.7x faster steps with AVX-512 BF16), else fp32."""
+    if bf16_is_fast(torch.device("cpu")):
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return nullcontext()
 
