@@ -80,6 +80,7 @@ def edge_stage(
     if len(examples) < validation + size.prompts:
         raise ValueError(f"edge_stage needs {validation + size.prompts} examples")
     prompts = [prompt for prompt, _ in examples]
+    stop = tokenizer.eos_token_id  # the shown completions end with the turn (speed rows run on)
     with console.status("exporting the draft to ONNX (fp32, int8, int4) and validating it"):
         manifest = export_draft(draft_dir, run_dir / "draft", prompts[:validation], ExportConfig())
     quantized = manifest["variants"].get("int4", {}).get("valid", False)
@@ -123,14 +124,17 @@ def edge_stage(
                 runtime,
                 client,
                 DecodeConfig(
-                    max_new_tokens=size.sample_tokens, temperature=SAMPLE_TEMPERATURE, seed=0
+                    max_new_tokens=size.sample_tokens,
+                    temperature=SAMPLE_TEMPERATURE,
+                    seed=0,
+                    stop_token_id=stop,
                 ),
             )
             completion = sampler.generate(sample_prompt)
             # the least looping greedy output reads best: a small model's greedy text often repeats
             shown = validation + max(range(len(distinct)), key=distinct.__getitem__)
             showcase = greedy_showcase(
-                runtime, client, tokenizer, prompts[shown], examples[shown][1], new_tokens
+                runtime, client, tokenizer, prompts[shown], examples[shown][1], new_tokens, stop
             )
     summary = _summarize(rows, runtime.name, adapter_dir)
     summary["decode_step_ms"] = {

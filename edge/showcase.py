@@ -69,13 +69,18 @@ def greedy_showcase(
     prompt_ids: Sequence[int],
     truth_ids: Sequence[int],
     new_tokens: int,
+    stop_token_id: int | None = None,
 ) -> Showcase:
     """Decode `prompt_ids` greedily by speculative decoding and label each token's origin.
 
     Each verify yields `drafts[:accepted] + [target's next token]`: all but the last token
-    of a chunk are accepted draft tokens (no stop token is set, so no chunk is cut short).
+    of a chunk are accepted draft tokens. `stop_token_id` (the end of a chat turn) ends the
+    completion; only the chunk it cuts short can mislabel one token, the stop token itself,
+    which is never shown.
     """
-    decoder = SpeculativeDecoder(runtime, link, DecodeConfig(max_new_tokens=new_tokens))
+    decoder = SpeculativeDecoder(
+        runtime, link, DecodeConfig(max_new_tokens=new_tokens, stop_token_id=stop_token_id)
+    )
     labelled: list[tuple[int, bool]] = []
     for chunk in decoder.stream(prompt_ids):
         labelled += [(token, True) for token in chunk[:-1]] + [(chunk[-1], False)]

@@ -99,3 +99,21 @@ def test_examples_continue_the_prompts_heldout_prompts_gives(micro_zoo: ZooPaths
     examples = heldout_examples(tokenizer, 6, 16, 8)
     assert [p for p, _ in examples] == heldout_prompts(tokenizer, 6, 16)
     assert all(len(truth) == 8 for _, truth in examples)
+
+
+def test_a_stop_token_ends_the_shown_completion(micro_zoo: ZooPaths, verifier_port: int) -> None:
+    """`fedge demo --preset smollm2` showed its completion running past the end of the chat turn
+    ("... system / user / I am"): the showcase decoded a fixed count with no stop token. With the
+    turn's end as the stop token, the completion is the target's greedy text up to it."""
+    tokenizer = load_tokenizer(micro_zoo.target_dir)
+    prompt, truth = heldout_examples(tokenizer, 4, 24, NEW_TOKENS)[1]
+    runtime = TorchDraftRuntime(load_causal_lm(micro_zoo.draft_dir))
+    with VerifierClient(ClientConfig(f"127.0.0.1:{verifier_port}")) as client:
+        greedy = list(client.generate(prompt, NEW_TOKENS))
+        stop = greedy[
+            NEW_TOKENS // 2
+        ]  # a token the target emits mid-way stands in for the turn end
+        shown = greedy_showcase(runtime, client, tokenizer, prompt, truth, NEW_TOKENS, stop)
+    cut = greedy[: greedy.index(stop) + 1]
+    assert len(cut) < NEW_TOKENS
+    assert shown.completion == tokenizer.decode(cut, skip_special_tokens=True)
