@@ -31,8 +31,8 @@ class PretrainedDemo:
 
 
 # SmolLM2-135M on 2 cores. A LoRA step of 4 x 256 tokens takes ~3.7 s in bf16, so the scenario
-# trains 4 x 128 in fp32 (6 clients x 4 steps x 3 rounds, twice). DP: 3 rounds of every client at noise
-# multiplier 1.5 keep the RDP epsilon under 8. Realignment would be a third federation over the
+# trains 4 x 128 in fp32 (6 clients x 4 steps x 2 rounds, twice). DP: the rounds of every client at
+# noise multiplier 1.5 keep the RDP epsilon under 8. Realignment would be a third federation over the
 # draft with SmolLM2 writing every window's continuation (sequence-level KD) on each client,
 # about as long as both fine-tuning federations together: over the 15-minute budget.
 SMOLLM2 = PretrainedDemo(
