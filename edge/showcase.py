@@ -34,6 +34,7 @@ class Showcase:
     prompt: str
     pieces: list[tuple[str, bool]]
     truth: str
+    tokens: int = 0  # tokens decoded (fewer than asked when a stop token ended the completion)
 
     @property
     def accepted_share(self) -> float:
@@ -59,7 +60,8 @@ class Showcase:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Showcase:
         """Inverse of `as_dict`."""
-        return cls(data["prompt"], [(str(t), bool(k)) for t, k in data["pieces"]], data["truth"])
+        pieces = [(str(t), bool(k)) for t, k in data["pieces"]]
+        return cls(data["prompt"], pieces, data["truth"], int(data.get("tokens", 0)))
 
 
 def greedy_showcase(
@@ -88,6 +90,7 @@ def greedy_showcase(
         prompt=tokenizer.decode(list(prompt_ids), skip_special_tokens=True),
         pieces=list(_decoded_pieces(tokenizer, labelled)),
         truth=tokenizer.decode(list(truth_ids), skip_special_tokens=True),
+        tokens=len(labelled),
     )
 
 
@@ -150,7 +153,7 @@ class ShowcaseView:
         )
         yield body
         yield Text(
-            f"{self.new_tokens} greedy tokens, identical to the target's own; the draft's accepted "
+            f"{s.tokens or self.new_tokens} greedy tokens, identical to the target's own; the draft's accepted "
             f"tokens ({s.accepted_share:.0%} of the text) {how}, the rest the target's",
             style="dim",
         )

@@ -117,3 +117,5 @@ def test_a_stop_token_ends_the_shown_completion(micro_zoo: ZooPaths, verifier_po
     cut = greedy[: greedy.index(stop) + 1]
     assert len(cut) < NEW_TOKENS
     assert shown.completion == tokenizer.decode(cut, skip_special_tokens=True)
+    assert shown.tokens == len(cut)
+    assert f"{len(cut)} greedy tokens" in render(ShowcaseView(shown, NEW_TOKENS), 140, False)
