@@ -211,6 +211,9 @@ def _run(
                 f"max-epsilon={fed.cfg.max_epsilon} (spent {fed.budget.epsilon():.3f})"
             )
             break
+        if cohort.draw is not None and not cohort.sampled:
+            checkpoint_and_report(fed, empty_draw(fed, cohort, server_round, t0))
+            continue
         result, train_phase = train_exchange(fed, cohort, server_round)
         problem = shortfall(fed, cohort, result, server_round)
         if problem is not None and _budget_spent(result.rejected):
@@ -403,6 +406,35 @@ def sample_cohort(fed: Federation) -> Cohort:
     # as the accountant assumes: K of the nodes eligible now, by a secret coin (fedge.server.sampling)
     draw = draw_cohort(scheme, candidates, target)
     return Cohort(candidates, population, len(draw.sampled), list(draw.sampled), draw)
+
+
+def empty_draw(fed: Federation, cohort: Cohort, server_round: int, t0: float) -> dict[str, Any]:
+    """A Poisson draw that picked nobody (chance (1 - q)^n each round) is a round without an
+    update, not a failure: the model is kept, as in any round with fewer than
+    ``min-train-nodes`` updates, and the round is accounted as drawn."""
+    assert cohort.draw is not None
+    fed.state = replace_state(fed.state, server_round=server_round)
+    record_draw = getattr(fed.budget, "record_draw", None)
+    if record_draw is not None:
+        record_draw(server_round, cohort.draw)
+    else:
+        fed.budget.record(server_round, 0, cohort.population)
+    log.info(
+        "round %d: the %s draw sampled no client; model kept", server_round, cohort.draw.scheme
+    )
+    losses = evaluate_round(fed, cohort, server_round)
+    return round_row(
+        server_round,
+        "empty",
+        fed.strategy,
+        loss=losses.loss,
+        part_loss=losses.part_loss,
+        client_loss=losses.client_loss,
+        seconds=time.perf_counter() - t0,
+        epsilon=fed.budget.epsilon(),
+        budget=fed.budget,
+        connected=len(cohort.candidates),
+    )
 
 
 def train_exchange(
