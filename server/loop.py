@@ -211,7 +211,7 @@ def _run(
                 f"max-epsilon={fed.cfg.max_epsilon} (spent {fed.budget.epsilon():.3f})"
             )
             break
-        if cohort.draw is not None and not cohort.sampled:
+        if cohort.draw is not None and len(cohort.sampled) < fed.cfg.min_train_nodes:
             checkpoint_and_report(fed, empty_draw(fed, cohort, server_round, t0))
             continue
         result, train_phase = train_exchange(fed, cohort, server_round)
@@ -409,24 +409,29 @@ def sample_cohort(fed: Federation) -> Cohort:
 
 
 def empty_draw(fed: Federation, cohort: Cohort, server_round: int, t0: float) -> dict[str, Any]:
-    """A Poisson draw that picked nobody (chance (1 - q)^n each round) is a round without an
-    update, not a failure: the model is kept, as in any round with fewer than
-    ``min-train-nodes`` updates, and the round is accounted as drawn."""
+    """A Poisson draw of fewer than ``min-train-nodes`` clients (nobody: chance (1 - q)^n each
+    round) is a round without an update, not a failure: the model is kept, as in any round with
+    fewer than ``min-train-nodes`` updates, and the round is accounted as drawn."""
     assert cohort.draw is not None
     fed.state = replace_state(fed.state, server_round=server_round)
     record_draw = getattr(fed.budget, "record_draw", None)
     if record_draw is not None:
         record_draw(server_round, cohort.draw)
     else:
-        fed.budget.record(server_round, 0, cohort.population)
+        fed.budget.record(server_round, len(cohort.sampled), cohort.population)
     log.info(
-        "round %d: the %s draw sampled no client; model kept", server_round, cohort.draw.scheme
+        "round %d: the %s draw sampled %d clients, fewer than min-train-nodes=%d; model kept",
+        server_round,
+        cohort.draw.scheme,
+        len(cohort.sampled),
+        fed.cfg.min_train_nodes,
     )
     losses = evaluate_round(fed, cohort, server_round)
     return round_row(
         server_round,
         "empty",
         fed.strategy,
+        sampled=len(cohort.sampled),
         loss=losses.loss,
         part_loss=losses.part_loss,
         client_loss=losses.client_loss,

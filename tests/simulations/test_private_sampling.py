@@ -61,33 +61,37 @@ def test_a_poisson_cohort_is_accounted_at_its_sampling_rate(micro_zoo, tmp_path:
     assert np.isfinite(rows[-1]["eval_loss"])
 
 
-EMPTY_DRAW_SEED = (
-    45  # its first 8 uniform draws are all >= 0.5: a Poisson draw at q = 0.5 picks nobody
-)
+# seeds whose first 8 uniform draws give a Poisson draw at q = 0.5 of nobody (45) and of 2 (41)
+SHORT_DRAWS = {"nobody": (45, 1, 0), "two-below-min-train-nodes-4": (41, 4, 2)}
 
 
-def test_a_poisson_draw_of_nobody_is_an_empty_round_not_a_failure(
-    micro_zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("case", sorted(SHORT_DRAWS))
+def test_a_short_poisson_draw_is_an_empty_round_not_a_failure(
+    micro_zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """A Poisson cohort is empty with chance (1 - q)^n each round (1/256 here, 1.2% over 3
-    rounds): a fresh-clone `make test` failed on it ("round 1 failed: 0 of 0 sampled clients
-    returned valid updates"), the whole run stopped. Round 2's draw here uses a coin that picks
-    nobody: the run completes, round 2 keeps the model and is accounted as drawn."""
+    """A Poisson cohort's size varies: it is empty with chance (1 - q)^n each round (1/256 here,
+    1.2% over 3 rounds) and below min-train-nodes 4 with chance 36%. A fresh-clone `make test`
+    failed on an empty draw ("round 1 failed: 0 of 0 sampled clients returned valid updates"):
+    the whole run stopped, and so did any draw below min-train-nodes. Round 2's draw here uses a
+    coin that picks nobody, or 2 of 8 under min-train-nodes 4: the run completes, round 2 keeps
+    the model and is accounted as drawn."""
     from fedge.lm import holder
     from fedge.server import loop
     from fedge.server.rundir import MetricsLog
 
+    seed, min_nodes, drawn = SHORT_DRAWS[case]
     real_draw, calls = loop.draw_cohort, []
 
     def draw(scheme, candidates, wanted, rng=None):  # type: ignore[no-untyped-def]
         calls.append(1)
-        coin = np.random.default_rng(EMPTY_DRAW_SEED) if len(calls) == 2 else None
+        coin = np.random.default_rng(seed) if len(calls) == 2 else None
         return real_draw(scheme, candidates, wanted, coin)
 
     monkeypatch.setattr(loop, "draw_cohort", draw)
     cfg = RunConfig.from_mapping(
         {
             **PRIVATE,
+            "min-train-nodes": min_nodes,
             "privacy-sampling": "poisson",
             "run-dir": str(tmp_path / "run"),
             "client-state-dir": str(tmp_path / "cs"),
@@ -100,7 +104,7 @@ def test_a_poisson_draw_of_nobody_is_an_empty_round_not_a_failure(
         run_inprocess(make_server_app(cfg, box=box), grid)
     assert box.outcome is not None and box.outcome.status == "completed", box.outcome
     rows = MetricsLog(tmp_path / "run").rows()[1:]
-    assert [row["status"] for row in rows][1] == "empty" and rows[1]["clients_sampled"] == 0
+    assert rows[1]["status"] == "empty" and rows[1]["clients_sampled"] == drawn
     assert rows[1]["eval_loss"] == pytest.approx(rows[0]["eval_loss"])  # the model was kept
     expected = sampled_epsilon("poisson", [(8, 4)] * 2, 1.0, 0.125, "rdp")
     assert rows[1]["epsilon"] == pytest.approx(expected)
