@@ -28,17 +28,16 @@ PRIVATE = {
 }
 
 
-def test_a_poisson_cohort_is_accounted_at_its_sampling_rate(micro_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """``privacy-sampling = "poisson"``: every round each of the 8 eligible devices joins with
-    q = 4 / 8, and epsilon after round r is that of r Poisson-subsampled Gaussian releases at
-    q = 0.5, below the unamplified figure. On main the key was ignored: cohorts were the
-    seeded first-K and epsilon the full release's: 3.69 against 1.72 after 3 rounds here)."""
+def completed_poisson_rows(tmp_path: Path, **overrides: object) -> list[dict[str, object]]:
+    """Run the private federation with Poisson cohorts (``overrides`` on PRIVATE) to completion;
+    its round rows after round 0."""
     from fedge.lm import holder
     from fedge.server.rundir import MetricsLog
 
     cfg = RunConfig.from_mapping(
         {
             **PRIVATE,
+            **overrides,
             "privacy-sampling": "poisson",
             "run-dir": str(tmp_path / "run"),
             "client-state-dir": str(tmp_path / "cs"),
@@ -50,7 +49,15 @@ def test_a_poisson_cohort_is_accounted_at_its_sampling_rate(micro_zoo, tmp_path:
     with client_roots(cfg):  # the test runs every node: their roots hold its paths
         run_inprocess(make_server_app(cfg, box=box), grid)
     assert box.outcome is not None and box.outcome.status == "completed", box.outcome
-    rows = MetricsLog(tmp_path / "run").rows()[1:]
+    return MetricsLog(tmp_path / "run").rows()[1:]
+
+
+def test_a_poisson_cohort_is_accounted_at_its_sampling_rate(micro_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``privacy-sampling = "poisson"``: every round each of the 8 eligible devices joins with
+    q = 4 / 8, and epsilon after round r is that of r Poisson-subsampled Gaussian releases at
+    q = 0.5, below the unamplified figure. On main the key was ignored: cohorts were the
+    seeded first-K and epsilon the full release's: 3.69 against 1.72 after 3 rounds here)."""
+    rows = completed_poisson_rows(tmp_path)
     for r, row in enumerate(rows, 1):
         expected = sampled_epsilon("poisson", [(8, 4)] * r, 1.0, 0.125, "rdp")
         assert row["epsilon"] == pytest.approx(expected)
@@ -75,9 +82,7 @@ def test_a_short_poisson_draw_is_an_empty_round_not_a_failure(
     the whole run stopped, and so did any draw below min-train-nodes. Round 2's draw here uses a
     coin that picks nobody, or 2 of 8 under min-train-nodes 4: the run completes, round 2 keeps
     the model and is accounted as drawn."""
-    from fedge.lm import holder
     from fedge.server import loop
-    from fedge.server.rundir import MetricsLog
 
     seed, min_nodes, drawn = SHORT_DRAWS[case]
     real_draw, calls = loop.draw_cohort, []
@@ -88,22 +93,7 @@ def test_a_short_poisson_draw_is_an_empty_round_not_a_failure(
         return real_draw(scheme, candidates, wanted, coin)
 
     monkeypatch.setattr(loop, "draw_cohort", draw)
-    cfg = RunConfig.from_mapping(
-        {
-            **PRIVATE,
-            "min-train-nodes": min_nodes,
-            "privacy-sampling": "poisson",
-            "run-dir": str(tmp_path / "run"),
-            "client-state-dir": str(tmp_path / "cs"),
-        }
-    )
-    grid = InProcessGrid(client_app(), DeviceTable(8), tmp_path / "state")
-    box = OutcomeBox()
-    holder.configure_threads(0)
-    with client_roots(cfg):
-        run_inprocess(make_server_app(cfg, box=box), grid)
-    assert box.outcome is not None and box.outcome.status == "completed", box.outcome
-    rows = MetricsLog(tmp_path / "run").rows()[1:]
+    rows = completed_poisson_rows(tmp_path, **{"min-train-nodes": min_nodes})
     assert rows[1]["status"] == "empty" and rows[1]["clients_sampled"] == drawn
     assert rows[1]["eval_loss"] == pytest.approx(rows[0]["eval_loss"])  # the model was kept
     expected = sampled_epsilon("poisson", [(8, 4)] * 2, 1.0, 0.125, "rdp")
