@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ PRIVATE = {
 }
 
 
-def completed_poisson_rows(tmp_path: Path, **overrides: object) -> list[dict[str, object]]:
+def completed_poisson_rows(tmp_path: Path, **overrides: object) -> list[dict[str, Any]]:
     """Run the private federation with Poisson cohorts (``overrides`` on PRIVATE) to completion;
     its round rows after round 0."""
     from fedge.lm import holder
