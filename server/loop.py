@@ -414,11 +414,7 @@ def empty_draw(fed: Federation, cohort: Cohort, server_round: int, t0: float) ->
     fewer than ``min-train-nodes`` updates, and the round is accounted as drawn."""
     assert cohort.draw is not None
     fed.state = replace_state(fed.state, server_round=server_round)
-    record_draw = getattr(fed.budget, "record_draw", None)
-    if record_draw is not None:
-        record_draw(server_round, cohort.draw)
-    else:
-        fed.budget.record(server_round, len(cohort.sampled), cohort.population)
+    account_release(fed, cohort, server_round)
     log.info(
         "round %d: the %s draw sampled %d clients, fewer than min-train-nodes=%d; model kept",
         server_round,
@@ -521,17 +517,23 @@ def aggregate_and_account(
         )
     if row_status != "ok":
         fed.state = replace_state(fed.state, server_round=server_round)
-    record_draw = getattr(fed.budget, "record_draw", None)
-    if cohort.draw is not None and record_draw is not None:
-        record_draw(server_round, cohort.draw)
-    else:
-        fed.budget.record(server_round, len(cohort.sampled), cohort.population)
+    account_release(fed, cohort, server_round)
     if row_status == "out-of-bounds":  # no client's work is in the global model
         return row_status
     partitions = fed.roster.partitions
     kept = result.accepted if result.committed is None else result.committed
     fed.committed.update({partitions[n]: server_round for n in kept if n in partitions})
     return row_status
+
+
+def account_release(fed: Federation, cohort: Cohort, server_round: int) -> None:
+    """Record the round in the privacy budget: at the rate its cohort was drawn with, when the
+    budget prices draws, else by the cohort's size."""
+    record_draw = getattr(fed.budget, "record_draw", None)
+    if cohort.draw is not None and record_draw is not None:
+        record_draw(server_round, cohort.draw)
+    else:
+        fed.budget.record(server_round, len(cohort.sampled), cohort.population)
 
 
 def next_state(
