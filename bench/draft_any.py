@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--last-layers", type=int, default=defaults.last_layers)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=defaults.vocab)
     parser.add_argument("--greedy-rows", type=int, default=defaults.greedy_rows)
     parser.add_argument("--greedy-share", type=float, default=defaults.greedy_share)
     parser.add_argument("--lr", type=float, default=defaults.lr)

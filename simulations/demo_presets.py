@@ -39,7 +39,7 @@ SMOLLM2 = PretrainedDemo(
     name="smollm2",
     model="smollm2-135m",
     scenario="smollm2",
-    draft_minutes=45.0,
+    draft_minutes=55.0,
     private={**PRIVATE_OVERRIDES, "dp-noise-multiplier": 1.5},
     # torch verifier: an ONNX export of the merged target costs minutes on the first run
     edge=EdgeSizes(

@@ -9,7 +9,9 @@ import typer
 from rich.console import Console
 
 from fedge.zoo.build import build_zoo
-from fedge.zoo.presets import PRESETS
+from fedge.zoo.presets import PRESETS, DraftSpec
+
+DRAFT = DraftSpec()  # the recipe's defaults, shown in --help
 
 app = typer.Typer(
     help="Build the built-in model zoo; fetch and convert pretrained checkpoints.",
@@ -125,19 +127,30 @@ def import_gguf_command(
 def draft(
     target: Path = typer.Option(..., exists=True, file_okay=False, help="The target model folder."),
     out: Path | None = typer.Option(None, help="Output folder (default: TARGET-draft beside it)."),
-    layers: int = typer.Option(2, help="The target's first LAYERS layers start the draft."),
-    last_layers: int = typer.Option(1, help="And its last LAST_LAYERS layers (0: none)."),
-    vocab: int = typer.Option(8192, help="Restricted vocabulary: the N most used stdlib tokens."),
+    layers: int = typer.Option(
+        DRAFT.layers, help="The target's first LAYERS layers start the draft."
+    ),
+    last_layers: int = typer.Option(
+        DRAFT.last_layers, help="And its last LAST_LAYERS layers (0: none)."
+    ),
+    vocab: int = typer.Option(
+        DRAFT.vocab, help="Restricted vocabulary: the N most used stdlib tokens."
+    ),
     minutes: float = typer.Option(10.0, help="Wall-time budget for distillation in this run."),
-    steps: int = typer.Option(2000, help="Length of the learning-rate schedule (steps)."),
-    eval_every: int = typer.Option(50, help="Steps between agreement measurements/checkpoints."),
+    steps: int = typer.Option(
+        DRAFT.steps, help="Most steps; the learning rate decays over these or the time budget."
+    ),
+    eval_every: int = typer.Option(
+        DRAFT.eval_every, help="Steps between agreement measurements/checkpoints."
+    ),
     greedy_rows: int = typer.Option(
-        256, help="The target's greedy continuations to distil on (generated once; 0: none)."
+        DRAFT.greedy_rows,
+        help="The target's greedy continuations to distil on (generated once; 0: none).",
     ),
     resume: bool = typer.Option(False, help="Continue the build checkpointed in OUT."),
 ) -> None:
     """Build a draft for any target: its first and last layers, a restricted vocabulary, distilled on it."""
-    from fedge.zoo.draft import DraftSpec, build_draft
+    from fedge.zoo.draft import build_draft
 
     console = Console()
     destination = out or target.with_name(target.name + "-draft")

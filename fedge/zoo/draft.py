@@ -27,8 +27,10 @@ decoding with a pretrained target whose tokenizer fedge did not train:
   and prompts start with BOS where the tokenizer adds BOS.
 - **Resumable with a wall-time budget**: the greedy chunks, the trainable tensors, optimizer
   state, step and the agreement curve are kept in `<out>/.draft-build`; a later `--resume`
-  run continues (generation too). Greedy agreement with the target on held-out prompts is
-  measured every `eval_every` steps (the agreement-vs-build-time curve in the card).
+  run continues (generation too). The learning rate decays (cosine) over the run's time
+  budget or `steps`, whichever ends first, so a build cut by its clock ends on a low rate.
+  Greedy agreement with the target on held-out prompts is measured every `eval_every` steps
+  (the agreement-vs-build-time curve in the card).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from fedge.lm.bos import bos_token_id, cut_windows, with_bos
 from fedge.manifest import write_manifest
-from fedge.zoo.presets import TrainBudget
+from fedge.zoo.presets import DraftSpec
 from fedge.zoo.training import (
     _make_optimizer,
     autocast_context,
@@ -67,56 +69,6 @@ EXCLUSION_REFINE_STEPS = 500  # perceptron steps on the shared direction (see _e
 EXCLUSION_MIN_COSINE = 0.1  # stop once every calibration state is this far on the right side
 
 ProgressFn = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """What determines a draft build (a resumed build must use the same)."""
-
-    layers: int = 2  # the target's first layers the draft starts from
-    last_layers: int = 1  # and its last layers (they turn a hidden state into a prediction)
-    vocab: int = 8192
-    steps: int = 2000  # length of the learning-rate schedule; the wall-time budget may stop sooner
-    batch_size: int = 8
-    context: int = 128
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    temperature: float = 1.0
-    eval_every: int = 50  # steps between agreement measurements (and checkpoints)
-    prompts: int = 16
-    prompt_tokens: int = 32
-    new_tokens: int = 32
-    max_chars_per_label: int = 100_000  # stdlib characters per package read for data
-    # sequence-level KD: the target's greedy continuations of training prompts, generated once
-    greedy_rows: int = 256  # continuations cached in the build folder (0: windows only)
-    greedy_prompt_tokens: int = 32
-    greedy_tokens: int = 64  # generated per row; the loss is on these positions
-    greedy_batch: int = 32  # rows per generate call (and per cached chunk)
-    greedy_every: int = 25  # steps between chunks: generation is spread over the first steps
-    greedy_share: float = 0.5  # of each training batch, the share of greedy rows
-    top_k: int = 64  # teacher log-probs kept per generated position (restricted rows)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        positive = ["layers", "vocab", "steps", "batch_size", "context", "eval_every"]
-        positive += ["greedy_prompt_tokens", "greedy_tokens", "greedy_batch", "top_k"]
-        positive += ["greedy_every"]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"draft {name} must be > 0, got {getattr(self, name)}")
-        if self.last_layers < 0 or self.greedy_rows < 0:
-            raise ValueError("draft last_layers and greedy_rows must be >= 0")
-        if not 0.0 <= self.greedy_share <= 1.0:
-            raise ValueError(f"draft greedy_share must be in [0, 1], got {self.greedy_share}")
-
-    def budget(self) -> TrainBudget:
-        return TrainBudget(
-            steps=self.steps,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            warmup_steps=min(self.warmup_steps, self.steps - 1),
-            weight_decay=0.0,
-        )
 
 
 class RestrictedLogits(nn.Module):
@@ -362,11 +314,12 @@ def build_draft(
         _report(progress, curve[-1])
 
     began = time.perf_counter() - seconds
+    horizon = seconds + minutes * 60  # the schedule decays over the build's whole time budget
     student.train()
     last = budget.steps if stop_after is None else min(budget.steps, step + stop_after)
     while step < last and time.perf_counter() < deadline:
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, budget)
+            group["lr"] = lr_at(step, budget, (time.perf_counter() - began) / horizon)
         want = _greedy_chunks_at(step, spec)
         if want > have:  # the next chunk(s) of greedy rows: generated once, then cached
             greedy, have = _greedy_data(work, target, train, ids, spec, bos, want), want

@@ -136,3 +136,53 @@ def get_preset(name: str) -> ZooPreset:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"Unknown zoo preset {name!r}; choose one of {sorted(PRESETS)}.") from None
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What determines a draft build (a resumed build must use the same)."""
+
+    layers: int = 2  # the target's first layers the draft starts from
+    last_layers: int = 1  # and its last layers (they turn a hidden state into a prediction)
+    vocab: int = 8192
+    steps: int = 4000  # most steps; the learning rate decays over these or the time budget
+    batch_size: int = 8
+    context: int = 128
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    temperature: float = 1.0
+    eval_every: int = 50  # steps between agreement measurements (and checkpoints)
+    prompts: int = 16
+    prompt_tokens: int = 32
+    new_tokens: int = 32
+    max_chars_per_label: int = 100_000  # stdlib characters per package read for data
+    # sequence-level KD: the target's greedy continuations of training prompts, generated once
+    greedy_rows: int = 1024  # continuations cached in the build folder (0: windows only)
+    greedy_prompt_tokens: int = 32
+    greedy_tokens: int = 64  # generated per row; the loss is on these positions
+    greedy_batch: int = 32  # rows per generate call (and per cached chunk)
+    greedy_every: int = 25  # steps between chunks: generation is spread over the first steps
+    greedy_share: float = 0.5  # of each training batch, the share of greedy rows
+    top_k: int = 64  # teacher log-probs kept per generated position (restricted rows)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ["layers", "vocab", "steps", "batch_size", "context", "eval_every"]
+        positive += ["greedy_prompt_tokens", "greedy_tokens", "greedy_batch", "top_k"]
+        positive += ["greedy_every"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"draft {name} must be > 0, got {getattr(self, name)}")
+        if self.last_layers < 0 or self.greedy_rows < 0:
+            raise ValueError("draft last_layers and greedy_rows must be >= 0")
+        if not 0.0 <= self.greedy_share <= 1.0:
+            raise ValueError(f"draft greedy_share must be in [0, 1], got {self.greedy_share}")
+
+    def budget(self) -> TrainBudget:
+        return TrainBudget(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            warmup_steps=min(self.warmup_steps, self.steps - 1),
+            weight_decay=0.0,
+        )

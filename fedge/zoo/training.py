@@ -40,11 +40,17 @@ class TrainResult:
     final_loss: float
 
 
-def lr_at(step: int, budget: TrainBudget) -> float:
-    """Linear warmup, then cosine decay to `min_lr_ratio` of the peak."""
+def lr_at(step: int, budget: TrainBudget, time_used: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to `min_lr_ratio` of the peak.
+
+    `time_used` is the share of a wall-time budget spent so far (0..1): the decay then ends
+    when the steps or the time run out, whichever comes first, so a build cut by its time
+    budget still ends on a low learning rate instead of mid-schedule.
+    """
     if step < budget.warmup_steps:
         return budget.lr * (step + 1) / budget.warmup_steps
-    progress = (step - budget.warmup_steps) / max(1, budget.steps - budget.warmup_steps)
+    by_steps = (step - budget.warmup_steps) / max(1, budget.steps - budget.warmup_steps)
+    progress = min(1.0, max(by_steps, time_used))
     floor = budget.lr * budget.min_lr_ratio
     return floor + 0.5 * (budget.lr - floor) * (1 + math.cos(math.pi * progress))
 

@@ -219,3 +219,17 @@ def test_a_first_and_last_layer_draft_saves_as_a_plain_folder_and_resumes_only_a
     (tmp_path / WORK_DIR / "spec.json").write_text(json.dumps(recorded))
     with pytest.raises(ValueError, match=r"last_layers"):
         build_draft(four_layers, tmp_path, spec, resume=True)
+
+
+def test_a_build_cut_by_its_clock_ends_on_the_lowest_learning_rate() -> None:
+    """The rate decays over the time budget when it ends before the steps: the last SmolLM2 build
+    (2,000-step schedule, 384 steps in its 30 minutes) ran its whole budget at 95-100% of the peak."""
+    from fedge.zoo.training import lr_at
+
+    budget = DraftSpec(steps=4000, warmup_steps=20).budget()
+    floor = budget.lr * budget.min_lr_ratio
+    assert lr_at(384, budget) > 0.95 * budget.lr  # by steps alone: barely started
+    assert lr_at(384, budget, time_used=1.0) == pytest.approx(floor)
+    assert lr_at(384, budget, time_used=0.5) == pytest.approx((budget.lr + floor) / 2)
+    assert lr_at(4000, budget, time_used=0.1) == pytest.approx(floor)  # steps end first
+    assert lr_at(5, budget, time_used=0.9) < budget.lr * 0.5  # warmup is by steps
