@@ -110,10 +110,10 @@ def test_a_perfect_draft_behind_100_ms_loses_to_cloud_only_and_the_router_stream
     """A draft that agrees on every token (the target itself) behind a 100 ms link: speculation
     commits up to 9 tokens a round trip, 67-70 tokens/s, while cloud-only streams 228-239
     (load 2.7; at a 20% CPU duty cycle, as at load 10: 36-47 against 103-175). Speculation
-    spends one target pass per verify (up to 9 tokens) and meets the 15 tokens/s objective, so before the fix the
-    router chose it for every request after measuring both, as issue 34's SmolLM2 run did at
-    20 ms, and lost 71% of the speed against cloud-only (the same requests again with
-    `clearly_faster=inf`, the old rules, below). Now it streams from the cloud."""
+    spends one target pass per verify (up to 9 tokens) and meets the 15 tokens/s objective, so
+    before the fix the router chose it for every request after measuring both, as issue 34's
+    SmolLM2 run did at 20 ms, and lost 71% of the speed against cloud-only (the same requests
+    again with `clearly_faster=inf`, the old rules, below). Now it streams from the cloud."""
     # Prepare
     server = serving(micro_zoo, one_layer)
     port = server.start()
