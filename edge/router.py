@@ -1,5 +1,6 @@
 """Offload router: per request, the cheapest route (edge-only, speculative, cloud-only) that meets
-the request's service objective, learnt online from every request's outcome.
+the request's service objective, unless another is clearly faster, learnt online from every
+request's outcome.
 
 Each request has an `Objective`: end-to-end tokens per second and time to first token (TTFT).
 Each route has a cost per token, in units of one target pass in the cloud:
@@ -149,7 +150,8 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.smoothing must lie in (0, 1], got {self.smoothing}")
         if not self.clearly_faster > 1.0:
             raise ValueError(
-                f"RouterConfig.clearly_faster must be > 1 (inf: cost alone), got {self.clearly_faster}"
+                "RouterConfig.clearly_faster must be > 1 (inf: cost alone), got "
+                f"{self.clearly_faster}"
             )
         if not 0.0 < self.observed_decay < 1.0:
             raise ValueError(
@@ -327,12 +329,16 @@ def predict(state: RouterState, route: Route, device: DeviceState) -> Prediction
         ttft = max(1e-6, s.ttft_s + later) * slow
         passes = max(0.0, passes + more_passes)
     else:
-        # Each round trip costs the current RTT instead of the one measured with the estimates; the
-        # RTT removed is at most the time actually spent waiting (a ping can overstate it).
-        removed = min(s.rtt_s * s.round_trips, s.cloud_share * s.seconds)
-        seconds = max(1e-6, s.seconds - removed + state.rtt_s * s.round_trips) * slow
-        first = min(s.rtt_s, s.cloud_share * s.ttft_s) - state.rtt_s if s.round_trips else 0.0
-        ttft = max(1e-6, s.ttft_s - first) * slow
+        # Each round trip costs the RTT difference to the one measured with the estimates; a
+        # shorter RTT removes at most the time actually spent waiting (a ping can overstate it).
+        # At the RTT they were measured at the prediction is the measurement: it once removed
+        # the capped wait and added back the whole RTT, so an overstated ping (round trips x RTT
+        # beyond the time waited) made a route predict slower where it had just run
+        moved = state.rtt_s - s.rtt_s
+        later = max(moved * s.round_trips, -s.cloud_share * s.seconds)
+        seconds = max(1e-6, s.seconds + later) * slow
+        first = max(moved, -s.cloud_share * s.ttft_s) if s.round_trips else 0.0
+        ttft = max(1e-6, s.ttft_s + first) * slow
     joules = s.bytes * device.joules_per_byte
     if s.drafted:  # drafting heats the device: dearer when warm, ruled out (inf) when critical
         joules += (

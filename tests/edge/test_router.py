@@ -20,6 +20,7 @@ tests of the cost model run with that check off (`COST_ONLY`, `clearly_faster=in
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -158,6 +159,20 @@ def test_an_overstated_ping_never_predicts_free_tokens() -> None:
     assert spec is not None
     assert spec.tokens_per_s == pytest.approx(80.0)
     assert spec.ttft_s == pytest.approx(0.025)  # likewise at most half the 50 ms TTFT goes
+
+
+def test_a_prediction_at_the_measured_rtt_is_the_measurement() -> None:
+    """Speculative measured while a ping said 500 ms (0.25 round trips a token: 125 ms of RTT in
+    a 25 ms token, of which 12.5 ms were waiting): at 500 ms it is predicted at its measured
+    40 tokens/s and 50 ms TTFT. The model used to remove the 12.5 ms waited and add back the
+    whole 125 ms: 7.3 tokens/s where it had just run at 40."""
+    router = Router(RouterConfig(smoothing=1.0))
+    router.observe(Outcome(Route.SPECULATIVE, 48, 1.2, 0.05, 12, 4800, 12, 48, 0.6, 0.5))
+    router.observe_rtt(0.5)
+    spec = predict(router.state, Route.SPECULATIVE, router.device)
+    assert spec is not None
+    assert spec.tokens_per_s == pytest.approx(40.0)
+    assert spec.ttft_s == pytest.approx(0.05)
 
 
 def test_demanding_objective_and_none_meeting() -> None:
@@ -383,3 +398,61 @@ def test_a_weak_draft_drafts_one_token_and_the_router_streams_at_high_rtt() -> N
     decision = router.choose()
     assert decision.route == Route.CLOUD_ONLY
     assert decision.reason.startswith("no route meets")
+
+
+def test_random_routes_the_choice_is_never_clearly_slower() -> None:
+    """Seeded random adversary: 300 worlds, each route with its own speed (2-500 tokens/s, each
+    request +-20% around it), passes, bytes and round trips, a random RTT and objective; after
+    a few requests of each route, every choice that is not an exploration is within
+    `clearly_faster` of the fastest route as observed (TTFTs always meet the objective). The old
+    rules (`clearly_faster=inf`) fail it in world 9 (speculative at 162 tokens/s chosen over
+    faster cloud-only on cost). It also found a model error (world 11): a route whose round
+    trips x RTT exceeded its time waiting (an overstated ping) was predicted at 8.7 tokens/s at
+    the very RTT it had just run at 225 (`test_a_prediction_at_the_measured_rtt_is_the_measurement`)."""
+    rng = random.Random(34)
+    cfg = RouterConfig()
+    for world in range(300):
+        router = Router(cfg)
+        rtt = rng.choice([0.0, 0.02, 0.1, 0.2])
+        router.observe_rtt(rtt)
+        objective = Objective(tokens_per_s=rng.uniform(1.0, 60.0))
+        worlds = {
+            route: (10 ** rng.uniform(0.3, 2.7), rng.uniform(0.05, 1.0), rng.uniform(0.02, 1.0))
+            for route in (Route.SPECULATIVE, Route.CLOUD_ONLY)
+        }
+        for step in range(12):
+            decision = router.choose(objective)
+            speeds = {
+                r: router.state.observed_speed(r) for r in (Route.SPECULATIVE, Route.CLOUD_ONLY)
+            }
+            if step >= 4 and not decision.reason.startswith(("measuring", "re-measuring")):
+                fastest = max(s for s in speeds.values() if s is not None)
+                chosen = speeds[decision.route]
+                assert chosen is not None and fastest < cfg.clearly_faster * chosen, (
+                    world,
+                    decision.reason,
+                    {r.value: p for r, p in decision.predicted.items()},
+                    speeds,
+                    objective,
+                    worlds,
+                    router.state.stats,
+                )
+            route = decision.route if step >= 2 else (Route.SPECULATIVE, Route.CLOUD_ONLY)[step]
+            rate, passes, trips = worlds[route]
+            n = 48
+            seconds = n / (rate * rng.uniform(0.8, 1.2))
+            router.observe(
+                Outcome(
+                    route,
+                    n,
+                    seconds,
+                    0.05,
+                    round(n * passes),
+                    100 * n,
+                    round(n * trips),
+                    n if route == Route.SPECULATIVE else 0,
+                    seconds / 2,
+                    rtt,
+                ),
+                objective,
+            )
