@@ -456,3 +456,27 @@ def test_random_routes_the_choice_is_never_clearly_slower() -> None:
                 ),
                 objective,
             )
+
+
+def test_slow_prompts_count_in_full_in_the_observed_speed() -> None:
+    """bench/edge.py --quick --preset micro at 0 ms: speculative made 1,330 tokens/s on the
+    warm-up prompt and 360-400 on the measured ones, cloud-only 714. With slow requests capped
+    at `outlier` (2x) the observed speed stayed near 900 and the router speculated at 361
+    tokens/s, half of cloud-only. Counted in full it falls under 714 / 1.25 after two slow
+    requests, and the router streams."""
+    router = Router()
+    router.observe_rtt(0.0)
+
+    def spec(rate: float) -> Outcome:
+        s = 48 / rate
+        return Outcome(Route.SPECULATIVE, 48, s, 0.01, 13, 4800, 13, 48, s / 2, 0.0)
+
+    cloud = Outcome(Route.CLOUD_ONLY, 48, 48 / 714, 0.01, 48, 480, 1, 0, 48 / 714, 0.0)
+    for outcome in (spec(1330), cloud, spec(1330)):
+        router.observe(outcome)
+    routes = []
+    for _ in range(6):
+        route = router.choose().route
+        routes.append(route)
+        router.observe(spec(380) if route == Route.SPECULATIVE else cloud)
+    assert routes == [Route.SPECULATIVE] * 2 + [Route.CLOUD_ONLY] * 4
