@@ -450,7 +450,9 @@ def policy_remeasure(ctx: Context) -> tuple[Route, str] | None:
     """Try again a route cheaper than the one rules 4-6 pick, which looked too slow (short of
     the objective, or clearly slower than another): a while ago (sooner when predicted near the
     objective and not clearly slower: one slow prompt may have put it there), or at once when
-    measured at a quite different RTT and now predicted near the objective."""
+    measured at a quite different RTT and now predicted near the objective. A dearer route is
+    tried again after `remeasure_after` requests times its backoff (doubling each time it is
+    still not the pick): it could have become clearly faster."""
     pick = ctx.pick()
     ceiling = ctx.predicted[pick].cost if pick in ctx.meeting() else math.inf
     state, cfg = ctx.state, ctx.state.config
@@ -465,6 +467,12 @@ def policy_remeasure(ctx: Context) -> tuple[Route, str] | None:
             return route, f"re-measuring {route.value} (not tried for a while)"
         if near and state.rtt_moved(s.rtt_s):
             return route, f"re-measuring {route.value} (measured at another RTT, predicted near)"
+    for route in ctx.routes:  # dearer ones too, more rarely: else their speed would never age
+        s = state.stats[route]
+        if route == pick or ctx.predicted[route].cost < ceiling:
+            continue
+        if state.requests - s.last_request >= cfg.remeasure_after * s.backoff:
+            return route, f"re-measuring {route.value} (dearer; not tried for a while)"
     return None
 
 
@@ -572,10 +580,19 @@ class Router:
         state.in_use = outcome.route
         self._observe_throughput(s.observed, outcome)
         # the estimates, not this one request, say whether the route is far from the objective
-        # or clearly slower than another: only then does its re-measurement back off
+        # or clearly slower than another, or (a dearer route) still not the pick: only then
+        # does its re-measurement back off
         goal = objective or Objective()
         attained = min(1.0 / s.seconds / goal.tokens_per_s, goal.ttft_s / max(s.ttft_s, 1e-9))
-        near = attained >= state.config.near_objective and not self._outpaced(outcome.route, goal)
+        near = attained >= state.config.near_objective
+        ctx = self._context(goal)
+        if outcome.route in ctx.predicted:
+            pick = ctx.pick()
+            dearer = outcome.route != pick and (
+                pick in ctx.meeting()
+                and ctx.predicted[outcome.route].cost >= ctx.predicted[pick].cost
+            )
+            near = near and not dearer and not ctx.outpaced(outcome.route)
         s.backoff = 1 if near else min(64, s.backoff * 2)
 
     def _observe_throughput(self, t: Throughput, outcome: Outcome) -> None:
@@ -589,13 +606,11 @@ class Router:
             keep = 0.0
         t.add(outcome.tokens, outcome.seconds, outcome.rtt_s, keep)
 
-    def _outpaced(self, route: Route, objective: Objective) -> bool:
-        """Whether a feasible route is clearly faster than `route` now (speeds as in choose)."""
+    def _context(self, objective: Objective) -> Context:
+        """The routing question now, over the feasible routes measured so far."""
         routes = feasible(self.state, objective, self.device)
         predicted = {r: p for r in routes if (p := predict(self.state, r, self.device)) is not None}
-        if route not in predicted:
-            return False
-        ctx = Context(
+        return Context(
             self.state,
             objective,
             self.device,
@@ -603,7 +618,6 @@ class Router:
             predicted,
             speeds(self.state, predicted),
         )
-        return ctx.outpaced(route)
 
     def observe_rtt(self, seconds: float) -> None:
         """A measured round trip (health check, recent calls): the verifier is reachable. The

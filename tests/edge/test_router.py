@@ -480,3 +480,34 @@ def test_slow_prompts_count_in_full_in_the_observed_speed() -> None:
         routes.append(route)
         router.observe(spec(380) if route == Route.SPECULATIVE else cloud)
     assert routes == [Route.SPECULATIVE] * 2 + [Route.CLOUD_ONLY] * 4
+
+
+@pytest.mark.parametrize(("later", "switches"), [(44.0, False), (100.0, True)])
+def test_a_dearer_route_is_tried_again_ever_more_rarely(later: float, switches: bool) -> None:
+    """Speculative at 40 tokens/s, cloud-only at 44 (not clearly faster): speculative, the
+    cheaper. Cloud-only's observed speed would never age unless it runs, so it is tried again
+    after 16 x 2 requests (backoff 2: it was not the pick), then 16 x 4 later. If the cloud has
+    meanwhile become 100 tokens/s (2.5x), the router moves to it at once, speculative then
+    being what is tried again now and then."""
+    router = Router(RouterConfig(smoothing=1.0))
+    router.observe_rtt(0.02)
+
+    def cloud(rate: float) -> Outcome:
+        return Outcome(Route.CLOUD_ONLY, 48, 48 / rate, 0.03, 48, 480, 1, 0, 48 / rate, 0.02)
+
+    router.observe(SPEC)
+    router.observe(cloud(44.0))
+    on_cloud: list[int] = []
+    explored: list[str] = []
+    for i in range(100):
+        decision = router.choose()
+        if decision.route == Route.CLOUD_ONLY:
+            on_cloud.append(i)
+        elif i > 32 and switches:
+            explored.append(decision.reason)
+        router.observe(SPEC if decision.route == Route.SPECULATIVE else cloud(later))
+    assert on_cloud[0] == 32
+    if switches:
+        assert len(on_cloud) >= 60 and all(r.startswith("re-measuring") for r in explored)
+    else:
+        assert on_cloud == [32, 32 + 65]
