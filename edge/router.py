@@ -24,7 +24,8 @@ Policies, tried in order (ordered dispatch, default last):
 1. network down -> edge-only (the only way to answer; the report says so);
 2. a feasible route never measured -> measure it;
 3. a feasible route cheaper than the one rules 4-6 would pick, not tried for `remeasure_after`
-   requests (doubling each time it is still too slow) -> re-measure it;
+   requests (doubling each time it is still too slow), or a dearer one, more rarely (its
+   observed speed must age) -> re-measure it;
 4. a feasible route `clearly_faster` than the one cost would pick (rules 5-6) -> take it;
 5. the cheapest feasible route predicted to meet the objective (with `margin`);
 6. default: the feasible route closest to the objective.
