@@ -214,11 +214,20 @@ def compare(
     routes: dict[str, dict[str, Any]], router: dict[str, Any], objective: Any
 ) -> dict[str, Any]:
     """The router against the best fixed route the objective allows (edge-only only when the
-    draft suffices): the cheapest meeting the objective, else the fastest."""
+    draft suffices), by the router's own rule: the cheapest meeting the objective unless a
+    route meeting it is `clearly_faster` (RouterConfig), else the fastest."""
+    from fedge.edge.router import RouterConfig
+
     allowed = ROUTES if objective.draft_ok else tuple(r for r in ROUTES if r != "edge-only")
     meeting = [r for r in allowed if routes[r]["meets_objective"]]
     if meeting:
         best = min(meeting, key=lambda r: routes[r]["cost_per_token"])
+        fastest = max(meeting, key=lambda r: routes[r]["tokens_per_s"])
+        if (
+            routes[fastest]["tokens_per_s"]
+            >= RouterConfig().clearly_faster * routes[best]["tokens_per_s"]
+        ):
+            best = fastest
         ratio = (
             routes[best]["cost_per_token"] / router["cost_per_token"]
             if router["meets_objective"]
@@ -342,6 +351,9 @@ def router_estimates(router: Any) -> dict[str, Any]:
                 "ttft_s": s.ttft_s,
                 "passes_per_token": s.passes,
                 "rtt_s": s.rtt_s,
+                # what the speed check compares: tokens/s as observed, and the RTT it ran at
+                "observed_tokens_per_s": s.observed.tokens_per_s,
+                "observed_rtt_s": s.observed.rtt_s,
             }
             for route, s in router.state.stats.items()
             if s.n

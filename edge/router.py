@@ -1,5 +1,6 @@
 """Offload router: per request, the cheapest route (edge-only, speculative, cloud-only) that meets
-the request's service objective, learnt online from every request's outcome.
+the request's service objective, unless another is clearly faster, learnt online from every
+request's outcome.
 
 Each request has an `Objective`: end-to-end tokens per second and time to first token (TTFT).
 Each route has a cost per token, in units of one target pass in the cloud:
@@ -13,14 +14,21 @@ the route spends (`DeviceState` gives joules per draft token and per byte: input
 the device). Per route the router keeps running estimates of seconds per token, TTFT, passes,
 bytes, draft steps and round trips per token, the share of time spent waiting on the cloud,
 and the RTT they were measured at; a prediction moves them to the current RTT (each round trip
-costs the RTT difference, removing no more than the time spent waiting) and load. Policies, tried in order (ordered dispatch, default last):
+costs the RTT difference, removing no more than the time spent waiting) and load. Beside that
+model, each route keeps its throughput as observed on the current network (`Throughput`:
+decayed tokens over seconds of its requests, started afresh when the RTT moves): a route's
+speed is that observation when there is one, else the model's prediction. Cost decides between
+routes of about the same speed; speed decides when they differ clearly (`clearly_faster`).
+Policies, tried in order (ordered dispatch, default last):
 
 1. network down -> edge-only (the only way to answer; the report says so);
 2. a feasible route never measured -> measure it;
-3. a cheaper feasible route that looked too slow, not tried for `remeasure_after` requests
-   (doubling each time it is still too slow) -> re-measure it;
-4. the cheapest feasible route predicted to meet the objective (with `margin`);
-5. default: the feasible route closest to the objective.
+3. a feasible route cheaper than the one rules 4-6 would pick, not tried for `remeasure_after`
+   requests (doubling each time it is still too slow), or a dearer one, more rarely (its
+   observed speed must age) -> re-measure it;
+4. a feasible route `clearly_faster` than the one cost would pick (rules 5-6) -> take it;
+5. the cheapest feasible route predicted to meet the objective (with `margin`);
+6. default: the feasible route closest to the objective.
 
 Edge-only is feasible only when the draft suffices (`Objective.draft_ok`) or the network is
 down; thermal state `critical` rules out drafting while the cloud is reachable.
@@ -125,6 +133,15 @@ class RouterConfig:
     # slowed still moves the estimate request after request
     outlier: float = 2.0
     max_draft: int = 16  # the longest draft the speculative model may assume (DecodeConfig's)
+    # a feasible route this many times faster than the one cost picks is taken instead: cost
+    # decides between routes of about the same speed, speed when they differ clearly. Without
+    # it (inf) a slower route won on cost whenever it met the objective: SmolLM2 at 20 ms
+    # (bench/edge.py --preset smollm2), speculative 18.0 tokens/s against cloud-only 27.6
+    # (1.53x), chosen for its 0.77 target passes a token, lost 38% of the speed
+    clearly_faster: float = 1.25
+    # weight kept by a route's earlier requests in its observed throughput at each new one
+    # (about 5 requests of memory: a speed check, not the estimate of the objective's margin)
+    observed_decay: float = 0.8
 
     def __post_init__(self) -> None:
         for name in ("pass_cost", "byte_cost", "joule_cost", "overload_cooldown_s"):
@@ -132,6 +149,15 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"RouterConfig.smoothing must lie in (0, 1], got {self.smoothing}")
+        if not self.clearly_faster > 1.0:
+            raise ValueError(
+                "RouterConfig.clearly_faster must be > 1 (inf: cost alone), got "
+                f"{self.clearly_faster}"
+            )
+        if not 0.0 < self.observed_decay < 1.0:
+            raise ValueError(
+                f"RouterConfig.observed_decay must lie in (0, 1), got {self.observed_decay}"
+            )
         if self.margin < 1.0 or self.overload_factor < 1.0 or self.outlier < 1.0:
             raise ValueError(
                 "RouterConfig.margin, overload_factor and outlier must be >= 1, got "
@@ -165,6 +191,31 @@ class Outcome:
 
 
 @dataclass
+class Throughput:
+    """A route's tokens per second as observed on one network: decayed sums of its requests'
+    tokens and seconds (`RouterConfig.observed_decay`) and the token-weighted RTT they ran at.
+    No model stands between these figures and the route's speed: they are what its requests
+    took, slow prompts included. A request at an RTT `rtt_moved` times away starts them afresh
+    (another network's speed says nothing measured about this one's)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rtt_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Observed tokens per second (0 before any request)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, tokens: int, seconds: float, rtt_s: float, keep: float) -> None:
+        """Fold one request in, the earlier ones weighted by `keep`."""
+        kept = keep * self.tokens
+        self.rtt_s = (kept * self.rtt_s + tokens * rtt_s) / (kept + tokens)
+        self.tokens = kept + tokens
+        self.seconds = keep * self.seconds + seconds
+
+
+@dataclass
 class RouteStats:
     """Running estimates of one route, per token unless named otherwise."""
 
@@ -179,6 +230,7 @@ class RouteStats:
     cloud_share: float = 0.0
     rtt_s: float = 0.0
     backoff: int = 1  # re-measurement period multiplier: doubles while the route stays too slow
+    observed: Throughput = field(default_factory=Throughput)  # its speed on this network
 
 
 @dataclass(frozen=True)
@@ -239,6 +291,18 @@ class RouterState:
         low, high = sorted((a_s + floor, b_s + floor))
         return low / high
 
+    def rtt_moved(self, a_s: float, b_s: float | None = None) -> bool:
+        """Whether two RTTs (`b_s` default: the current one) are `rtt_moved` times apart or more."""
+        return self.rtt_similarity(a_s, b_s) * self.config.rtt_moved <= 1.0
+
+    def observed_speed(self, route: Route) -> float | None:
+        """The route's tokens/s as observed on the current network, its cloud share slowed by
+        the load now as a prediction is; None when it has not run on this network."""
+        s = self.stats[route]
+        if s.observed.seconds <= 0 or self.rtt_moved(s.observed.rtt_s):
+            return None
+        return s.observed.tokens_per_s / (1.0 + (self.load() - 1.0) * s.cloud_share)
+
 
 def speculative_shift(state: RouterState, s: RouteStats) -> tuple[float, float, float]:
     """What speculative decoding gains or loses per token (seconds, target passes) and in TTFT
@@ -266,12 +330,16 @@ def predict(state: RouterState, route: Route, device: DeviceState) -> Prediction
         ttft = max(1e-6, s.ttft_s + later) * slow
         passes = max(0.0, passes + more_passes)
     else:
-        # Each round trip costs the current RTT instead of the one measured with the estimates; the
-        # RTT removed is at most the time actually spent waiting (a ping can overstate it).
-        removed = min(s.rtt_s * s.round_trips, s.cloud_share * s.seconds)
-        seconds = max(1e-6, s.seconds - removed + state.rtt_s * s.round_trips) * slow
-        first = min(s.rtt_s, s.cloud_share * s.ttft_s) - state.rtt_s if s.round_trips else 0.0
-        ttft = max(1e-6, s.ttft_s - first) * slow
+        # Each round trip costs the RTT difference to the one measured with the estimates; a
+        # shorter RTT removes at most the time actually spent waiting (a ping can overstate it).
+        # At the RTT they were measured at the prediction is the measurement: it once removed
+        # the capped wait and added back the whole RTT, so an overstated ping (round trips x RTT
+        # beyond the time waited) made a route predict slower where it had just run
+        moved = state.rtt_s - s.rtt_s
+        later = max(moved * s.round_trips, -s.cloud_share * s.seconds)
+        seconds = max(1e-6, s.seconds + later) * slow
+        first = max(moved, -s.cloud_share * s.ttft_s) if s.round_trips else 0.0
+        ttft = max(1e-6, s.ttft_s + first) * slow
     joules = s.bytes * device.joules_per_byte
     if s.drafted:  # drafting heats the device: dearer when warm, ruled out (inf) when critical
         joules += (
@@ -283,6 +351,15 @@ def predict(state: RouterState, route: Route, device: DeviceState) -> Prediction
         + cfg.joule_cost * device.energy_weight * joules
     )
     return Prediction(1.0 / seconds, ttft, cost)
+
+
+def speeds(state: RouterState, predicted: dict[Route, Prediction]) -> dict[Route, float]:
+    """Each predicted route's tokens/s: as observed on this network where it ran here (the
+    check on the model), else as the model predicts it."""
+    return {
+        r: observed if (observed := state.observed_speed(r)) is not None else p.tokens_per_s
+        for r, p in predicted.items()
+    }
 
 
 def feasible(state: RouterState, objective: Objective, device: DeviceState) -> list[Route]:
@@ -303,6 +380,11 @@ class Context:
     device: DeviceState
     routes: list[Route]
     predicted: dict[Route, Prediction]
+    speeds: dict[Route, float] = field(default_factory=dict)  # `speeds()`; default: predictions
+
+    def speed(self, route: Route) -> float:
+        """The route's tokens/s: observed on this network, else predicted."""
+        return self.speeds.get(route, self.predicted[route].tokens_per_s)
 
     def meeting(self) -> list[Route]:
         """Feasible routes predicted to meet the objective, cheapest first: by `margin`, except
@@ -318,6 +400,33 @@ class Context:
             )
         ]
         return sorted(ok, key=lambda r: self.predicted[r].cost)
+
+    def by_cost(self) -> Route:
+        """The route cost picks: the cheapest meeting the objective, else the closest to it."""
+        meeting = self.meeting()
+        if meeting:
+            return meeting[0]
+        return max(self.routes, key=lambda r: self.predicted[r].attainment(self.objective))
+
+    def clearly_faster(self, route: Route) -> Route | None:
+        """The fastest feasible route `clearly_faster` times faster than `route`, if any (one
+        meeting the objective when `route` meets it: speed does not buy a missed TTFT)."""
+        meeting = self.meeting()
+        rivals = meeting if route in meeting else self.routes
+        fastest = max(rivals, key=self.speed)
+        if self.speed(fastest) >= self.state.config.clearly_faster * self.speed(route):
+            return fastest
+        return None
+
+    def outpaced(self, route: Route) -> bool:
+        """Whether some feasible route is `clearly_faster` times faster than `route`."""
+        fastest = max(self.speed(r) for r in self.routes)
+        return fastest >= self.state.config.clearly_faster * self.speed(route)
+
+    def pick(self) -> Route:
+        """The route rules 4-6 choose: cost's, unless another is clearly faster."""
+        route = self.by_cost()
+        return self.clearly_faster(route) or route
 
 
 Policy = Callable[[Context], tuple[Route, str] | None]
@@ -339,23 +448,49 @@ def policy_untried(ctx: Context) -> tuple[Route, str] | None:
 
 
 def policy_remeasure(ctx: Context) -> tuple[Route, str] | None:
-    """Try again a route cheaper than the best meeting one that looked too slow: a while ago
-    (sooner when predicted near the objective: one slow prompt may have put it there), or at
-    once when measured at a quite different RTT and now predicted near the objective."""
-    meeting = ctx.meeting()
-    ceiling = ctx.predicted[meeting[0]].cost if meeting else math.inf
+    """Try again a route cheaper than the one rules 4-6 pick, which looked too slow (short of
+    the objective, or clearly slower than another): a while ago (sooner when predicted near the
+    objective and not clearly slower: one slow prompt may have put it there), or at once when
+    measured at a quite different RTT and now predicted near the objective. A dearer route is
+    tried again after `remeasure_after` requests times its backoff (doubling each time it is
+    still not the pick): it could have become clearly faster."""
+    pick = ctx.pick()
+    ceiling = ctx.predicted[pick].cost if pick in ctx.meeting() else math.inf
     state, cfg = ctx.state, ctx.state.config
     for route in sorted(ctx.routes, key=lambda r: ctx.predicted[r].cost):
-        if route in meeting or ctx.predicted[route].cost >= ceiling:
+        if route == pick or ctx.predicted[route].cost >= ceiling:
             continue
         s = state.stats[route]
         near = ctx.predicted[route].attainment(ctx.objective) >= cfg.near_objective
+        near = near and not ctx.outpaced(route)
         period = cfg.near_remeasure_after if near else cfg.remeasure_after
         if state.requests - s.last_request >= period * s.backoff:
             return route, f"re-measuring {route.value} (not tried for a while)"
-        if near and state.rtt_similarity(s.rtt_s) * cfg.rtt_moved <= 1.0:
+        if near and state.rtt_moved(s.rtt_s):
             return route, f"re-measuring {route.value} (measured at another RTT, predicted near)"
+    for route in ctx.routes:  # dearer ones too, more rarely: else their speed would never age
+        s = state.stats[route]
+        if route == pick or ctx.predicted[route].cost < ceiling:
+            continue
+        if state.requests - s.last_request >= cfg.remeasure_after * s.backoff:
+            return route, f"re-measuring {route.value} (dearer; not tried for a while)"
     return None
+
+
+def policy_clearly_faster(ctx: Context) -> tuple[Route, str] | None:
+    """A route clearly faster than the one cost would pick: speed wins when the gap is large."""
+    cheap = ctx.by_cost()
+    fast = ctx.clearly_faster(cheap)
+    if fast is None:
+        return None
+    how = [
+        "observed" if ctx.state.observed_speed(r) is not None else "predicted"
+        for r in (fast, cheap)
+    ]
+    return fast, (
+        f"{fast.value} clearly faster than {cheap.value}: {ctx.speed(fast):.1f} ({how[0]}) "
+        f"against {ctx.speed(cheap):.1f} ({how[1]}) tokens/s"
+    )
 
 
 def policy_cheapest_meeting(ctx: Context) -> tuple[Route, str] | None:
@@ -376,6 +511,7 @@ POLICIES: tuple[Policy, ...] = (
     policy_network_down,
     policy_untried,
     policy_remeasure,
+    policy_clearly_faster,
     policy_cheapest_meeting,
     policy_closest,  # default: always decides
 )
@@ -404,7 +540,9 @@ class Router:
         objective = objective or Objective()
         routes = feasible(self.state, objective, self.device)
         predicted = {r: p for r in Route if (p := predict(self.state, r, self.device)) is not None}
-        ctx = Context(self.state, objective, self.device, routes, predicted)
+        ctx = Context(
+            self.state, objective, self.device, routes, predicted, speeds(self.state, predicted)
+        )
         for policy in self.policies:
             decided = policy(ctx)
             if decided is not None:
@@ -441,11 +579,46 @@ class Router:
         s.n += 1
         s.last_request = state.requests
         state.in_use = outcome.route
-        # the estimate, not this one request, says whether the route is far from the objective:
-        # only then does its re-measurement back off
+        self._observe_throughput(s.observed, outcome)
+        # the estimates, not this one request, say whether the route is far from the objective
+        # or clearly slower than another, or (a dearer route) still not the pick: only then
+        # does its re-measurement back off
         goal = objective or Objective()
         attained = min(1.0 / s.seconds / goal.tokens_per_s, goal.ttft_s / max(s.ttft_s, 1e-9))
-        s.backoff = 1 if attained >= state.config.near_objective else min(64, s.backoff * 2)
+        near = attained >= state.config.near_objective
+        ctx = self._context(goal)
+        if outcome.route in ctx.predicted:
+            pick = ctx.pick()
+            dearer = outcome.route != pick and (
+                pick in ctx.meeting()
+                and ctx.predicted[outcome.route].cost >= ctx.predicted[pick].cost
+            )
+            near = near and not dearer and not ctx.outpaced(outcome.route)
+        s.backoff = 1 if near else min(64, s.backoff * 2)
+
+    def _observe_throughput(self, t: Throughput, outcome: Outcome) -> None:
+        """Fold a request into its route's observed throughput, afresh on another network. No
+        `outlier` cap here: capping slow requests and not fast ones biased it upwards (the
+        micro zoo at 0 ms: speculative held at ~900 tokens/s, its prompts making 360-400,
+        against cloud-only's 714, so never clearly slower); a slow prompt is part of the
+        route's speed, and `clearly_faster` leaves room for one."""
+        keep = self.state.config.observed_decay
+        if t.tokens <= 0 or self.state.rtt_moved(t.rtt_s, outcome.rtt_s):
+            keep = 0.0
+        t.add(outcome.tokens, outcome.seconds, outcome.rtt_s, keep)
+
+    def _context(self, objective: Objective) -> Context:
+        """The routing question now, over the feasible routes measured so far."""
+        routes = feasible(self.state, objective, self.device)
+        predicted = {r: p for r in routes if (p := predict(self.state, r, self.device)) is not None}
+        return Context(
+            self.state,
+            objective,
+            self.device,
+            list(predicted),
+            predicted,
+            speeds(self.state, predicted),
+        )
 
     def observe_rtt(self, seconds: float) -> None:
         """A measured round trip (health check, recent calls): the verifier is reachable. The
