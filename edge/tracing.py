@@ -111,13 +111,85 @@ def server_interceptors(provider: TracerProvider | None) -> list[grpc.aio.Server
 
 
 def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> grpc.Channel:
-    """The channel with a client span interceptor that injects `traceparent`, or as is when off."""
+    """The channel with a client span interceptor that injects `traceparent`, or as is when off.
+
+    A response stream keeps its call's metadata (`_KeepStreamCall`): the instrumentation alone
+    hands back a bare generator, which hid a Generate's initial `fedge-server-ms`, so a traced
+    edge counted the prompt's prefill as network in its round-trip estimate.
+    """
     if provider is None:
         return channel
     from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
 
     interceptor = client_interceptor(tracer_provider=provider, filter_=_not_health)
-    return grpcext.intercept_channel(channel, interceptor)  # type: ignore[no-any-return]
+    keeping = type(
+        "KeepStreamCallInterceptor",
+        (_KeepStreamCall, grpcext.UnaryClientInterceptor, grpcext.StreamClientInterceptor),
+        {},
+    )
+    return grpcext.intercept_channel(channel, keeping(interceptor))  # type: ignore[no-any-return]
+
+
+class _KeepStreamCall:
+    """Wraps the instrumentation's client interceptor (as its grpcext interceptor classes, mixed
+    in by `traced_channel`); a server-streaming call's result is a `_TracedStream`: the
+    instrumentation's generator (the span around the replies) that also answers the call's own
+    methods (`initial_metadata()`, `trailing_metadata()`, `code()`...)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def intercept_unary(self, request: Any, metadata: Any, client_info: Any, invoker: Any) -> Any:
+        return self._inner.intercept_unary(request, metadata, client_info, invoker)
+
+    def intercept_stream(
+        self, request_or_iterator: Any, metadata: Any, client_info: Any, invoker: Any
+    ) -> Any:
+        if client_info.is_client_stream or not client_info.is_server_stream:
+            return self._inner.intercept_stream(request_or_iterator, metadata, client_info, invoker)
+        calls: list[Any] = []
+
+        def keeping(request: Any, call_metadata: Any) -> Any:
+            call = invoker(request, call_metadata)
+            calls.append(call)
+            return call
+
+        replies = self._inner.intercept_stream(request_or_iterator, metadata, client_info, keeping)
+        return _TracedStream(replies, calls)
+
+
+class _TracedStream:
+    """The replies of a traced response stream, with the call's methods once it has started
+    (the instrumentation starts the call at the first `next`; before it, metadata is None)."""
+
+    def __init__(self, replies: Iterator[Any], calls: list[Any]) -> None:
+        self._replies = replies
+        self._calls = calls
+
+    def __iter__(self) -> _TracedStream:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._replies)
+
+    def initial_metadata(self) -> Any:
+        return self._calls[0].initial_metadata() if self._calls else None
+
+    def trailing_metadata(self) -> Any:
+        return self._calls[0].trailing_metadata() if self._calls else None
+
+    def cancel(self) -> bool:
+        if self._calls:
+            return bool(self._calls[0].cancel())
+        close = getattr(self._replies, "close", None)
+        if close is not None:
+            close()
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        if not self._calls:
+            raise AttributeError(f"{name}: the traced call has not started (iterate it first)")
+        return getattr(self._calls[0], name)
 
 
 class Tracing:

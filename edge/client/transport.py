@@ -12,7 +12,7 @@ included): the router's model (`fedge.edge.router`, `fedge.edge.draftlen`) price
 verifier's compute separately (a route's seconds per token, a verify call's cost beyond the
 RTT), so the RTT it is told must be the network alone, not a Generate's or an OpenSession's
 prompt prefill. A server that sends no such key (an older verifier) leaves the whole exchange
-counted, as does a Generate through a tracing channel (its stream hides the call's metadata).
+counted.
 For experiments without a network emulator it can add a round-trip time: it sleeps
 `added_rtt_s` before each call. RESOURCE_EXHAUSTED replies are retried: after the
 server's `fedge-retry-after-ms` when it sends one (a per-device rate limit; beyond

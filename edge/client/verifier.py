@@ -329,8 +329,8 @@ class TransientRetries:
 
 
 def _stream_server_s(started: tuple[Any, pb.GenerateReply | None]) -> float | None:
-    """The verifier's time to a stream's first reply, from the call's initial metadata (None
-    through a tracing interceptor, whose wrapped stream does not expose the call)."""
+    """The verifier's time to a stream's first reply, from the call's initial metadata (a traced
+    channel's stream keeps it: `fedge.edge.tracing.traced_channel`)."""
     initial_metadata = getattr(started[0], "initial_metadata", None)
     return server_seconds(initial_metadata()) if initial_metadata is not None else None
 

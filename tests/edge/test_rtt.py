@@ -9,6 +9,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import PreTrainedModel
 
 from fedge.edge.client import ClientConfig, VerifierClient
@@ -55,6 +58,22 @@ def client(server: BackgroundServer) -> Iterator[VerifierClient]:
         yield verifier
 
 
+@pytest.fixture
+def traced_client(
+    server: BackgroundServer,
+) -> Iterator[tuple[VerifierClient, InMemorySpanExporter]]:
+    """The same client on a traced channel (client spans, `traceparent` injected), and its spans."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    config = ClientConfig(f"127.0.0.1:{server.port}", added_rtt_s=LINK_RTT_S)
+    with VerifierClient(config, provider) as verifier:
+        verifier.ping()
+        verifier.forget_round_trips()
+        yield verifier, exporter
+    provider.shutdown()
+
+
 def long_prompt() -> list[int]:
     """PROMPT_TOKENS ids of the micro vocabulary (ids 0 and 1 are BOS / EOS)."""
     return torch.randint(
@@ -97,6 +116,28 @@ def test_generate_first_reply_prefill_is_not_network(client: VerifierClient) -> 
     assert len(first) + len(rest) == 4
     assert rtt is not None
     assert LINK_RTT_S <= rtt < LINK_RTT_S + (first_s - LINK_RTT_S) / 2, (rtt, first_s)
+
+
+def test_traced_generate_first_reply_prefill_is_not_network(
+    traced_client: tuple[VerifierClient, InMemorySpanExporter],
+) -> None:
+    """Before the fix a traced edge's Generate went through the instrumentation's bare reply
+    generator, which hid the call's initial `fedge-server-ms`: the RTT recorded was the whole wait
+    for the first reply, the 1,500-token prefill included (0.147 s of 0.148 s, on a 10 ms link). Now the traced stream keeps the call's
+    metadata: the RTT is the link's, and the Generate still has its client span."""
+    client, spans = traced_client
+    # Execute: a traced Generate with a long prompt; the first chunk's arrival timed here
+    started = time.perf_counter()
+    stream = client.generate_chunks(long_prompt(), max_new_tokens=4)
+    first = next(stream)
+    first_s = time.perf_counter() - started
+    rest = [token for chunk in stream for token in chunk]
+    rtt = client.recent_round_trip(60.0)
+    # Verify: all tokens came, the RTT left the prefill out, and the call was traced
+    assert len(first) + len(rest) == 4
+    assert rtt is not None
+    assert LINK_RTT_S <= rtt < LINK_RTT_S + (first_s - LINK_RTT_S) / 2, (rtt, first_s)
+    assert [s.name for s in spans.get_finished_spans()] == ["/fedge.edge.v1.Verifier/Generate"]
 
 
 def client_sampling() -> Sampling:

@@ -19,6 +19,7 @@ from fedge.edge.client import ClientConfig, EdgeClient, VerifierClient
 from fedge.edge.decoder import DecodeConfig
 from fedge.edge.proto import verifier_pb2 as pb
 from fedge.edge.proto import verifier_pb2_grpc as pb_grpc
+from fedge.edge.proto.timing import server_seconds
 from fedge.edge.runtime import TorchDraftRuntime
 from fedge.edge.tracing import (
     BATCH_SPAN,
@@ -28,6 +29,7 @@ from fedge.edge.tracing import (
     Tracing,
     TracingConfig,
     shutdown,
+    traced_channel,
     tracer_provider,
 )
 from fedge.edge.verifier.engine import EngineConfig
@@ -35,6 +37,7 @@ from fedge.edge.verifier.server import BackgroundServer, ServerConfig
 from fedge.zoo import ZooPaths
 
 VERIFY_RPC = "/fedge.edge.v1.Verifier/Verify"
+GENERATE_RPC = "/fedge.edge.v1.Verifier/Generate"
 
 
 def recording() -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -222,3 +225,36 @@ def test_otlp_exporter_delivers_spans_to_a_collector() -> None:
         assert collector.names == [REQUEST_SPAN]
     finally:
         server.stop(0)
+
+
+def test_a_traced_generate_keeps_the_verifier_time_in_its_initial_metadata(
+    traced_server: tuple[int, InMemorySpanExporter], micro_prompts: list[list[int]]
+) -> None:
+    """Traced at both ends, a Generate's stream still carries the verifier's `fedge-server-ms` in
+    its initial metadata. Before the fix the client's instrumentation returned a bare generator
+    (no `initial_metadata`), so a traced edge could not read it and counted the prefill as
+    network; the server's interceptor passes it (its context proxies `send_initial_metadata`)."""
+    port, server_spans = traced_server
+    provider, client_spans = recording()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.VerifierStub(traced_channel(channel, provider))
+        # Execute: a batched Generate through the traced channel
+        stream = stub.Generate(
+            pb.GenerateRequest(prompt_ids=micro_prompts[0], max_new_tokens=5, batch_tokens=True)
+        )
+        tokens = [t for reply in stream for t in [reply.token_id, *reply.more_token_ids]]
+        server_s = server_seconds(stream.initial_metadata())
+    finally:
+        channel.close()
+    # Verify: every token, the verifier's time readable, both ends traced in one trace
+    assert len(tokens) == 5
+    assert server_s is not None and server_s > 0
+    (client,) = [s for s in client_spans.get_finished_spans() if s.name == GENERATE_RPC]
+    served = wait_for(
+        server_spans.get_finished_spans,
+        lambda spans: any(s.context.trace_id == client.context.trace_id for s in spans),
+    )
+    assert [s.name for s in served if s.context.trace_id == client.context.trace_id] == [
+        GENERATE_RPC
+    ]
