@@ -106,16 +106,23 @@ def test_generate_first_reply_prefill_is_not_network(client: VerifierClient) -> 
     shortest recent exchange: at a 100 ms link the router believed 0.33 s (SmolLM2, docs/edge.md).
     Now the stream's initial metadata carries the verifier's time to that reply."""
     # Execute: a Generate with a long prompt; the first chunk's arrival timed here
+    rtt, first_s = long_generate_rtt(client)
+    # Verify: the RTT is the link's, under half the time to the first reply
+    assert LINK_RTT_S <= rtt < LINK_RTT_S + (first_s - LINK_RTT_S) / 2, (rtt, first_s)
+
+
+def long_generate_rtt(client: VerifierClient) -> tuple[float, float]:
+    """A 4-token Generate of `long_prompt()`: the client's recent RTT after it, and the seconds
+    to its first reply as timed here (all 4 tokens must come)."""
     started = time.perf_counter()
     stream = client.generate_chunks(long_prompt(), max_new_tokens=4)
     first = next(stream)
     first_s = time.perf_counter() - started
     rest = [token for chunk in stream for token in chunk]
     rtt = client.recent_round_trip(60.0)
-    # Verify: all tokens came; the RTT is the link's, under half the time to the first reply
     assert len(first) + len(rest) == 4
     assert rtt is not None
-    assert LINK_RTT_S <= rtt < LINK_RTT_S + (first_s - LINK_RTT_S) / 2, (rtt, first_s)
+    return rtt, first_s
 
 
 def test_traced_generate_first_reply_prefill_is_not_network(
@@ -123,19 +130,12 @@ def test_traced_generate_first_reply_prefill_is_not_network(
 ) -> None:
     """Before the fix a traced edge's Generate went through the instrumentation's bare reply
     generator, which hid the call's initial `fedge-server-ms`: the RTT recorded was the whole wait
-    for the first reply, the 1,500-token prefill included (0.147 s of 0.148 s, on a 10 ms link). Now the traced stream keeps the call's
-    metadata: the RTT is the link's, and the Generate still has its client span."""
+    for the first reply, the 1,500-token prefill included (0.147 s of 0.148 s, on a 10 ms link). Now the traced
+    stream keeps the call's metadata: the RTT is the link's, and the Generate still has its client span."""
     client, spans = traced_client
     # Execute: a traced Generate with a long prompt; the first chunk's arrival timed here
-    started = time.perf_counter()
-    stream = client.generate_chunks(long_prompt(), max_new_tokens=4)
-    first = next(stream)
-    first_s = time.perf_counter() - started
-    rest = [token for chunk in stream for token in chunk]
-    rtt = client.recent_round_trip(60.0)
-    # Verify: all tokens came, the RTT left the prefill out, and the call was traced
-    assert len(first) + len(rest) == 4
-    assert rtt is not None
+    rtt, first_s = long_generate_rtt(client)
+    # Verify: the RTT left the prefill out, and the call was traced
     assert LINK_RTT_S <= rtt < LINK_RTT_S + (first_s - LINK_RTT_S) / 2, (rtt, first_s)
     assert [s.name for s in spans.get_finished_spans()] == ["/fedge.edge.v1.Verifier/Generate"]
 
