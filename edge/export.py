@@ -265,7 +265,7 @@ def quantize_int8(fp32_path: Path, int8_path: Path) -> None:
 def quantize_int4(
     fp32_path: Path,
     int4_path: Path,
-    block_size: int = 32,
+    block_size: int = 16,
     accuracy_level: int = 4,
     head_bits: int = 8,
 ) -> None:
@@ -279,6 +279,9 @@ def quantize_int4(
     bits they flipped a trained draft's greedy choice too often (default draft, greedy
     agreement with torch on 32 held-out prompts: 92.3% all 4-bit, 94.3% with an 8-bit head,
     95.8% with an 8-bit head and a full-precision lookup; 1.7x, 1.6x, 1.6x fp32's speed).
+    Blocks of 16, not 32: a SmolLM2 draft (3 of its layers, weaker and flatter than a zoo
+    draft) agreed with torch on 0.820 of 128 held-out positions with blocks of 32 and 0.922
+    with 16, at the same decode time (fp32 activations instead: the same agreement, 6-13x slower).
     The embedding lookup gets its own 8-bit copy (`_quantize_lookups`).
     """
     import onnx
