@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -166,3 +168,26 @@ def test_decoder_drafts_what_the_objective_says_and_stays_exact(
     )[0, prompt.shape[1] :].tolist()
     assert decoder.stats.draft_lengths[0] == expected_first
     assert produced == greedy
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_fast_draft_drafts_long_over_a_20_ms_link(seed: int) -> None:
+    """Issue 34's regime: a 0.17 ms draft step, a 5 ms verify pass (+0.2 ms per drafted token), a
+    draft agreeing 77% of the time (seeded i.i.d. draws), a 20 ms link: E(g) / T(g) is flat from
+    g ~ 8 on (8: 3.93 / 27.96 ms, 16: 4.29 / 30.92 ms), so the longest draft within the 2% slack
+    is long, which saves verifies; with no link the verify pass alone no longer hides the draft
+    steps and the choice is shorter. The online estimator, learning from the draws alone (prior
+    included), must find both (it chose 15-16 at 20 ms, 10-14 at 0 ms for these seeds); without
+    the rate slack (`rate_slack=0`) it chose 7-13 at 20 ms, and seed 1 fails."""
+    rng = random.Random(seed)
+    chosen = {}
+    for rtt_s in (0.0, 0.02):
+        est = SpeculationEstimator()
+        est.observe_rtt(rtt_s)
+        for _ in range(200):
+            k = est.best_draft_len(1, 16) if est.verifies else 4
+            accepted = next((i for i in range(k) if rng.random() >= 0.77), k)
+            est.observe(k, accepted, k * 0.00017, rtt_s + 0.005 + 0.0002 * k)
+        chosen[rtt_s] = est.best_draft_len(1, 16)
+    assert chosen[0.02] >= 12, chosen
+    assert chosen[0.0] < chosen[0.02], chosen
