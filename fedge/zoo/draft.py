@@ -322,7 +322,7 @@ def build_draft(
             group["lr"] = lr_at(step, budget, (time.perf_counter() - began) / horizon)
         want = _greedy_chunks_at(step, spec)
         if want > have:  # the next chunk(s) of greedy rows: generated once, then cached
-            greedy, have = _greedy_data(work, target, train, ids, spec, bos, want), want
+            greedy, have = _greedy_data(work, target, train, ids, spec, bos, want, greedy), want
         rng = np.random.default_rng([spec.seed, step])
         n_greedy = round(spec.batch_size * spec.greedy_share) if greedy is not None else 0
         starts = rng.integers(0, len(train) - spec.context - 1, size=spec.batch_size - n_greedy)
@@ -512,17 +512,24 @@ def _greedy_data(
     spec: DraftSpec,
     bos: int | None,
     count: int,
+    have: GreedyData | None = None,
 ) -> GreedyData | None:
     """The first `count` chunks of the target's greedy continuations of train-split prompts.
 
     A chunk is `greedy_batch` rows from one batched, KV-cached generate, saved in `work` as it
     completes and read back afterwards, so a resumed build draws from the same rows at the
-    same steps. None when the spec asks for no greedy rows.
+    same steps. Chunks already in `have` are kept, not read again (a build adds a chunk every
+    `greedy_every` steps). None when the spec asks for no greedy rows.
     """
     if spec.greedy_rows == 0 or count == 0:
         return None
-    chunks = []
-    for chunk in range(count):
+    held = 0 if have is None else math.ceil(have.rows.shape[0] / spec.greedy_batch)
+    chunks = (
+        []
+        if have is None
+        else [{"rows": have.rows, "values": have.values, "indices": have.indices}]
+    )
+    for chunk in range(held, count):
         path = work / f"greedy-{chunk:03d}.pt"
         if not path.is_file():
             rows_here = min(spec.greedy_batch, spec.greedy_rows - chunk * spec.greedy_batch)

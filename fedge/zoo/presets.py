@@ -156,12 +156,14 @@ class DraftSpec:
     prompt_tokens: int = 32
     new_tokens: int = 32
     max_chars_per_label: int = 100_000  # stdlib characters per package read for data
-    # sequence-level KD: the target's greedy continuations of training prompts, generated once
-    greedy_rows: int = 1024  # continuations cached in the build folder (0: windows only)
+    # sequence-level KD: the target's greedy continuations of training prompts, generated once.
+    # Distinct rows matter more than steps: a SmolLM2 draft trained ~5 epochs on 1,024 rows
+    # agreed with the target on 85% of those rows' positions and 45% of held-out paths.
+    greedy_rows: int = 4096  # continuations cached in the build folder (0: windows only)
     greedy_prompt_tokens: int = 32
     greedy_tokens: int = 64  # generated per row; the loss is on these positions
     greedy_batch: int = 32  # rows per generate call (and per cached chunk)
-    greedy_every: int = 25  # steps between chunks: generation is spread over the first steps
+    greedy_every: int = 8  # steps between chunks: 8 steps draw 32 greedy rows, one chunk's worth
     greedy_share: float = 0.5  # of each training batch, the share of greedy rows
     top_k: int = 64  # teacher log-probs kept per generated position (restricted rows)
     seed: int = 0

@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,6 +20,7 @@ from fedge.zoo.draft import (
     VOCAB_NAME,
     WORK_DIR,
     DraftSpec,
+    _greedy_data,
     build_draft,
     draft_layers,
     init_draft,
@@ -148,6 +150,20 @@ def test_the_greedy_rows_are_the_targets_own_continuations_and_its_top_k(
     kept = torch.isin(generated, ids)
     assert kept.float().mean() > 0.5
     assert torch.equal(ids[indices[..., 0]][kept], generated[kept])
+
+
+def test_greedy_rows_grown_a_chunk_at_a_time_are_the_rows_read_at_once(built: Path) -> None:
+    """A build adds each new chunk to the rows it holds (no re-reading every chunk per chunk);
+    what it trains on must be what a resumed build reads from the cached chunks at once."""
+    ids = torch.tensor(json.loads((built / VOCAB_NAME).read_text()))
+    args = (built / WORK_DIR, None, np.zeros(1, dtype=np.uint32), ids, SPEC, None)
+    first = _greedy_data(*args, 1)
+    grown = _greedy_data(*args, 2, first)
+    whole = _greedy_data(*args, 2)
+    assert first is not None and grown is not None and whole is not None
+    assert grown.rows.shape[0] == SPEC.greedy_rows
+    for name in ("rows", "values", "indices"):
+        assert torch.equal(getattr(grown, name), getattr(whole, name))
 
 
 @pytest.fixture(scope="module")
