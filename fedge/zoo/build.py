@@ -83,6 +83,34 @@ def stale_settings(paths: ZooPaths, preset: ZooPreset) -> list[str]:
     ]
 
 
+# Preset fields only the draft stage (and the card) depends on: the target, its tokenizer and
+# its token streams are built from the other fields alone.
+DRAFT_FIELDS = frozenset(
+    {"draft", "draft_train", "distill_temperature", "share_embeddings"}
+    | {"eval_windows", "agreement_prompts", "agreement_tokens"}
+)
+
+
+def draft_only(paths: ZooPaths, preset: ZooPreset) -> bool:
+    """Whether the built zoo differs from `preset` only in draft fields (see `DRAFT_FIELDS`)."""
+    built = paths.card.get("preset_config", {})
+    current = json.loads(json.dumps(asdict(preset)))
+    changed = {k for k in {*built, *current} if built.get(k) != current.get(k)}
+    return bool(changed) and changed <= DRAFT_FIELDS
+
+
+def _keep_target_only(paths: ZooPaths) -> None:
+    """Drop the draft and the card; seed the build folder with the target's own tokenizer, so
+    the resumed build reuses the target and retrains only the draft."""
+    shutil.rmtree(paths.draft_dir, ignore_errors=True)
+    paths.card_path.unlink()
+    tokenizer = paths.root / ".build" / "tokenizer"
+    tokenizer.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (paths.target_dir / name).is_file():
+            shutil.copy2(paths.target_dir / name, tokenizer / name)
+
+
 def ensure_zoo(preset: str = "micro", root: Path | None = None, seed: int = 0) -> ZooPaths:
     """Return the zoo at `root` (default: the cache), building or repairing it when needed."""
     paths = ZooPaths(root or zoo_dir(preset))
@@ -109,7 +137,13 @@ def build_zoo(
     if not problems and not stale:
         console.print(f"[green]zoo {preset.name} at {paths.root} is intact; reusing it")
         return paths
-    if stale:  # intact, but built with other settings: nothing of it can be reused
+    if stale and draft_only(paths, preset):  # the target and its tokenizer stay valid
+        console.print(
+            f"[yellow]zoo at {paths.root} has other draft settings ({'; '.join(stale)}); "
+            "rebuilding the draft on the kept target"
+        )
+        _keep_target_only(paths)
+    elif stale:  # intact, but built with other settings: nothing of it can be reused
         console.print(f"[yellow]zoo at {paths.root} is stale ({'; '.join(stale)}); rebuilding")
         shutil.rmtree(paths.root)
     elif paths.card_path.is_file():

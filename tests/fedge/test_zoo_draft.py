@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,10 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedge.zoo import ZooPaths, get_preset
-from fedge.zoo.build import _Builder, stale_settings
+from fedge.zoo.build import _Builder, stale_settings, zoo_problems
 from fedge.zoo.presets import ModelShape, TrainBudget
 from fedge.zoo.training import (
     distillation_loss,
@@ -132,3 +136,29 @@ def test_compiled_training_updates_the_models_own_weights(tmp_path: Path) -> Non
         moved = (weight - untrained[name]).norm()
         apart = (weight - eager.state_dict()[name]).norm()
         assert apart <= 0.1 * moved, f"{name}: compiled {apart:.4f} from eager, moved {moved:.4f}"
+
+
+def test_a_draft_only_change_rebuilds_the_draft_on_the_kept_target(
+    micro_zoo: ZooPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preset that changes only the draft's fields keeps the built target's files untouched
+    (a default-zoo target is ~50 minutes) and retrains the draft; a target field rebuilds all."""
+    from fedge.zoo import PRESETS
+    from fedge.zoo.build import build_zoo, draft_only
+
+    copy = ZooPaths(tmp_path / "zoo")
+    shutil.copytree(micro_zoo.root, copy.root)
+    weights = copy.target_dir / "model.safetensors"
+    before = (weights.read_bytes(), weights.stat().st_mtime_ns)
+    micro = get_preset("micro")
+    fewer = replace(micro, draft_train=replace(micro.draft_train, steps=7, warmup_steps=2))
+    assert draft_only(copy, fewer)
+    assert not draft_only(copy, replace(fewer, context=micro.context * 2))
+    monkeypatch.setitem(PRESETS, "micro", fewer)
+
+    build_zoo("micro", copy.root, console=Console(file=io.StringIO()))
+
+    assert (weights.read_bytes(), weights.stat().st_mtime_ns) == before
+    assert json.loads((copy.draft_dir / "training.json").read_text())["training_steps"] == 7
+    assert stale_settings(copy, fewer) == []
+    assert zoo_problems(copy) == []
