@@ -29,12 +29,13 @@ RESULTS_FILE = Path(__file__).resolve().parent / "results" / "draft_any.json"
 def main() -> None:
     from fedge.paths import fedge_home
     from fedge.zoo.draft import DraftSpec, build_draft
+    from fedge.zoo.presets import DRAFT_MINUTES
 
     defaults = DraftSpec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=fedge_home() / "models" / "smollm2-135m")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--minutes", type=float, default=DRAFT_MINUTES)
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--last-layers", type=int, default=defaults.last_layers)
     parser.add_argument("--vocab", type=int, default=defaults.vocab)

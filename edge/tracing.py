@@ -20,6 +20,7 @@ exporting to OTLP (gRPC), the console, or nowhere (`none`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -122,12 +123,21 @@ def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> gr
     from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
 
     interceptor = client_interceptor(tracer_provider=provider, filter_=_not_health)
-    keeping = type(
+    keeping = _keep_stream_call_class()
+    return grpcext.intercept_channel(channel, keeping(interceptor))  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _keep_stream_call_class() -> type:
+    """`_KeepStreamCall` as grpcext's client interceptor classes, built once (grpcext comes with
+    the optional instrumentation, so it is imported only when tracing is on)."""
+    from opentelemetry.instrumentation.grpc import grpcext
+
+    return type(
         "KeepStreamCallInterceptor",
         (_KeepStreamCall, grpcext.UnaryClientInterceptor, grpcext.StreamClientInterceptor),
         {},
     )
-    return grpcext.intercept_channel(channel, keeping(interceptor))  # type: ignore[no-any-return]
 
 
 class _KeepStreamCall:

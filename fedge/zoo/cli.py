@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from fedge.zoo.build import build_zoo
-from fedge.zoo.presets import PRESETS, DraftSpec
+from fedge.zoo.presets import DRAFT_MINUTES, PRESETS, DraftSpec
 
 DRAFT = DraftSpec()  # the recipe's defaults, shown in --help
 
@@ -136,7 +136,9 @@ def draft(
     vocab: int = typer.Option(
         DRAFT.vocab, help="Restricted vocabulary: the N most used stdlib tokens."
     ),
-    minutes: float = typer.Option(10.0, help="Wall-time budget for distillation in this run."),
+    minutes: float = typer.Option(
+        DRAFT_MINUTES, help="Wall-time budget for distillation in this run."
+    ),
     steps: int = typer.Option(
         DRAFT.steps, help="Most steps; the learning rate decays over these or the time budget."
     ),

@@ -53,7 +53,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from fedge.lm.bos import bos_token_id, cut_windows, with_bos
 from fedge.manifest import write_manifest
-from fedge.zoo.presets import DraftSpec
+from fedge.zoo.presets import DRAFT_MINUTES, DraftSpec
 from fedge.zoo.training import (
     _make_optimizer,
     autocast_context,
@@ -244,7 +244,7 @@ def build_draft(
     target_dir: Path,
     out: Path,
     spec: DraftSpec | None = None,
-    minutes: float = 10.0,
+    minutes: float = DRAFT_MINUTES,
     resume: bool = False,
     progress: ProgressFn | None = None,
     stop_after: int | None = None,

@@ -139,6 +139,9 @@ def get_preset(name: str) -> ZooPreset:
         raise ValueError(f"Unknown zoo preset {name!r}; choose one of {sorted(PRESETS)}.") from None
 
 
+DRAFT_MINUTES = 10.0  # a draft build's wall-time budget when none is given
+
+
 @dataclass(frozen=True)
 class DraftSpec:
     """What determines a draft build (a resumed build must use the same)."""
