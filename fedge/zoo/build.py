@@ -74,13 +74,19 @@ def zoo_problems(paths: ZooPaths) -> list[str]:
     return verify_manifest(paths.target_dir) + verify_manifest(paths.draft_dir)
 
 
-def stale_settings(paths: ZooPaths, preset: ZooPreset) -> list[str]:
-    """Preset settings that differ between the built card and the code (fields the card has)."""
+def _settings(
+    paths: ZooPaths, preset: ZooPreset
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The built card's preset settings, the code's, and the fields the card has that differ."""
     built = paths.card.get("preset_config", {})
     current = json.loads(json.dumps(asdict(preset)))
-    return [
-        f"{k}: built {built[k]!r}, now {current[k]!r}" for k in built if built[k] != current.get(k)
-    ]
+    return built, current, [k for k in built if built[k] != current.get(k)]
+
+
+def stale_settings(paths: ZooPaths, preset: ZooPreset) -> list[str]:
+    """Preset settings that differ between the built card and the code (fields the card has)."""
+    built, current, changed = _settings(paths, preset)
+    return [f"{k}: built {built[k]!r}, now {current[k]!r}" for k in changed]
 
 
 # Preset fields only the draft stage (and the card) depends on: the target, its tokenizer and
@@ -93,10 +99,8 @@ DRAFT_FIELDS = frozenset(
 
 def draft_only(paths: ZooPaths, preset: ZooPreset) -> bool:
     """Whether the built zoo differs from `preset` only in draft fields (see `DRAFT_FIELDS`)."""
-    built = paths.card.get("preset_config", {})
-    current = json.loads(json.dumps(asdict(preset)))
-    changed = {k for k in {*built, *current} if built.get(k) != current.get(k)}
-    return bool(changed) and changed <= DRAFT_FIELDS
+    _, _, changed = _settings(paths, preset)
+    return bool(changed) and set(changed) <= DRAFT_FIELDS
 
 
 def _keep_target_only(paths: ZooPaths) -> None:
