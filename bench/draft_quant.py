@@ -116,7 +116,7 @@ def zoo_draft(preset: str, prompts: int, new_tokens: int, reps: int, work: Path)
 
     zoo = ensure_zoo(preset)
     pool = heldout_prompts(load_tokenizer(zoo.target_dir), 8 + prompts, PROMPT_TOKENS)
-    manifest = export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig())
+    manifest = export_draft(zoo.draft_dir, work / "draft", pool[:8], ExportConfig(), zoo.target_dir)
     valid = [v for v in VARIANTS if manifest["variants"][v]["valid"]]
     runtimes = {v: load_draft_runtime(work / "draft", f"onnx-{v}", threads=1) for v in valid}
     ms = decode_step_ms(runtimes, reps)

@@ -921,7 +921,7 @@ def main() -> None:
         finish(result, started, args)
         return
     work = Path(tempfile.mkdtemp(prefix="fedge-bench-edge-"))
-    manifest = export_draft(draft_dir, work / "draft", pool[:8], ExportConfig())
+    manifest = export_draft(draft_dir, work / "draft", pool[:8], ExportConfig(), target_dir)
     runtime = load_draft_runtime(work / "draft", "auto", threads=1)
     result["draft_runtime"] = runtime.name
     result["draft_step_ms_by_variant"] = {

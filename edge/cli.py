@@ -67,16 +67,32 @@ def export_command(
     ] = True,
     prompts: Annotated[int, typer.Option(help="Held-out validation prompts.")] = 8,
     prompt_len: Annotated[int, typer.Option(help="Tokens per validation prompt.")] = 32,
+    target: Annotated[
+        Path | None,
+        typer.Option(
+            help="The model the draft proposes for: quantized variants are then judged by their "
+            "agreement with it. Default: the zoo's target, or the one a `fedge models draft` "
+            "card names."
+        ),
+    ] = None,
 ) -> None:
     """Export MODEL_DIR to ONNX with KV-cache tensors, quantize (int8, 4-bit), validate, write a manifest."""
     from fedge.edge.export import ExportConfig, ExportValidationError, export_draft
     from fedge.edge.prompts import heldout_prompts
     from fedge.models import load_tokenizer
+    from fedge.zoo.draft import draft_target
 
     if model_dir is None:
         from fedge.zoo import ensure_zoo
 
-        model_dir = ensure_zoo(preset).draft_dir
+        zoo = ensure_zoo(preset)
+        model_dir, target = zoo.draft_dir, target or zoo.target_dir
+    target = target or draft_target(model_dir)
+    _console.print(
+        f"quantized variants judged by agreement with the target {target}"
+        if target
+        else "no target known (--target): quantized variants judged by fidelity to the fp32 draft"
+    )
     tokenizer = load_tokenizer(model_dir)
     with _console.status(f"exporting {model_dir} to {out}"):
         try:
@@ -85,6 +101,7 @@ def export_command(
                 out,
                 heldout_prompts(tokenizer, prompts, prompt_len),
                 ExportConfig(quantize=quantize),
+                target,
             )
         except ExportValidationError as err:
             _console.print(f"[red]{err}[/red]")
@@ -99,7 +116,12 @@ def export_command(
             f"{name}: {state} max|Δlogit| {variant['max_abs_logit_diff']:.3g} "
             f"(relative {variant['relative_logit_error']:.3g}) "
             f"greedy agreement {variant['greedy_agreement']:.3f} "
-            f"decode {variant['decode_step_s'] * 1e3:.2f} ms/token, {variant['bytes']} bytes"
+            + (
+                f"with the target {variant['target_agreement']:.3f} "
+                if "target_agreement" in variant
+                else ""
+            )
+            + f"decode {variant['decode_step_s'] * 1e3:.2f} ms/token, {variant['bytes']} bytes"
         )
     _console.print(f"manifest: {out / 'manifest.json'}")
 

@@ -82,7 +82,9 @@ def edge_stage(
     prompts = [prompt for prompt, _ in examples]
     stop = tokenizer.eos_token_id  # the shown completions end with the turn (speed rows run on)
     with console.status("exporting the draft to ONNX (fp32, int8, int4) and validating it"):
-        manifest = export_draft(draft_dir, run_dir / "draft", prompts[:validation], ExportConfig())
+        manifest = export_draft(
+            draft_dir, run_dir / "draft", prompts[:validation], ExportConfig(), target_dir
+        )
     quantized = manifest["variants"].get("int4", {}).get("valid", False)
     runtime = load_draft_runtime(run_dir / "draft", "onnx-int4" if quantized else "auto")
     console.print(_variants_table(manifest))

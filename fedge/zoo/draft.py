@@ -412,6 +412,15 @@ def build_draft(
     return card
 
 
+def draft_target(draft_dir: Path) -> Path | None:
+    """The target a draft built here was distilled from (its card's `target`), if still there."""
+    card = Path(draft_dir) / CARD_NAME
+    if not card.is_file():
+        return None
+    target = Path(json.loads(card.read_text())["target"])
+    return target if target.is_dir() else None
+
+
 def _prompt_len(spec: DraftSpec, bos: int | None) -> int:
     return spec.prompt_tokens + (1 if bos is not None else 0)
 

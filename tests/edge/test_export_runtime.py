@@ -194,3 +194,87 @@ def test_large_logit_scale_is_judged_relative_to_the_scale(
 def test_export_config_names_the_bad_field() -> None:
     with pytest.raises(ValueError, match=r"ExportConfig.int8_min_agreement must lie in"):
         ExportConfig(int8_min_agreement=1.5)
+
+
+def test_with_the_target_known_each_variant_is_measured_against_the_targets_greedy_path(
+    micro_zoo: ZooPaths, micro_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """The fp32 graph's agreement with the target, stepped through its KV cache, equals the torch
+    draft's teacher-forced agreement on the target's own greedy continuations."""
+    import torch
+
+    from fedge.models import load_causal_lm
+    from fedge.zoo.draft import path_agreement, target_paths
+
+    prompts = micro_prompts[8:12]
+    config = ExportConfig(steps=4, timing_steps=1, target_steps=12)
+    manifest = export_draft(micro_zoo.draft_dir, tmp_path, prompts, config, micro_zoo.target_dir)
+    assert manifest["validation"]["quantized_judged_by"] == "agreement with the target"
+    assert manifest["validation"]["target"] == str(micro_zoo.target_dir.resolve())
+    target = load_causal_lm(micro_zoo.target_dir).eval()
+    draft = load_causal_lm(micro_zoo.draft_dir).eval()
+    expected = np.mean(
+        [
+            path_agreement(draft, target_paths(target, torch.tensor([p]), 12), len(p))
+            for p in prompts
+        ]
+    )
+    assert manifest["variants"]["fp32"]["target_agreement"] == pytest.approx(expected)
+    for variant in ("int8", "int4"):
+        entry = manifest["variants"][variant]
+        floor = manifest["variants"]["fp32"]["target_agreement"] - config.max_target_agreement_drop
+        assert entry["valid"] == (entry["target_agreement"] >= floor and not entry["failures"])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_judging_a_variant_uses_the_target_bar_only_for_quantized_variants(seed: int) -> None:
+    """Random figures: with the target known a quantized variant fails exactly when its target
+    agreement falls more than the allowed drop below fp32's or its logit error passes the limit,
+    whatever its agreement with the fp32 draft; fp32, or any variant without a target, is held
+    to agreement with the torch draft."""
+    from fedge.edge.export import judge_variant
+
+    rng = np.random.default_rng(seed)
+    config = ExportConfig(max_target_agreement_drop=float(rng.uniform(0, 0.1)))
+    fp32_target = float(rng.uniform(0.2, 0.9))
+    for variant in ("fp32", "int8", "int4"):
+        max_error, min_agree = config.limits(variant)
+        figures = {
+            "relative_logit_error": float(rng.uniform(0, 2 * max_error)),
+            "max_abs_logit_diff": float(rng.uniform(0, 10)),
+            "greedy_agreement": float(rng.uniform(0.5, 1.0)),
+            "target_agreement": float(rng.uniform(fp32_target - 0.2, fp32_target + 0.05)),
+        }
+        error_ok = figures["relative_logit_error"] <= max_error
+        fidelity_ok = figures["greedy_agreement"] >= min_agree
+        target_ok = figures["target_agreement"] >= fp32_target - config.max_target_agreement_drop
+        with_target = judge_variant(variant, figures, config, fp32_target)
+        without = judge_variant(variant, figures, config, None)
+        assert (not without) == (error_ok and fidelity_ok)
+        judged_ok = error_ok and (fidelity_ok if variant == "fp32" else target_ok)
+        assert (not with_target) == judged_ok, (variant, figures, with_target)
+        if not target_ok and variant != "fp32":
+            assert any(f.startswith("target_agreement") for f in with_target)
+
+
+def test_the_export_command_says_what_judges_the_quantized_variants(
+    micro_zoo: ZooPaths, tmp_path: Path
+) -> None:
+    """Without a target the command says the quantized variants are judged by fidelity to the
+    fp32 draft; given one, by agreement with it, and the manifest names it."""
+    from typer.testing import CliRunner
+
+    from fedge.cli.main import app
+
+    base = ["edge", "export", str(micro_zoo.draft_dir), "--prompts", "2", "--no-quantize"]
+    plain = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "plain")])
+    assert plain.exit_code == 0, plain.output
+    assert "judged by fidelity to the fp32 draft" in " ".join(plain.output.split())
+    judged = CliRunner().invoke(
+        app, [*base, "--out", str(tmp_path / "t"), "--target", str(micro_zoo.target_dir)]
+    )
+    assert judged.exit_code == 0, judged.output
+    assert "judged by agreement with the target" in " ".join(judged.output.split())
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert manifest["validation"]["target"] == str(micro_zoo.target_dir.resolve())
+    assert "target_agreement" in manifest["variants"]["fp32"]
