@@ -320,11 +320,7 @@ def per_request(
                         fixed[route] = run(route, edge)
                 if tuple(args.routes) != ROUTES:  # a reduced run: those routes, no router
                     out[f"{rtt:g}ms"] = {**fixed}
-                    print(
-                        f"rtt {rtt:g} ms: "
-                        + ", ".join(f"{r} {fixed[r]['tokens_per_s']:.0f}/s" for r in fixed),
-                        file=sys.stderr,
-                    )
+                    print_rtt(rtt, fixed)
                     continue
                 chosen = run(None, learner)
                 out[f"{rtt:g}ms"] = {
@@ -341,13 +337,16 @@ def per_request(
                     out["cloud_only_0ms_over_plain_hf_greedy"] = fixed["cloud-only"][
                         "over_plain_hf_greedy"
                     ]
-                print(
-                    f"rtt {rtt:g} ms: "
-                    + ", ".join(f"{r} {fixed[r]['tokens_per_s']:.0f}/s" for r in ROUTES)
-                    + f", router {chosen['tokens_per_s']:.0f}/s via {chosen['routes']}",
-                    file=sys.stderr,
-                )
+                print_rtt(rtt, fixed, chosen)
     return out, router
+
+
+def print_rtt(rtt: float, fixed: dict[str, Any], chosen: dict[str, Any] | None = None) -> None:
+    """One progress line: each route's tokens/s at this RTT, and the router's when it ran."""
+    line = ", ".join(f"{r} {fixed[r]['tokens_per_s']:.0f}/s" for r in fixed)
+    if chosen is not None:
+        line += f", router {chosen['tokens_per_s']:.0f}/s via {chosen['routes']}"
+    print(f"rtt {rtt:g} ms: {line}", file=sys.stderr)
 
 
 def speculative_floor(
