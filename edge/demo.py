@@ -223,10 +223,18 @@ def _from_line_start(prompt: str) -> str:
 
 
 def _variants_table(manifest: dict[str, Any]) -> Table:
-    """Each exported variant: valid, agreement with the torch draft, decode step, size."""
+    """Each exported variant: valid, agreement with the torch draft and the target, decode step, size."""
     table = wrapping_table(
         "draft exports (ONNX Runtime, one decode step after a short prefill)",
-        ("variant", "valid", "agreement with torch", "decode ms", "vs fp32", "bytes"),
+        (
+            "variant",
+            "valid",
+            "agreement with torch",
+            "with the target",
+            "decode ms",
+            "vs fp32",
+            "bytes",
+        ),
     )
     fp32 = manifest["variants"]["fp32"]["decode_step_s"]
     for name, v in manifest["variants"].items():
@@ -234,6 +242,7 @@ def _variants_table(manifest: dict[str, Any]) -> Table:
             name,
             "yes" if v["valid"] else "NO",
             f"{v['greedy_agreement']:.3f}",
+            f"{v['target_agreement']:.3f}" if "target_agreement" in v else "-",
             f"{v['decode_step_s'] * 1e3:.3f}",
             f"{fp32 / v['decode_step_s']:.2f}x",
             f"{v['bytes']:,}",
