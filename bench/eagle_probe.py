@@ -309,6 +309,7 @@ def main() -> None:
     specials = [tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id]
     ids_np = restricted_vocabulary(train, vocab_size, 8192, [t for t in specials if t is not None])
     ids = torch.from_numpy(ids_np)
+    coverage = float(np.isin(heldout, ids_np).mean())
     head_rows = target.get_output_embeddings().weight.detach()[ids]
     features = Features(target, head_rows)
     probe = torch.from_numpy(cut_windows(train, [0], 16, bos))
@@ -442,6 +443,7 @@ def main() -> None:
         "loss": "smooth_l1(g, f_next) + 0.1 * CE(head logits, target softmax over restricted rows)",
         "noise": f"U(-{NOISE}, {NOISE}) x feature std on input features",
         "restricted_vocab": len(ids_np),
+        "restricted_vocab_heldout_coverage": coverage,
         "head_parameters_trained": sum(p.numel() for p in trainable),
         "lr": args.lr,
         "batch": args.batch,
