@@ -51,7 +51,6 @@ from torch import nn
 from bench._common import loadavg, rounded, write_result
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "eagle_probe.json"
-CLS_WEIGHT = 0.1  # EAGLE-1's weight on the classification loss (regression weight 1.0)
 NOISE = 0.1  # uniform input noise, in units of the feature's standard deviation
 
 
@@ -289,6 +288,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--max-draft", type=int, default=16)
+    parser.add_argument(
+        "--cls-weight", type=float, default=0.1, help="EAGLE-1: 0.1 (regression weight 1.0)"
+    )
+    parser.add_argument(
+        "--std-units",
+        action="store_true",
+        help="regress g / feature std on f / feature std (EAGLE-1: raw features)",
+    )
     parser.add_argument("--save-head", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS_FILE)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script runs")
@@ -370,9 +377,10 @@ def main() -> None:
             noisy = feats[:, :-1] + (torch.rand_like(feats[:, :-1]) * 2 - 1) * NOISE * feat_std
             g, _ = head(noisy, tokens[:, 1:], 0)
             logits = head.logits(g).float()
-        regression = F.smooth_l1_loss(g.float(), feats[:, 1:])
+        scale = feat_std if args.std_units else 1.0
+        regression = F.smooth_l1_loss(g.float() / scale, feats[:, 1:] / scale)
         classification = -(teacher[:, 1:].softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
-        loss = regression + CLS_WEIGHT * classification
+        loss = regression + args.cls_weight * classification
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
@@ -428,6 +436,7 @@ def main() -> None:
         layer_skip["layers"] = int(draft.config.num_hidden_layers)
         print(f"layer-skip: {rounded(layer_skip)}", file=sys.stderr, flush=True)
 
+    units = " / feature std" if args.std_units else ""
     width = int(target.config.hidden_size)
     head_cost = draft_cost(target.config, 1, len(ids_np))
     head_macs = head_cost["draft_macs_per_token"] + 2 * width * width
@@ -440,7 +449,8 @@ def main() -> None:
         "feature": "pre-norm output of the target's last decoder layer (forward hook)",
         "hidden_states_last_in_this_transformers": hidden_states_last,
         "feature_std": feat_std,
-        "loss": "smooth_l1(g, f_next) + 0.1 * CE(head logits, target softmax over restricted rows)",
+        "loss": f"smooth_l1(g{units}, f_next{units}) + {args.cls_weight} * CE(head logits, "
+        "target softmax over restricted rows)",
         "noise": f"U(-{NOISE}, {NOISE}) x feature std on input features",
         "restricted_vocab": len(ids_np),
         "restricted_vocab_heldout_coverage": coverage,
