@@ -24,7 +24,7 @@ forwards (one forward gives every position's feature, no generation), so data is
   (c) the same for the layer-skip draft (its own token-only greedy continuation);
   per-position acceptance i = 0..7 for both; cost per token in multiply-adds.
 
-Usage: ``python bench/eagle_probe.py [--minutes 40] [--draft /tmp/w/draft4k] [--smoke]``; the
+Usage: ``python bench/eagle_probe.py [--minutes 40] [--draft $FEDGE_HOME/models/smollm2-135m-draft] [--smoke]``; the
 last line printed is one JSON object, also written to ``bench/results/eagle_probe.json``.
 """
 
@@ -279,7 +279,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=fedge_home() / "models" / "smollm2-135m")
-    parser.add_argument("--draft", type=Path, default=Path("/tmp/w/draft4k"))
+    parser.add_argument(
+        "--draft", type=Path, default=fedge_home() / "models" / "smollm2-135m-draft"
+    )
     parser.add_argument("--minutes", type=float, default=40.0)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--batch", type=int, default=8)
