@@ -425,6 +425,18 @@ def _reference(
     return ids[len(prompt) :], full
 
 
+def step_rows(
+    runtime: OnnxDraftRuntime, prompt: Sequence[int], continuation: Sequence[int]
+) -> np.ndarray:
+    """[len(continuation), V]: the variant's scores for each continuation token, prefilling the
+    prompt and then feeding the continuation one cached token at a time."""
+    runtime.reset()
+    rows = [runtime.extend(list(prompt))]
+    for token in continuation[:-1]:
+        rows.append(runtime.extend([token]))
+    return np.stack(rows)
+
+
 def validate_variant(
     runtime: OnnxDraftRuntime, references: list[tuple[list[int], list[int], np.ndarray]]
 ) -> dict[str, float]:
@@ -436,18 +448,14 @@ def validate_variant(
     """
     worst, worst_relative, agree, total = 0.0, 0.0, 0, 0
     for prompt, continuation, full in references:
-        runtime.reset()
-        rows = [runtime.extend(prompt)]
-        for token in continuation[:-1]:
-            rows.append(runtime.extend([token]))
-        onnx_rows = np.stack(rows)  # [steps, V]: scores of each continuation token
-        torch_rows = full[len(prompt) - 1 : len(prompt) - 1 + len(rows)]
+        onnx_rows = step_rows(runtime, prompt, continuation)
+        torch_rows = full[len(prompt) - 1 : len(prompt) - 1 + len(onnx_rows)]
         error = np.abs(onnx_rows - torch_rows).max(axis=-1)
         spread = np.maximum(torch_rows.max(axis=-1) - torch_rows.min(axis=-1), 1e-12)
         worst = max(worst, float(error.max()))
         worst_relative = max(worst_relative, float((error / spread).max()))
         agree += int((onnx_rows.argmax(-1) == torch_rows.argmax(-1)).sum())
-        total += len(rows)
+        total += len(onnx_rows)
     return {
         "max_abs_logit_diff": worst,
         "relative_logit_error": worst_relative,
@@ -476,11 +484,8 @@ def target_agreement(runtime: OnnxDraftRuntime, paths: list[tuple[list[int], lis
     """Share of the target's greedy tokens the variant predicts, stepping along the target's path."""
     agree, total = 0, 0
     for prompt, continuation in paths:
-        runtime.reset()
-        rows = [runtime.extend(prompt)]
-        for token in continuation[:-1]:
-            rows.append(runtime.extend([token]))
-        agree += int((np.stack(rows).argmax(-1) == np.array(continuation)).sum())
+        rows = step_rows(runtime, prompt, continuation)
+        agree += int((rows.argmax(-1) == np.array(continuation)).sum())
         total += len(continuation)
     return agree / total
 
