@@ -120,10 +120,12 @@ def test_rollout_refuses_misfit_rolls_back_bad_promotes_good(
             max_window_s=60.0,
             poll_s=0.2,
             warmup_s=2.0,
-            # latency is judged per work token on each replica's own measure, after the
-            # canary's warm-up (`rollout.speed_ratio`): the default 1.5x holds under load. With
-            # the ingress's p50 judged at 5x, a good canary was rolled back under the suite's
-            # load (315.9 > 207.8 ms, stable 40.6): its one replica took half the sessions.
+            # Acceptance decides here; the latency rule is tested on recorded figures
+            # (tests/fleet/test_policies.py). On the suite's 2 shared cores a fresh canary
+            # replica serving an adapter of the stable's cost measured 3.0x, 2.63x and 1.60x
+            # the stable's service time per work token (p50 45.9 vs 21.7 ms), and each time a
+            # fresh-clone `make test` rolled the good adapter back on latency.
+            max_latency_ratio=10.0,
         )
         return run_rollout(fleet.ingress, fleet.config.key(), config)
 
