@@ -296,13 +296,14 @@ class VerifierReplica:
         engine = server.engine if server is not None else None
         return len(engine.sessions) if engine is not None else 0
 
-    def speed_report(self, **hints: object) -> dict[str, float]:
-        """This replica's own seconds per work token per kind of call (`ReplicaSpeed.report`):
-        its speed behind every call in flight here, whatever share of the load it got."""
+    def speed_report(self, **hints: object) -> dict[str, tuple[float, float]]:
+        """This replica's own seconds per work token per kind of call, each with the standard
+        error of its logarithm (`ReplicaSpeed.report_with_noise`): its speed behind every call
+        in flight here, whatever share of the load it got, and how far its calls spread."""
         pin = self._pinned_elsewhere(hints)
         if pin:
             raise LookupError(f"replica {pin} is gone")
-        return self.speed.report()
+        return {kind: (s.seconds, s.log_se) for kind, s in self.speed.report_with_noise().items()}
 
     def slowed_by(self, **hints: object) -> float:
         """How many times as late this replica answers (bench: the slowed one; else 1.0)."""

@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from fedge.edge.fleet.adapters import check_adapter
+from fedge.edge.fleet.speed import Speed
 
 LOG = logging.getLogger("fedge.fleet")
 DECISION_FILE = "rollout.json"
 NOISE_Z = 2.0  # a drop within 2 standard errors (over sessions) of the tolerance is forgiven
 LATENCY_FLOOR_MS = 5.0  # p99 differences below this are noise on a shared CPU
-Speeds = dict[str, float]  # seconds per work token per kind of call (`speed.call_kind`)
+Speeds = dict[str, Speed]  # seconds per work token (and its noise) per kind of call
 
 
 @dataclass(frozen=True)
@@ -82,18 +83,28 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.warmup_s must be >= 0, got {self.warmup_s}")
 
 
-def speed_ratio(stable: Speeds, canary: Speeds) -> float | None:
-    """The canary's service time over the stable's: the median, over the kinds of call both
-    arms measured, of the canary's seconds per work token over the stable's (None: no kind
-    in common). Per work token (the call and what it waited behind on its replica), so the
-    arms are compared like for like whatever share of the load each replica got; the median
-    over kinds and each speed's median over its last calls (`SpeedMeter`) absorb a stall."""
-    ratios = [canary[k] / stable[k] for k in set(stable) & set(canary) if stable[k] > 0]
-    if not ratios:
+def speed_ratio(stable: Speeds, canary: Speeds) -> tuple[float, float] | None:
+    """The canary's service time over the stable's, and the standard error of its logarithm.
+
+    The median, over the kinds of call both arms measured, of the canary's seconds per work
+    token over the stable's (None: no kind in common). Per work token (the call and what it
+    waited behind on its replica), so the arms are compared like for like whatever share of
+    the load each replica got; the median over kinds and each speed's median over its last
+    calls (`SpeedMeter`) absorb a stall. The noise is the two arms' (`Speed.log_se`) combined,
+    for the kind (or the two kinds, averaged) the median falls on.
+    """
+    common = sorted(
+        (canary[k].seconds / stable[k].seconds, math.hypot(stable[k].log_se, canary[k].log_se))
+        for k in set(stable) & set(canary)
+        if stable[k].seconds > 0
+    )
+    if not common:
         return None
-    ratios.sort()
-    middle = len(ratios) // 2
-    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    middle = len(common) // 2
+    if len(common) % 2:
+        return common[middle]
+    (low, low_se), (high, high_se) = common[middle - 1], common[middle]
+    return (low + high) / 2, (low_se + high_se) / 2
 
 
 def decide(
@@ -106,7 +117,9 @@ def decide(
 
     Latency: with the replicas' speeds (`speeds`: stable's, canary's) in common kinds, the
     canary's service time per work token (`speed_ratio`) may be `max_latency_ratio` times the
-    stable's; the ingress's p50/p99, which count queueing behind other calls on a replica
+    stable's, widened by its noise as acceptance is (`NOISE_Z` standard errors of the ratio's
+    logarithm: a good canary measured 1.60x on a few spread calls on a shared CPU); the
+    ingress's p50/p99, which count queueing behind other calls on a replica
     that got more of the load (one canary replica beside N stable ones), do not decide alone:
     a canary is rolled back on latency only when it is also slower at the p50 the devices see
     (a fresh replica's few calls on a shared CPU measured a good adapter 2.63x slower per work
@@ -139,14 +152,16 @@ def decide(
             f"error rate {canary['error_rate']:.3f} vs stable {stable['error_rate']:.3f} "
             f"(rise {rise:.3f} > {config.max_error_rate_rise})"
         )
-    ratio = None if speeds is None else speed_ratio(*speeds)
-    if ratio is not None:
+    measured = None if speeds is None else speed_ratio(*speeds)
+    if measured is not None:
+        ratio, log_se = measured
         slower_end_to_end = canary["latency_p50_ms"] > stable["latency_p50_ms"]
-        if ratio > config.max_latency_ratio and slower_end_to_end:
+        allowed = config.max_latency_ratio * math.exp(NOISE_Z * log_se)
+        if ratio > allowed and slower_end_to_end:
             reasons.append(
                 f"service time {ratio:.2f}x the stable's per work token > "
-                f"{config.max_latency_ratio} (p50 {canary['latency_p50_ms']:.1f} vs "
-                f"{stable['latency_p50_ms']:.1f} ms)"
+                f"{config.max_latency_ratio} x noise {allowed / config.max_latency_ratio:.2f} "
+                f"(p50 {canary['latency_p50_ms']:.1f} vs {stable['latency_p50_ms']:.1f} ms)"
             )
     else:
         for key in ("latency_p50_ms", "latency_p99_ms"):
@@ -155,7 +170,7 @@ def decide(
                 reasons.append(f"{key} {canary[key]:.1f} > {limit:.1f} (stable {stable[key]:.1f})")
     if reasons:
         return "rollback", reasons
-    service = "" if ratio is None else f", service time {ratio:.2f}x"
+    service = "" if measured is None else f", service time {measured[0]:.2f}x"
     return "promote", [
         f"acceptance {ours:.3f} vs {theirs:.3f} per session, error rate "
         f"{canary['error_rate']:.3f} vs {stable['error_rate']:.3f}, p99 "
@@ -181,15 +196,15 @@ def app_speeds(app: str) -> Speeds:
     from fedge.edge.fleet.wire import ROUTE_PIN
 
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app)
-    by_kind: dict[str, list[float]] = {}
+    by_kind: dict[str, list[Speed]] = {}
     for replica in replica_actors(app):
         try:
             report = handle.speed_report.remote(**{ROUTE_PIN: replica}).result(timeout_s=30)
         except Exception as err:  # stopped meanwhile, or too busy to answer: not counted
             LOG.warning("speed of replica %s of %s: %r", replica, app, err)
             continue
-        for kind, seconds in dict(report).items():
-            by_kind.setdefault(kind, []).append(float(seconds))
+        for kind, (seconds, log_se) in dict(report).items():
+            by_kind.setdefault(kind, []).append(Speed(float(seconds), float(log_se)))
     return {kind: sorted(v)[len(v) // 2] for kind, v in by_kind.items()}
 
 

@@ -8,11 +8,12 @@ stats (`SPEEDS`), since only the replica sees its whole queue.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
 SPEED_SAMPLES = 15  # a replica's seconds per work token on a kind of call: median of its last calls
@@ -21,7 +22,15 @@ SPEED_MAX_AGE_S = 60.0  # a speed not heard of for this long is forgotten and me
 CALL_TOKENS = (
     32  # a call's fixed cost in token positions (pass + relay on an overhead-bound target)
 )
+MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)  # a median's standard error over a mean's (normal)
 K = TypeVar("K", bound=Hashable)  # what a speed is kept per: a kind, or (replica, kind)
+
+
+class Speed(NamedTuple):
+    """A measured speed and how far to trust it."""
+
+    seconds: float  # median seconds per work token over the last calls
+    log_se: float  # standard error of its logarithm (the calls' spread; 0 when they agree)
 
 
 def call_kind(method: str, tokens: int) -> str:
@@ -50,11 +59,13 @@ class SpeedMeter(Generic[K]):
     A key not heard of within `SPEED_MAX_AGE_S` is forgotten (one set by hand in `speed`
     never ages): a router can stop sending calls to a replica it measured slow, and without
     an age that replica stayed marked slow after it recovered. Forgotten, it counts as
-    unmeasured and its next calls measure it again.
+    unmeasured and its next calls measure it again. Each speed also keeps its noise
+    (`Speed.log_se`), so a comparison can tell a slower replica from a spread of calls.
     """
 
     def __init__(self) -> None:
         self.speed: dict[K, float] = {}  # median seconds per work token per key
+        self.log_se: dict[K, float] = {}  # the standard error of each median's logarithm
         self._samples: dict[K, deque[float]] = {}
         self._measured_at: dict[K, float] = {}  # each key's last sample's time
 
@@ -64,11 +75,13 @@ class SpeedMeter(Generic[K]):
         if now - self._measured_at.get(key, now) > SPEED_MAX_AGE_S:
             self._samples.pop(key, None)  # samples of another time: measure afresh
             self.speed.pop(key, None)
+            self.log_se.pop(key, None)
         samples = self._samples.setdefault(key, deque(maxlen=SPEED_SAMPLES))
         samples.append(seconds / work)
         self._measured_at[key] = now
         if len(samples) >= SPEED_MIN_SAMPLES:
             self.speed[key] = statistics.median(samples)
+            self.log_se[key] = median_log_se(samples)
 
     def current(self) -> dict[K, float]:
         """The speeds heard of within `SPEED_MAX_AGE_S`."""
@@ -79,12 +92,26 @@ class SpeedMeter(Generic[K]):
             if now - self._measured_at.get(key, now) <= SPEED_MAX_AGE_S
         }
 
+    def current_with_noise(self) -> dict[K, Speed]:
+        """`current`, each speed with the standard error of its logarithm."""
+        return {key: Speed(s, self.log_se.get(key, 0.0)) for key, s in self.current().items()}
+
     def keep(self, wanted: Callable[[K], bool]) -> None:
         """Forget every key but the `wanted` ones (e.g. a dead replica's)."""
         for key in [k for k in {*self.speed, *self._samples} if not wanted(k)]:
             self.speed.pop(key, None)
+            self.log_se.pop(key, None)
             self._samples.pop(key, None)
             self._measured_at.pop(key, None)
+
+
+def median_log_se(samples: Iterable[float]) -> float:
+    """The standard error of the median of `samples`' logarithms: their spread over the root
+    of their count, times `MEDIAN_SE_FACTOR` (seconds per token are skewed; logs are not)."""
+    logs = [math.log(max(s, 1e-12)) for s in samples]
+    if len(logs) < 2:
+        return 0.0
+    return MEDIAN_SE_FACTOR * statistics.stdev(logs) / math.sqrt(len(logs))
 
 
 class Ticket(NamedTuple):
@@ -142,3 +169,8 @@ class ReplicaSpeed:
         """Seconds per work token per kind of call, as `SpeedMeter.current` gives them."""
         with self._lock:
             return self._meter.current()
+
+    def report_with_noise(self) -> dict[str, Speed]:
+        """`report`, each speed with its noise (`Speed.log_se`): what a rollout compares on."""
+        with self._lock:
+            return self._meter.current_with_noise()
