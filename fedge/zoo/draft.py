@@ -268,7 +268,10 @@ def build_draft(
             if built.get(k) != wanted.get(k)
         }
         if changed:
-            raise ValueError(f"cannot resume {out}: settings differ from the build's {changed}")
+            raise ValueError(
+                f"cannot resume {out}: settings differ from the build's {changed} (as (build, "
+                f"now)); build with the build's settings, or delete {work} to start afresh"
+            )
     elif work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)

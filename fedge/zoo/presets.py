@@ -147,8 +147,12 @@ DRAFT_MINUTES = 10.0  # a draft build's wall-time budget when none is given
 class DraftSpec:
     """What determines a draft build (a resumed build must use the same)."""
 
-    layers: int = 2  # the target's first layers the draft starts from
-    last_layers: int = 1  # and its last layers (they turn a hidden state into a prediction)
+    # The target's first and last layers the draft starts from (the last turn a hidden state
+    # into a prediction). 4 + 2 of SmolLM2's 30 agreed with it 1.4 to 6.1 points more (3.2 on
+    # average) than 2 + 1 at steps 200 to 400 of the same recipe, for 15% more time a step;
+    # the draft's step stays a few ms on ONNX Runtime against a ~35 ms verify.
+    layers: int = 4
+    last_layers: int = 2
     vocab: int = 8192
     steps: int = 4000  # most steps; the learning rate decays over these or the time budget
     batch_size: int = 8
@@ -167,8 +171,10 @@ class DraftSpec:
     greedy_rows: int = 4096  # continuations cached in the build folder (0: windows only)
     greedy_prompt_tokens: int = 32
     greedy_tokens: int = 64  # generated per row; the loss is on these positions
-    greedy_batch: int = 32  # rows per generate call (and per cached chunk)
-    greedy_every: int = 8  # steps between chunks: 8 steps draw 32 greedy rows, one chunk's worth
+    # rows per generate call (and per cached chunk): SmolLM2 generates 176 tokens/s at 32 rows,
+    # 253 at 128 (2 cores), and generation is half of a build's time
+    greedy_batch: int = 128
+    greedy_every: int = 32  # steps between chunks: 32 steps draw 128 greedy rows, one chunk's worth
     greedy_share: float = 0.5  # of each training batch, the share of greedy rows
     top_k: int = 64  # teacher log-probs kept per generated position (restricted rows)
     seed: int = 0
