@@ -39,7 +39,9 @@ def test_greedy_speculative_decoding_over_grpc_equals_the_targets_generate(
     )
     server = BackgroundServer(config, target)
     port = server.start()
-    decode = DecodeConfig(max_new_tokens=NEW_TOKENS, draft_len=4, adaptive=False)
+    decode = DecodeConfig(
+        max_new_tokens=NEW_TOKENS, draft_len=4, adaptive=False, confidence_floor=0.0
+    )
     accepted = {}
     try:
         with VerifierClient(ClientConfig(f"127.0.0.1:{port}")) as client:

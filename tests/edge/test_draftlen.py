@@ -157,7 +157,10 @@ def test_decoder_drafts_what_the_objective_says_and_stays_exact(
     engine = VerifierEngine(micro_target, EngineConfig(max_draft=8, max_context=128)).start()
     try:
         decoder = SpeculativeDecoder(
-            TorchDraftRuntime(micro_draft), engine, DecodeConfig(max_new_tokens=16), est
+            TorchDraftRuntime(micro_draft),
+            engine,
+            DecodeConfig(max_new_tokens=16, confidence_floor=0.0),
+            est,
         )
         produced = decoder.generate(micro_prompts[6])
     finally:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedModel
 
-from fedge.edge.decoder import DecodeConfig, SpeculativeDecoder
+from fedge.edge.decoder import DecodeConfig, DraftSampler, SpeculativeDecoder
 from fedge.edge.runtime import TorchDraftRuntime
 from fedge.edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
 from fedge.edge.verifier.errors import InvalidRequest, Overloaded, SessionBusy, SessionNotFound
@@ -64,12 +66,44 @@ def test_perfect_draft_is_fully_accepted(
     decoder = SpeculativeDecoder(
         TorchDraftRuntime(micro_target),
         engine,
-        DecodeConfig(max_new_tokens=20, draft_len=4, adaptive=False),
+        DecodeConfig(max_new_tokens=20, draft_len=4, adaptive=False, confidence_floor=0.0),
     )
     produced = decoder.generate(micro_prompts[5])
     assert produced == target_greedy(micro_target, micro_prompts[5], 20)
     assert decoder.stats.acceptance == 1.0
     assert decoder.stats.rounds == 4  # 20 tokens at 5 per pass
+
+
+def test_an_unsure_draft_stops_drafting_early_and_stays_exact(
+    engine: VerifierEngine, micro_target: PreTrainedModel, micro_prompts: list[list[int]]
+) -> None:
+    """The target as its own draft, asked for 4 a round: every token is accepted, but the micro
+    target is unsure of most, so a confidence floor above its top probabilities drafts one a
+    round (`DecodeConfig.confidence_floor`: the first token is always drafted). Output stays
+    the target's greedy continuation, and a floor of 0 drafts all 4."""
+    runs = {}
+    for floor in (0.0, 0.99):
+        decoder = SpeculativeDecoder(
+            TorchDraftRuntime(micro_target),
+            engine,
+            DecodeConfig(max_new_tokens=20, draft_len=4, adaptive=False, confidence_floor=floor),
+        )
+        assert decoder.generate(micro_prompts[5]) == target_greedy(
+            micro_target, micro_prompts[5], 20
+        )
+        assert decoder.stats.acceptance == 1.0
+        runs[floor] = decoder.stats.draft_lengths
+    assert set(runs[0.0]) == {4}
+    assert set(runs[0.99]) == {1}
+
+
+def test_greedy_drafting_reports_the_drafts_top_probability() -> None:
+    logits = np.array([2.0, 0.5, -1.0, 2.0 - math.log(3.0)], dtype=np.float32)
+    token, q, dist = DraftSampler(0.0, 4, 0).choose(logits)
+    assert token == 0 and dist == ([], [])
+    assert q == pytest.approx(np.exp(2.0) / np.exp(logits.astype(np.float64)).sum())
+    with pytest.raises(ValueError, match="confidence_floor"):
+        DecodeConfig(confidence_floor=1.0)
 
 
 def test_concurrent_sessions_are_batched_and_still_exact(

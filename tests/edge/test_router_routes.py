@@ -72,7 +72,7 @@ def drive(
 ) -> list[RequestReport]:
     """`REQUESTS` requests through the proxy at `rtt_s`, each routed and learnt by `router`; a
     device is warm first (connected, each route run once with a router of its own)."""
-    decode = DecodeConfig(max_new_tokens=NEW_TOKENS)
+    decode = DecodeConfig(max_new_tokens=NEW_TOKENS, confidence_floor=0.0)  # the lengths asked
     reports = []
     with (
         NetworkEmulator(port, LinkConfig(rtt_s=rtt_s)) as netem,
