@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+if not __package__:  # run as `python bench/x.py`: put the repo root first (bench/_bootstrap.py)
+    import _bootstrap  # noqa: F401
+
 RESULTS = Path(__file__).parent / "results"
 BINS = [0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
 Rule = Callable[[int, float, float], bool]  # (drafted so far, product so far, next top prob)
