@@ -109,6 +109,12 @@ class DecodeStats:
         return self.rounds / self.tokens if self.tokens else 0.0
 
 
+def top_probability(logits: np.ndarray) -> float:
+    """The softmax probability of the best-scored token (the draft's confidence in its pick)."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    return float(1.0 / np.exp(shifted).sum())
+
+
 class DraftSampler:
     """Turns draft logits into a token plus what the verifier needs to judge it."""
 
@@ -118,12 +124,9 @@ class DraftSampler:
         self._rng = np.random.default_rng(seed)
 
     def choose(self, logits: np.ndarray) -> tuple[int, float, tuple[list[int], list[float]]]:
-        """Greedy: (argmax, its softmax probability, ([], [])). Sampling: a token from top-k
-        softmax, q(token), and q."""
+        """Greedy: (argmax, 1.0, ([], [])). Sampling: a token from top-k softmax, q(token), and q."""
         if self.temperature == 0.0:
-            best = int(np.argmax(logits))
-            shifted = logits.astype(np.float64) - float(logits[best])
-            return best, float(1.0 / np.exp(shifted).sum()), ([], [])
+            return int(np.argmax(logits)), 1.0, ([], [])
         k = min(self.top_k, logits.shape[0])
         support = np.argpartition(-logits, k - 1)[:k]
         scaled = logits[support].astype(np.float64) / self.temperature
@@ -216,9 +219,10 @@ class SpeculativeDecoder:
         logits = self.runtime.extend(committed[self.runtime.length :])
         for i in range(k):
             token, q, dist = sampler.choose(logits)
-            likely *= q
-            if i > 0 and likely < floor:
-                break
+            if floor:  # the softmax over the vocabulary only when a floor asks for it
+                likely *= top_probability(logits)
+                if i > 0 and likely < floor:
+                    break
             drafts.append(token)
             if sampler.temperature > 0:
                 probs.append(q)

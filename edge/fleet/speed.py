@@ -65,7 +65,6 @@ class SpeedMeter(Generic[K]):
 
     def __init__(self) -> None:
         self.speed: dict[K, float] = {}  # median seconds per work token per key
-        self.log_se: dict[K, float] = {}  # the standard error of each median's logarithm
         self._samples: dict[K, deque[float]] = {}
         self._measured_at: dict[K, float] = {}  # each key's last sample's time
 
@@ -75,13 +74,11 @@ class SpeedMeter(Generic[K]):
         if now - self._measured_at.get(key, now) > SPEED_MAX_AGE_S:
             self._samples.pop(key, None)  # samples of another time: measure afresh
             self.speed.pop(key, None)
-            self.log_se.pop(key, None)
         samples = self._samples.setdefault(key, deque(maxlen=SPEED_SAMPLES))
         samples.append(seconds / work)
         self._measured_at[key] = now
         if len(samples) >= SPEED_MIN_SAMPLES:
             self.speed[key] = statistics.median(samples)
-            self.log_se[key] = median_log_se(samples)
 
     def current(self) -> dict[K, float]:
         """The speeds heard of within `SPEED_MAX_AGE_S`."""
@@ -93,14 +90,16 @@ class SpeedMeter(Generic[K]):
         }
 
     def current_with_noise(self) -> dict[K, Speed]:
-        """`current`, each speed with the standard error of its logarithm."""
-        return {key: Speed(s, self.log_se.get(key, 0.0)) for key, s in self.current().items()}
+        """`current`, each speed with the standard error of its logarithm (from its samples,
+        computed here rather than on every call)."""
+        return {
+            key: Speed(s, median_log_se(self._samples[key])) for key, s in self.current().items()
+        }
 
     def keep(self, wanted: Callable[[K], bool]) -> None:
         """Forget every key but the `wanted` ones (e.g. a dead replica's)."""
         for key in [k for k in {*self.speed, *self._samples} if not wanted(k)]:
             self.speed.pop(key, None)
-            self.log_se.pop(key, None)
             self._samples.pop(key, None)
             self._measured_at.pop(key, None)
 

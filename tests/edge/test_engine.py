@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from fedge.edge.decoder import DecodeConfig, DraftSampler, SpeculativeDecoder
+from fedge.edge.decoder import DecodeConfig, DraftSampler, SpeculativeDecoder, top_probability
 from fedge.edge.runtime import TorchDraftRuntime
 from fedge.edge.verifier.engine import EngineConfig, Sampling, VerifierEngine
 from fedge.edge.verifier.errors import InvalidRequest, Overloaded, SessionBusy, SessionNotFound
@@ -99,9 +99,11 @@ def test_an_unsure_draft_stops_drafting_early_and_stays_exact(
 
 def test_greedy_drafting_reports_the_drafts_top_probability() -> None:
     logits = np.array([2.0, 0.5, -1.0, 2.0 - math.log(3.0)], dtype=np.float32)
-    token, q, dist = DraftSampler(0.0, 4, 0).choose(logits)
+    token, _, dist = DraftSampler(0.0, 4, 0).choose(logits)
     assert token == 0 and dist == ([], [])
-    assert q == pytest.approx(np.exp(2.0) / np.exp(logits.astype(np.float64)).sum())
+    assert top_probability(logits) == pytest.approx(
+        np.exp(2.0) / np.exp(logits.astype(np.float64)).sum()
+    )
     with pytest.raises(ValueError, match="confidence_floor"):
         DecodeConfig(confidence_floor=1.0)
 
