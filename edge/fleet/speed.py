@@ -59,8 +59,8 @@ class SpeedMeter(Generic[K]):
     A key not heard of within `SPEED_MAX_AGE_S` is forgotten (one set by hand in `speed`
     never ages): a router can stop sending calls to a replica it measured slow, and without
     an age that replica stayed marked slow after it recovered. Forgotten, it counts as
-    unmeasured and its next calls measure it again. Each speed also keeps its noise
-    (`Speed.log_se`), so a comparison can tell a slower replica from a spread of calls.
+    unmeasured and its next calls measure it again. A speed's noise (`Speed.log_se`, from
+    its samples) lets a comparison tell a slower replica from a spread of calls.
     """
 
     def __init__(self) -> None:
