@@ -271,7 +271,8 @@ def per_request(
     from fedge.edge.router import Router
     from fedge.simulations.netem import LinkConfig, NetworkEmulator
 
-    decode = DecodeConfig(max_new_tokens=args.new_tokens)
+    floor = {} if args.confidence_floor is None else {"confidence_floor": args.confidence_floor}
+    decode = DecodeConfig(max_new_tokens=args.new_tokens, **floor)
     out: dict[str, Any] = {}
     router = Router()
     with NetworkEmulator(server.port) as netem:
@@ -850,6 +851,12 @@ def main() -> None:
         "--regime-presets",
         default="",
         help="zoos whose verifier costs to measure (default: --preset's)",
+    )
+    parser.add_argument(
+        "--confidence-floor",
+        type=float,
+        default=None,
+        help="greedy drafting stops below this draft confidence (default: DecodeConfig's)",
     )
     parser.add_argument(
         "--results", default="", help="file name under bench/results (default edge.json)"

@@ -150,7 +150,8 @@ class DraftSpec:
     # The target's first and last layers the draft starts from (the last turn a hidden state
     # into a prediction). 4 + 2 of SmolLM2's 30 agreed with it 1.4 to 6.1 points more (3.2 on
     # average) than 2 + 1 at steps 200 to 400 of the same recipe, for 15% more time a step;
-    # the draft's step stays a few ms on ONNX Runtime against a ~35 ms verify.
+    # the draft's step stays a few ms on ONNX Runtime against a ~35 ms verify. 6 + 2 was level
+    # at equal build time (docs/draft.md).
     layers: int = 4
     last_layers: int = 2
     vocab: int = 8192
