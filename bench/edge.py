@@ -273,7 +273,7 @@ def per_request(
 
     floor = {} if args.confidence_floor is None else {"confidence_floor": args.confidence_floor}
     decode = DecodeConfig(max_new_tokens=args.new_tokens, **floor)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"confidence_floor": decode.confidence_floor}
     router = Router()
     with NetworkEmulator(server.port) as netem:
         target = f"127.0.0.1:{netem.port}"
