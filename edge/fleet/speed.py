@@ -93,7 +93,8 @@ class SpeedMeter(Generic[K]):
         """`current`, each speed with the standard error of its logarithm (from its samples,
         computed here rather than on every call)."""
         return {
-            key: Speed(s, median_log_se(self._samples[key])) for key, s in self.current().items()
+            key: Speed(s, median_log_se(self._samples.get(key, ())))  # set by hand: no noise
+            for key, s in self.current().items()
         }
 
     def keep(self, wanted: Callable[[K], bool]) -> None:

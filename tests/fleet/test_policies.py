@@ -754,6 +754,19 @@ def replica_speeds(
     return meter.current_with_noise()
 
 
+def test_a_speed_set_by_hand_reports_no_noise_and_a_measured_one_its_spread() -> None:
+    """`SpeedMeter.speed` may be set by hand (it then never ages); its noise is 0, not a
+    lookup of samples it never had (which raised KeyError once the noise was computed from the
+    samples), while measured speeds carry their samples' spread."""
+    meter: SpeedMeter[str] = SpeedMeter()
+    meter.speed["pinned"] = 0.01
+    for seconds in (0.01, 0.02, 0.01, 0.02, 0.01, 0.02):
+        meter.record("measured", seconds, 1)
+    noisy = meter.current_with_noise()
+    assert noisy["pinned"] == Speed(0.01, 0.0)
+    assert noisy["measured"].log_se > 0
+
+
 @pytest.mark.parametrize(
     ("slower", "decision"), [(1.0, "promote"), (1.2, "promote"), (3.0, "rollback")]
 )
