@@ -58,7 +58,7 @@ class DecodeConfig:
     # probability was < 0.2 and 96% where it was >= 0.9; replayed offline, 0.1 decoded ~9% faster
     # than the best fixed length (bench/results/draft_confidence.json), but live beside the
     # length estimator it measured 1.17x plain at RTT 0 against 1.30x without (0.97x against
-    # 0.91x at 20 ms): off until the estimator models the stop.
+    # 0.91x at 20 ms), and under a ceiling of max_draft 1.30x / 0.86x: off (docs/edge.md).
     confidence_floor: float = 0.0
     stop_token_id: int | None = None
 
