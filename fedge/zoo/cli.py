@@ -149,6 +149,11 @@ def draft(
         DRAFT.greedy_rows,
         help="The target's greedy continuations to distil on (generated once; 0: none).",
     ),
+    greedy_precision: str = typer.Option(
+        DRAFT.greedy_precision,
+        help="The target's precision generating them: auto (bf16 where the CPU runs it fast), "
+        "bf16 or fp32.",
+    ),
     resume: bool = typer.Option(False, help="Continue the build checkpointed in OUT."),
 ) -> None:
     """Build a draft for any target: its first and last layers, a restricted vocabulary, distilled on it."""
@@ -156,14 +161,19 @@ def draft(
 
     console = Console()
     destination = out or target.with_name(target.name + "-draft")
-    spec = DraftSpec(
-        layers=layers,
-        last_layers=last_layers,
-        vocab=vocab,
-        steps=steps,
-        eval_every=eval_every,
-        greedy_rows=greedy_rows,
-    )
+    try:
+        spec = DraftSpec(
+            layers=layers,
+            last_layers=last_layers,
+            vocab=vocab,
+            steps=steps,
+            eval_every=eval_every,
+            greedy_rows=greedy_rows,
+            greedy_precision=greedy_precision,
+        )
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
 
     def show(point: dict[str, object]) -> None:
         console.print(

@@ -23,6 +23,7 @@ from fedge.zoo.draft import (
     _greedy_data,
     build_draft,
     draft_layers,
+    greedy_generator,
     init_draft,
 )
 
@@ -123,33 +124,57 @@ def test_the_export_computes_only_the_restricted_rows_and_validates(
 def test_the_greedy_rows_are_the_targets_own_continuations_and_its_top_k(
     micro_zoo: ZooPaths, built: Path
 ) -> None:
-    """Sequence-level KD data: each cached row is a train prompt and the target's greedy
-    continuation; the recorded top-1 restricted token is the generated one where it is kept."""
+    """Sequence-level KD data: each cached row is a train prompt and the greedy continuation of
+    the target at the build's precision (regenerated chunk by chunk, the batches the build
+    used); the recorded top-1 restricted token is the generated one where it is kept."""
     from fedge.models import load_causal_lm
 
-    target = load_causal_lm(micro_zoo.target_dir).eval()
+    generator = greedy_generator(load_causal_lm(micro_zoo.target_dir).eval(), "auto")
+    card = json.loads((built / CARD_NAME).read_text())
+    assert card["data"]["greedy_precision"] == str(generator.dtype).removeprefix("torch.")
     ids = torch.tensor(json.loads((built / VOCAB_NAME).read_text()))
     chunks = [torch.load(p) for p in sorted((built / WORK_DIR).glob("greedy-*.pt"))]
     assert [c["rows"].shape[0] for c in chunks] == [8, 4]
+    prompt = chunks[0]["rows"].shape[1] - SPEC.greedy_tokens
+    for chunk in chunks:
+        rows = chunk["rows"].long()
+        again = generator.generate(
+            rows[:, :prompt],
+            attention_mask=torch.ones_like(rows[:, :prompt]),
+            max_new_tokens=SPEC.greedy_tokens,
+            min_new_tokens=SPEC.greedy_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert torch.equal(again, rows)
     rows = torch.cat([c["rows"] for c in chunks]).long()
     values = torch.cat([c["values"] for c in chunks]).float()
     indices = torch.cat([c["indices"] for c in chunks]).long()
-    prompt = rows.shape[1] - SPEC.greedy_tokens
-    again = target.generate(
-        rows[:, :prompt],
-        attention_mask=torch.ones_like(rows[:, :prompt]),
-        max_new_tokens=SPEC.greedy_tokens,
-        min_new_tokens=SPEC.greedy_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    assert torch.equal(again, rows)
     assert values.shape == indices.shape == (12, SPEC.greedy_tokens, SPEC.top_k)
     assert (values[..., :-1] >= values[..., 1:]).all() and (values <= 0).all()
     generated = rows[:, prompt:]
     kept = torch.isin(generated, ids)
     assert kept.float().mean() > 0.5
     assert torch.equal(ids[indices[..., 0]][kept], generated[kept])
+
+
+def test_greedy_rows_come_from_a_bf16_copy_only_where_asked_or_fast(micro_zoo: ZooPaths) -> None:
+    """Rows come from the target itself for "fp32", from a bf16 copy that leaves the target
+    in fp32 for "bf16", and from bf16 for "auto" exactly where the CPU runs it fast; any
+    other name is refused."""
+    from fedge.lm.evaluate import bf16_is_fast
+    from fedge.models import load_causal_lm
+
+    target = load_causal_lm(micro_zoo.target_dir).eval()
+    assert greedy_generator(target, "fp32") is target
+    copy = greedy_generator(target, "bf16")
+    assert copy is not target and copy.dtype == torch.bfloat16 and target.dtype == torch.float32
+    weight = target.model.embed_tokens.weight
+    assert torch.equal(copy.model.embed_tokens.weight, weight.to(torch.bfloat16))
+    fast = bf16_is_fast(torch.device("cpu"))
+    assert greedy_generator(target, "auto").dtype == (torch.bfloat16 if fast else torch.float32)
+    with pytest.raises(ValueError, match=r"greedy_precision must be one of .*'fp16'"):
+        DraftSpec(greedy_precision="fp16")
 
 
 def test_greedy_rows_grown_a_chunk_at_a_time_are_the_rows_read_at_once(built: Path) -> None:
@@ -164,6 +189,24 @@ def test_greedy_rows_grown_a_chunk_at_a_time_are_the_rows_read_at_once(built: Pa
     assert grown.rows.shape[0] == SPEC.greedy_rows
     for name in ("rows", "values", "indices"):
         assert torch.equal(getattr(grown, name), getattr(whole, name))
+
+
+def test_the_cli_refuses_an_unknown_greedy_precision_before_building(
+    micro_zoo: ZooPaths, tmp_path: Path
+) -> None:
+    """A typo in --greedy-precision is a clear error naming the choices, not a traceback, and
+    no build folder is started."""
+    from typer.testing import CliRunner
+
+    from fedge.cli.main import app
+
+    out = tmp_path / "draft"
+    args = ["models", "draft", "--target", str(micro_zoo.target_dir), "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--greedy-precision", "fp16"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "greedy_precision must be one of" in said and "'fp32'" in said
+    assert not out.exists()
 
 
 @pytest.fixture(scope="module")
