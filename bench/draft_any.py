@@ -7,7 +7,10 @@ agreement-vs-build-time curve the issue asks for. Nothing here is tuned to a fig
 
 Usage: ``python bench/draft_any.py [--target DIR] [--minutes M] [--layers K] [--vocab N]
 [--resume]``; the last line printed is one JSON object, also written to
-``bench/results/draft_any.json``.
+``bench/results/draft_any.json``. ``--check DRAFT`` builds nothing: it measures a built draft's
+greedy agreement with the target on the larger held-out check (``--check-prompts``, default
+64, prompts x 48 tokens, spaced evenly through the held-out split; the target's fp32 paths
+cached under $FEDGE_HOME/bench) and prints it as JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +27,55 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RESULTS_FILE = Path(__file__).resolve().parent / "results" / "draft_any.json"
+CHECK_PROMPTS, CHECK_PROMPT_TOKENS, CHECK_NEW_TOKENS = 64, 32, 48  # --check defaults
+
+
+def heldout_check(
+    target_dir: Path, draft_dir: Path, count: int = CHECK_PROMPTS
+) -> dict[str, object]:
+    """The draft's teacher-forced greedy agreement with the target on `count` held-out prompts x
+    48 target tokens, and how much of that path the draft's restricted vocabulary covers."""
+    import numpy as np
+    import torch
+
+    from fedge.lm.bos import bos_token_id
+    from fedge.models import load_causal_lm, load_tokenizer
+    from fedge.paths import fedge_home
+    from fedge.zoo.draft import (
+        VOCAB_NAME,
+        DraftSpec,
+        path_agreement,
+        spaced_prompts,
+        target_paths,
+        token_streams,
+    )
+
+    tokenizer = load_tokenizer(target_dir)
+    bos = bos_token_id(tokenizer)
+    name = f"{target_dir.name}-paths-{count}x{CHECK_NEW_TOKENS}.npy"
+    cache = fedge_home() / "bench" / name
+    if not cache.is_file():
+        _, heldout = token_streams(tokenizer, DraftSpec().max_chars_per_label)
+        prompts = spaced_prompts(heldout, count, CHECK_PROMPT_TOKENS, bos)
+        with torch.no_grad():
+            paths = target_paths(load_causal_lm(target_dir).eval(), prompts, CHECK_NEW_TOKENS)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.save(cache, paths.numpy())
+    paths = torch.from_numpy(np.load(cache).astype(np.int64))
+    prompt_len = paths.shape[1] - CHECK_NEW_TOKENS
+    draft = load_causal_lm(draft_dir).eval()
+    ids = torch.tensor(json.loads((draft_dir / VOCAB_NAME).read_text()))
+    return {
+        "draft": str(draft_dir),
+        "prompts": count,
+        "new_tokens": CHECK_NEW_TOKENS,
+        "positions": count * CHECK_NEW_TOKENS,
+        "greedy_agreement": round(path_agreement(draft, paths, prompt_len), 4),
+        "restricted_vocab_coverage_of_target_path": round(
+            float(torch.isin(paths[:, prompt_len:], ids).float().mean()), 4
+        ),
+        "load": round(os.getloadavg()[0], 2),
+    }
 
 
 def main() -> None:
@@ -45,9 +97,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--check", type=Path, default=None, help="a built draft: measure only")
+    parser.add_argument("--check-prompts", type=int, default=CHECK_PROMPTS)
     args = parser.parse_args()
     if not (args.target / "config.json").is_file():
         sys.exit(f"no model at {args.target}: run `fedge models fetch smollm2-135m` first")
+    if args.check is not None:
+        print(json.dumps(heldout_check(args.target, args.check, args.check_prompts)))
+        return
     out = args.out or args.target.with_name(args.target.name + "-draft")
     spec = DraftSpec(
         layers=args.layers,

@@ -97,14 +97,14 @@ def pick_models(args: Any) -> tuple[str, Path, Path, bool]:
 
 
 def plain_ort_baseline(
-    model: Any, prompts: list[list[int]], new_tokens: int
+    model: Any, prompts: list[list[int]], new_tokens: int, threads: int = 1
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Plain ONNX Runtime greedy decoding of the target on the verifier's graph (1 thread, as
-    the verifier runs), in process: its figures and each prompt's tokens (the reference every
-    route's output is checked against)."""
+    """Plain ONNX Runtime greedy decoding of the target on the verifier's graph (`threads`
+    intra-op threads, as the verifier runs), in process: its figures and each prompt's tokens
+    (the reference every route's output is checked against)."""
     from bench._common import plain_ort_same_graph
 
-    runs = plain_ort_same_graph(model, prompts, new_tokens, 1)
+    runs = plain_ort_same_graph(model, prompts, new_tokens, threads)
     seconds = sum(prefill + per * (len(tokens) - 1) for tokens, prefill, per in runs)
     figures = {
         "tokens_per_s": sum(len(tokens) for tokens, _, _ in runs) / seconds,  # prefill included
@@ -859,10 +859,22 @@ def main() -> None:
         help="greedy drafting stops below this draft confidence (default: DecodeConfig's)",
     )
     parser.add_argument(
+        "--verifier-threads",
+        type=int,
+        default=1,
+        help="a pretrained target's intra-op threads, in the verifier and its plain ORT baseline "
+        "alike (default 1)",
+    )
+    parser.add_argument(
         "--results", default="", help="file name under bench/results (default edge.json)"
     )
     args = parser.parse_args()
     name, target_dir, draft_dir, pretrained = pick_models(args)
+    if args.verifier_threads < 1 or (args.verifier_threads > 1 and not pretrained):
+        parser.error(
+            "--verifier-threads must be >= 1, and above 1 only with a pretrained target (a zoo's "
+            "plain HF baseline runs 1 thread)"
+        )
     # a pretrained target (SmolLM2-135M: ~30 ms a token) is sized down: the RTTs of issue 34,
     # capacity at 20 ms only, no torch pass-cost regime (a zoo's) and no fault injection
     defaults = (
@@ -938,9 +950,15 @@ def main() -> None:
         from fedge.models import load_causal_lm
 
         target = load_causal_lm(target_dir).eval()
-        result["plain_ort_greedy"], reference = plain_ort_baseline(target, prompts, args.new_tokens)
+        threads = args.verifier_threads
+        result["verifier_threads"] = threads
+        result["plain_ort_greedy"], reference = plain_ort_baseline(
+            target, prompts, args.new_tokens, threads
+        )
         args.baselines = {"plain_ort_greedy": result["plain_ort_greedy"]["tokens_per_s"]}
-        args.measure_baseline = lambda: plain_ort_baseline(target, prompts, args.new_tokens)[0]
+        args.measure_baseline = lambda: plain_ort_baseline(
+            target, prompts, args.new_tokens, threads
+        )[0]
         verifier_runtime = "onnx"
     else:  # a zoo's verifier on torch, against plain HF greedy
         args.plain_tokens_per_s = plain_greedy(target_dir, prompts, args.new_tokens)
@@ -948,7 +966,9 @@ def main() -> None:
         args.baselines = {"plain_hf_greedy": args.plain_tokens_per_s}
         verifier_runtime = "torch"
     result["verifier_runtime"] = args.verifier_runtime = verifier_runtime
-    server = VerifierProcess(target_dir, runtime=verifier_runtime)
+    server = VerifierProcess(
+        target_dir, runtime=verifier_runtime, torch_threads=args.verifier_threads
+    )
     try:
         router = None
         if "routes" not in skip:
