@@ -35,14 +35,22 @@ MAX_SESSIONS_PER_OWNER = 1024  # default cap of one owner's session keys
 # Remember a session's home under its owner's cap. KEYS[1]: the session's key, KEYS[2]: the
 # owner's sorted set. ARGV: session id, "app\nreplica", ttl ms, cap, session key prefix.
 # Drops the owner's sessions that expired, then the least recently called beyond the cap.
+# Each call scores above every score the set holds (the clock in ms, to the microsecond, or
+# just above the newest; written with 17 digits, as Lua's own 14 would round it), so the set's
+# order is the order of calls: calls in the same millisecond once tied, and the sorted set broke
+# the tie by session id, evicting recent sessions before older ones.
 REMEMBER_SCRIPT = """
 redis.replicate_commands()
 local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+local newest = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+if newest[2] and tonumber(newest[2]) >= now then
+  now = tonumber(newest[2]) + 0.001
+end
 local ttl, cap = tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
+redis.call('ZADD', KEYS[2], string.format('%.17g', now), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.17g', now - ttl))
 local excess = redis.call('ZCARD', KEYS[2]) - cap
 if excess > 0 then
   local oldest = redis.call('ZRANGE', KEYS[2], 0, excess - 1)

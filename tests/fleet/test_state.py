@@ -630,6 +630,42 @@ def test_a_devices_session_keys_die_with_its_sessions_and_stay_under_its_cap(
     asyncio.run(scenario())
 
 
+def test_the_cap_evicts_by_call_order_even_within_one_millisecond(
+    fresh_redis: RedisServer,
+) -> None:
+    """An owner's 8-session cap keeps exactly the 8 sessions called last, whatever their ids,
+    when dozens of calls land within the same milliseconds: ids counting down (each newer id
+    sorts first) and random ids, 5 rounds.
+
+    Before, scores were whole milliseconds and the sorted set broke ties by id: calls in the
+    same millisecond were ranked by name, so a device's newest sessions were evicted before
+    older ones (the fleet test above failed on a fast machine: s11, called last, evicted)."""
+    import random
+
+    cap, calls = 8, 40
+    store = RedisState.connect(
+        fresh_redis.url, fresh_redis.password_file, session_ttl_s=60.0, max_sessions_per_owner=cap
+    )
+    rng = random.Random(7)
+
+    async def kept(owner: str, ids: list[str]) -> list[str]:
+        homes = await store.client.mget([store._session_key(owner, i) for i in ids])
+        return [i for i, home in zip(ids, homes, strict=True) if home is not None]
+
+    async def scenario() -> None:
+        for round_ in range(5):
+            owner = f"device-{round_}"
+            countdown = [f"s{n:03d}" for n in range(calls, 0, -1)]
+            random_ids = [f"{rng.getrandbits(64):016x}" for _ in range(calls)]
+            for ids in (countdown, random_ids):
+                for session in ids:
+                    await store.remember(owner, session, "fedge-v1", "r0")
+                assert await kept(owner, ids) == ids[-cap:], (round_, ids[-cap:])
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_believes_only_the_identity_the_ingress_signed(
     micro_zoo: ZooPaths, tmp_path: Path
 ) -> None:
