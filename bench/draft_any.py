@@ -35,33 +35,24 @@ def heldout_check(
 ) -> dict[str, object]:
     """The draft's teacher-forced greedy agreement with the target on `count` held-out prompts x
     48 target tokens, and how much of that path the draft's restricted vocabulary covers."""
-    import numpy as np
     import torch
 
     from fedge.lm.bos import bos_token_id
     from fedge.models import load_causal_lm, load_tokenizer
     from fedge.paths import fedge_home
-    from fedge.zoo.draft import (
-        VOCAB_NAME,
-        DraftSpec,
-        path_agreement,
-        spaced_prompts,
-        target_paths,
-        token_streams,
-    )
+    from fedge.zoo.draft import VOCAB_NAME, DraftSpec, cached_paths, path_agreement, token_streams
 
     tokenizer = load_tokenizer(target_dir)
-    bos = bos_token_id(tokenizer)
-    name = f"{target_dir.name}-paths-{count}x{CHECK_NEW_TOKENS}.npy"
-    cache = fedge_home() / "bench" / name
-    if not cache.is_file():
-        _, heldout = token_streams(tokenizer, DraftSpec().max_chars_per_label)
-        prompts = spaced_prompts(heldout, count, CHECK_PROMPT_TOKENS, bos)
-        with torch.no_grad():
-            paths = target_paths(load_causal_lm(target_dir).eval(), prompts, CHECK_NEW_TOKENS)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        np.save(cache, paths.numpy())
-    paths = torch.from_numpy(np.load(cache).astype(np.int64))
+    _, heldout = token_streams(tokenizer, DraftSpec().max_chars_per_label)
+    paths = cached_paths(
+        fedge_home() / "bench" / f"{target_dir.name}-paths-{count}x{CHECK_NEW_TOKENS}.npy",
+        load_causal_lm(target_dir).eval(),
+        heldout,
+        count,
+        CHECK_PROMPT_TOKENS,
+        CHECK_NEW_TOKENS,
+        bos_token_id(tokenizer),
+    )
     prompt_len = paths.shape[1] - CHECK_NEW_TOKENS
     draft = load_causal_lm(draft_dir).eval()
     ids = torch.tensor(json.loads((draft_dir / VOCAB_NAME).read_text()))

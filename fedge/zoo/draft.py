@@ -309,8 +309,11 @@ def build_draft(
     optimizer = _make_optimizer(student, budget)
     loss_fn = distillation_loss(teacher, spec.temperature)
 
-    paths = _cached_paths(work, target, heldout, spec, bos)
-    generator = greedy_generator(target, spec.greedy_precision)
+    paths = cached_paths(
+        work / "paths.npy", target, heldout, spec.prompts, spec.prompt_tokens, spec.new_tokens, bos
+    )
+    generator: nn.Module | None = None  # made when the first chunk is generated (a resumed
+    # build whose chunks are all cached never copies the target)
     deadline = time.perf_counter() + minutes * 60
     greedy, have = None, 0
     step, seconds, curve = 0, 0.0, []
@@ -335,6 +338,8 @@ def build_draft(
             group["lr"] = lr_at(step, budget, (time.perf_counter() - began) / horizon)
         want = _greedy_chunks_at(step, spec)
         if want > have:  # the next chunk(s) of greedy rows: generated once, then cached
+            if generator is None:
+                generator = greedy_generator(target, spec.greedy_precision)
             greedy, have = _greedy_data(work, generator, train, ids, spec, bos, want, greedy), want
         rng = np.random.default_rng([spec.seed, step])
         n_greedy = round(spec.batch_size * spec.greedy_share) if greedy is not None else 0
@@ -407,7 +412,9 @@ def build_draft(
             "train_tokens": len(train),
             "heldout_tokens": len(heldout),
             "greedy_rows": 0 if greedy is None else int(greedy.rows.shape[0]),
-            "greedy_precision": str(next(generator.parameters()).dtype).removeprefix("torch."),
+            "greedy_precision": str(greedy_dtype(target, spec.greedy_precision)).removeprefix(
+                "torch."
+            ),
             "greedy_tokens": 0
             if greedy is None
             else int(greedy.values.shape[0] * spec.greedy_tokens),
@@ -465,15 +472,21 @@ def _cached_streams(work: Path, tokenizer: Any, max_chars: int) -> tuple[np.ndar
     return np.load(train_path), np.load(heldout_path)
 
 
-def _cached_paths(
-    work: Path, target: nn.Module, heldout: np.ndarray, spec: DraftSpec, bos: int | None
+def cached_paths(
+    path: Path,
+    target: nn.Module,
+    stream: np.ndarray,
+    count: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    bos: int | None,
 ) -> torch.Tensor:
-    """The target's greedy paths on held-out prompts (BOS first where the tokenizer adds it)."""
-    path = work / "paths.npy"
+    """The target's greedy paths after `count` prompts spaced through `stream` (BOS first where
+    the tokenizer adds it), generated once and kept at `path`."""
     if not path.is_file():
-        prompts = spaced_prompts(heldout, spec.prompts, spec.prompt_tokens, bos)
-        rows = target_paths(target, prompts, spec.new_tokens)
-        np.save(path, rows.numpy())
+        prompts = spaced_prompts(stream, count, prompt_tokens, bos)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, target_paths(target, prompts, new_tokens).numpy())
     return torch.from_numpy(np.load(path).astype(np.int64))
 
 
@@ -517,14 +530,23 @@ class GreedyData:
         return -(self.values[at].float().exp() * chosen).sum(-1).mean()
 
 
-def greedy_generator(target: nn.Module, precision: str) -> nn.Module:
-    """The model that generates the greedy rows: a bf16 copy of `target` for "bf16" (or "auto"
-    on a CPU or GPU that runs bf16 fast), else `target` itself. Generation is a third of a
-    build's time, and bf16 weights run it 1.5x faster than fp32 on SmolLM2 (2 cores)."""
+def greedy_dtype(target: nn.Module, precision: str) -> torch.dtype:
+    """The dtype the greedy rows are generated in: bf16 for "bf16" (or "auto" on a CPU or GPU
+    that runs bf16 fast), else the target's own."""
     device = next(target.parameters()).device
     if precision == "bf16" or (precision == "auto" and bf16_is_fast(device)):
-        return copy.deepcopy(target).to(torch.bfloat16).eval()
-    return target
+        return torch.bfloat16
+    return next(target.parameters()).dtype
+
+
+def greedy_generator(target: nn.Module, precision: str) -> nn.Module:
+    """The model that generates the greedy rows: a bf16 copy of `target` where `greedy_dtype`
+    says bf16, else `target` itself. Generation is a third of a build's time, and bf16 weights
+    run it 1.5x faster than fp32 on SmolLM2 (2 cores)."""
+    dtype = greedy_dtype(target, precision)
+    if dtype == next(target.parameters()).dtype:
+        return target
+    return copy.deepcopy(target).to(dtype).eval()
 
 
 def _greedy_chunks_at(step: int, spec: DraftSpec) -> int:
